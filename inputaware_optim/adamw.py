@@ -1,0 +1,31 @@
+"""InputAwareAdamW: ``torch.optim.AdamW`` that sees the inputs that produced each gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import InputAwareOptimizer
+
+__all__ = ["InputAwareAdamW"]
+
+
+class InputAwareAdamW(InputAwareOptimizer, torch.optim.AdamW):
+    r"""A drop-in ``torch.optim.AdamW`` that captures each module's forward inputs.
+
+    ``InputAwareAdamW(model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+    weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None, capturable=False,
+    differentiable=False, fused=None, storage="reference", capture_grad_outputs=None)``
+
+    Every hyperparameter is ``torch.optim.AdamW``'s, with its name, default and validation,
+    and the update is torch's own kernel: with no rule, every step is bitwise identical to
+    ``torch.optim.AdamW`` with the same flags. Override ``step(closure=None, inputs=None)``
+    to write a rule that reads ``inputs.get(p)``.
+
+    Args:
+        model: The model (``torch.compile``\ d and ``DistributedDataParallel`` wrappers too).
+        params: Parameters or param groups of ``model``; default: those requiring grad.
+        storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
+        capture_grad_outputs: Also capture each call's output gradients (default: the rule's choice).
+    """
+
+    _stock = torch.optim.AdamW

@@ -1,0 +1,326 @@
+"""InputAwareOptimizer: joins a Capture on the model to a stock torch.optim optimizer.
+
+The step machinery, in one place:
+
+* ``torch.optim.Optimizer`` wraps ``step`` once per class so step hooks run around it.
+  A subclass whose ``step`` calls ``super().step()`` would then run the hooks twice (and
+  re-send an injected ``inputs=`` to a parent that rejects it). Here every ``step`` in
+  the input-aware part of the class hierarchy is wrapped by ``_wrap_step`` instead: the
+  outermost call runs the hooks once, hands the override its ``Inputs`` and releases the
+  captures at the end; nested ``super().step(...)`` calls pass straight through, and the
+  stock update is reached unwrapped. So hooks run exactly once, whatever else exists.
+* With ``torch.amp.GradScaler``, the optimizer declares ``_step_supports_amp_scaling`` so
+  the scaler always calls ``step``; unscaling (with the scaler's own kernel) and skipping on
+  inf/NaN happen here, before the rule runs, so a rule sees unscaled gradients and a
+  skipped step's captures are dropped rather than delivered to the next step.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from itertools import chain
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from .capture import Capture, Storage, unwrap_model
+from .inputs import Inputs
+
+__all__ = ["InputAwareOptimizer"]
+
+_EXPIRED = (
+    "these Inputs were handed to a step() that has returned; the captured tensors are released "
+    "at the end of each step. Read what the rule needs inside step() (copy it to keep it)"
+)
+
+
+def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
+    """A stock ``step`` without the hook-running wrapper ``torch.optim`` may have put on it."""
+    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
+        step = step.__wrapped__
+    return step
+
+
+def _check_step_signature(owner: str, step: Callable[..., Any]) -> None:
+    parameters = inspect.signature(step).parameters.values()
+    if not any(p.name == "inputs" or p.kind is p.VAR_KEYWORD for p in parameters):
+        raise TypeError(
+            f"{owner}.step must accept the captured inputs: define it as "
+            "`def step(self, closure=None, inputs=None)` and pass inputs=inputs to super().step()"
+        )
+
+
+def _wrap_step(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
+    _check_step_signature(owner, step)
+
+    @functools.wraps(step)
+    def step_with_inputs(self: InputAwareOptimizer, *args: Any, **kwargs: Any) -> Any:
+        if self._step_depth:  # super().step(...) from an override: no hooks, same inputs
+            if len(args) < 2 and kwargs.get("inputs") is None:
+                kwargs["inputs"] = self._step_inputs
+            return step(self, *args, **kwargs)
+        return self._run_step(step, args, kwargs)
+
+    step_with_inputs.hooked = True  # type: ignore[attr-defined]  # torch.optim must not wrap it again
+    step_with_inputs._inputaware = True  # type: ignore[attr-defined]
+    return step_with_inputs
+
+
+def _split_step_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    kwargs = dict(kwargs)
+    if len(args) > 2:
+        raise TypeError(f"step() takes at most 2 positional arguments (closure, inputs), got {len(args)}")
+    closure = args[0] if args else kwargs.pop("closure", None)
+    inputs = args[1] if len(args) > 1 else kwargs.pop("inputs", None)
+    if closure is not None and not callable(closure):
+        raise TypeError(f"step(closure) expects a callable that returns the loss, got {type(closure).__name__}")
+    return closure, inputs, kwargs
+
+
+class InputAwareOptimizer(Optimizer):
+    """Base of the optimizers that see the inputs each module received in the forward pass.
+
+    A subclass pairs this class with a stock optimizer (``_stock``), e.g.
+    ``class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD)``. A rule overrides
+    ``step(self, closure=None, inputs=None)`` and reads ``inputs.get(p)``.
+
+    Class attributes a rule may set:
+        captured_module_types: Capture only modules of these types (default: every module
+            that directly owns a parameter of the optimizer).
+        capture_grad_outputs: Also capture the gradient reaching each call's outputs.
+    """
+
+    _stock: ClassVar[type[Optimizer]]
+    captured_module_types: ClassVar[tuple[type[nn.Module], ...] | None] = None
+    capture_grad_outputs: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Any = None,
+        *args: Any,
+        storage: Storage = "reference",
+        capture_grad_outputs: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        name = type(self).__name__
+        if not isinstance(model, nn.Module):
+            hint = ""
+            if isinstance(model, Iterable) and not isinstance(model, (str, bytes)):
+                hint = (
+                    f"; unlike torch.optim, {name} takes the model itself, then the parameters: "
+                    f"{name}(model, lr=...) or {name}(model, params=param_groups, lr=...)"
+                )
+            raise TypeError(f"{name} expects an nn.Module as its first argument, got {type(model).__name__}{hint}")
+        if storage not in ("reference", "clone", "cpu"):
+            raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
+        self._capture: Capture | None = None
+        self._step_depth = 0
+        self._step_inputs: Inputs | None = None
+        self._model = model
+        root = unwrap_model(model)
+        self._model_params: dict[Tensor, None] = dict.fromkeys(root.parameters())
+        if params is None:
+            params = [p for p in self._model_params if p.requires_grad]
+            if not params:
+                raise ValueError(f"{name}: the model has no parameter that requires grad, so there is nothing to train")
+        super().__init__(params, *args, **kwargs)
+        wanted_grad_outputs = type(self).capture_grad_outputs if capture_grad_outputs is None else capture_grad_outputs
+        self._capture = Capture(
+            model, self._modules_to_capture(self._params()), storage=storage, grad_outputs=wanted_grad_outputs
+        )
+        # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
+        self._step_supports_amp_scaling = True
+
+    # -- parameters and modules -----------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does.
+
+        Raises:
+            ValueError: If a parameter does not belong to the model.
+        """
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        params = param_group.get("params")
+        if isinstance(params, Tensor):
+            params = [params]
+        elif params is not None and not isinstance(params, set):  # torch explains why sets are refused
+            params = list(params)
+        for index, param in enumerate(params or ()):
+            if isinstance(param, Tensor) and param not in self._model_params:
+                raise ValueError(
+                    f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) "
+                    f"is not a parameter of the model given to {type(self).__name__}. Every parameter must "
+                    "belong to the model so that the inputs of its module can be captured; give other "
+                    "tensors to a separate optimizer"
+                )
+        super().add_param_group({**param_group, "params": params})
+        if self._capture is not None:
+            self._capture.add_modules(self._modules_to_capture(params or ()))
+
+    def _params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _modules_to_capture(self, params: Iterable[Tensor]) -> list[nn.Module]:
+        wanted = {id(p) for p in params}
+        types = self.captured_module_types
+        return [
+            module
+            for module in unwrap_model(self._model).modules()
+            if (types is None or isinstance(module, types))
+            and any(id(p) in wanted for p in module._parameters.values() if p is not None)
+        ]
+
+    @property
+    def capture(self) -> Capture:
+        """The ``Capture`` that records the model's forward calls for this optimizer."""
+        if self._capture is None:
+            raise RuntimeError(
+                f"this {type(self).__name__} was copied or unpickled without its model and captures "
+                "nothing; construct it anew with the model"
+            )
+        return self._capture
+
+    @property
+    def model(self) -> nn.Module:
+        """The model given at construction."""
+        return self._model
+
+    # -- the step ---------------------------------------------------------------------------
+    def _patch_step_function(self) -> None:
+        # Replaces torch.optim's per-class wrapping (see the module docstring).
+        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
+        for cls in type(self).__mro__:
+            if not issubclass(cls, InputAwareOptimizer):
+                continue
+            step = cls.__dict__.get("step")
+            if step is not None and not getattr(step, "_inputaware", False):
+                cls.step = _wrap_step(cls.__qualname__, step)  # type: ignore[method-assign]
+            if cls is InputAwareOptimizer:
+                break
+
+    def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._amp_skips_step():
+            return None
+        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
+            hook_args: tuple[Any, ...] = (self, *args)
+            for pre_hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
+                result = pre_hook(self, hook_args, kwargs)
+                if result is not None:
+                    if not (isinstance(result, tuple) and len(result) == 2):
+                        raise RuntimeError(
+                            f"{step} must return None or a tuple of (new_args, new_kwargs), but got {result}."
+                        )
+                    hook_args, kwargs = result
+            closure, inputs, rest = _split_step_arguments(hook_args[1:], kwargs)
+            view = self._resolve_inputs(inputs)
+            self._step_depth += 1
+            self._step_inputs = view
+            try:
+                out = step(self, closure, inputs=view, **rest)
+                self._optimizer_step_code()
+                for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
+                    post_hook(self, hook_args, kwargs)
+            finally:
+                self._step_depth -= 1
+                self._step_inputs = None
+                if inputs is None:
+                    view._expire(_EXPIRED)
+                self._release_captures()
+            return out
+
+    def _resolve_inputs(self, inputs: Any) -> Inputs:
+        if inputs is None:
+            if self._capture is None:
+                return Inputs([])
+            return self._capture._live_inputs()
+        if isinstance(inputs, Inputs):
+            if inputs._expired:
+                raise RuntimeError(inputs._expired)
+            return inputs
+        if isinstance(inputs, Mapping):
+            capture = self._capture
+            owners = capture._owners if capture is not None else None
+            names = capture._watched if capture is not None else None
+            return Inputs.from_mapping(inputs, owners, names)
+        raise TypeError(
+            "step(inputs=...) expects an inputaware_optim.Inputs (for example Capture.inputs()) or a "
+            f"mapping from modules or parameters to Captured calls, got {type(inputs).__name__}"
+        )
+
+    def _release_captures(self) -> None:
+        if self._capture is not None:
+            self._capture.clear()
+
+    @functools.partial(_wrap_step, "InputAwareOptimizer")
+    def step(self, closure: Callable[[], Any] | None = None, inputs: Inputs | None = None) -> Any:  # type: ignore[override]
+        """Perform one optimization step.
+
+        Override this to write an input-aware rule: ``inputs.get(p)`` gives the calls of
+        the module(s) that own parameter ``p`` captured since the last ``step()`` or
+        ``zero_grad()`` (including the closure's forward, once the closure has run). End
+        with ``super().step(inputs=inputs)`` to apply the stock update.
+
+        Args:
+            closure: A closure that reevaluates the model and returns the loss.
+            inputs: The inputs to hand to the rule; by default, those captured for this step.
+        """
+        return _unhooked(self._stock.step)(self, closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as the stock optimizer does, and drop the captured calls."""
+        super().zero_grad(set_to_none)
+        self._release_captures()
+
+    # -- AMP ------------------------------------------------------------------------------
+    def _has_rule(self) -> bool:
+        return type(self).step is not InputAwareOptimizer.step
+
+    def _amp_skips_step(self) -> bool:
+        """Unscale for a GradScaler-driven step; True if the step must be skipped (inf/NaN)."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is None:
+            return False
+        if not self._has_rule() and any(group.get("fused") for group in self.param_groups):
+            return False  # the stock fused kernel unscales and skips by itself
+        if found_inf.item():
+            self._release_captures()  # GradScaler skips the step: so do the captures
+            return True
+        grad_scale = getattr(self, "grad_scale", None)
+        if grad_scale is not None:
+            self._unscale_grads(grad_scale)
+        # Keep the attributes (GradScaler deletes them) but hide them from the stock kernels.
+        self.grad_scale = None
+        self.found_inf = None
+        return False
+
+    @torch.no_grad()
+    def _unscale_grads(self, grad_scale: Tensor) -> None:
+        # The same kernel and grouping as GradScaler.unscale_, so unscaled gradients are
+        # bitwise what the stock path produces.
+        inv_scale = grad_scale.double().reciprocal().float()
+        grouped: defaultdict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+        for param in self._params():
+            if param.grad is None:
+                continue
+            if param.grad.dtype == torch.float16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            grad = param.grad._values() if param.grad.is_sparse else param.grad
+            grouped[(grad.device, grad.dtype)].append(grad)
+        for (device, _), grads in grouped.items():
+            found_inf = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.to(device))
+
+    # -- pickling ---------------------------------------------------------------------------
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.setdefault("_capture", None)
+        self.__dict__.setdefault("_step_depth", 0)
+        self.__dict__.setdefault("_step_inputs", None)
+        self.__dict__.setdefault("_model_params", {})
+        super().__setstate__(state)

@@ -1,0 +1,331 @@
+"""What a rule reads: the captured forward calls, by module or by parameter.
+
+``Inputs`` maps each captured module (and, for lookups, each parameter that such a
+module owns) to a ``Captured`` entry: the list of that module's forward ``Call``s in
+capture order, with conveniences for the usual shapes of statistics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Call", "Captured", "Inputs", "UncapturedInputsWarning"]
+
+
+class UncapturedInputsWarning(UserWarning):
+    """A rule asked for the inputs of a parameter that has a gradient but no captured call."""
+
+
+class Call:
+    """One forward call of a module, as captured.
+
+    Attributes:
+        module: The module that was called.
+        args: Every positional argument of the call (tensors detached).
+        kwargs: Every keyword argument of the call (tensors detached).
+    """
+
+    __slots__ = ("_grad_slot", "args", "kwargs", "module")
+
+    def __init__(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        grad_slot: list[Any] | None = None,
+    ) -> None:
+        self.module = module
+        self.args = args
+        self.kwargs = kwargs
+        self._grad_slot = grad_slot
+
+    @property
+    def input(self) -> Any:
+        """The first positional argument (what an ``nn.Linear`` calls its input)."""
+        if not self.args:
+            raise IndexError(f"this call of {type(self.module).__name__} had no positional argument")
+        return self.args[0]
+
+    @property
+    def grad_outputs(self) -> tuple[Tensor | None, ...] | None:
+        """The gradients that reached this call's output tensors in backward.
+
+        One entry per output tensor (in the order of ``torch.utils._pytree`` leaves), ``None``
+        where no gradient arrived. ``None`` as a whole when output-gradient capture is off.
+        """
+        if self._grad_slot is None:
+            return None
+        return tuple(self._grad_slot)
+
+    @property
+    def grad_output(self) -> Tensor | None:
+        """The gradient of the first output tensor (``None`` if none arrived or capture is off)."""
+        grads = self.grad_outputs
+        return grads[0] if grads else None
+
+    def __repr__(self) -> str:
+        def describe(x: Any) -> str:
+            if isinstance(x, Tensor):
+                return f"Tensor{tuple(x.shape)}"
+            return type(x).__name__
+
+        args = ", ".join(describe(a) for a in self.args)
+        kwargs = "".join(f", {k}={describe(v)}" for k, v in self.kwargs.items())
+        return f"Call({type(self.module).__name__}({args}{kwargs}))"
+
+
+class Captured:
+    """The captured calls of one module, or of the modules that share one parameter.
+
+    Attributes:
+        calls: The calls, in capture order.
+    """
+
+    __slots__ = ("calls",)
+
+    def __init__(self, calls: Sequence[Call]) -> None:
+        self.calls: list[Call] = list(calls)
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The distinct modules these calls were made on, in order of first call."""
+        return tuple({id(c.module): c.module for c in self.calls}.values())
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self) -> Iterator[Call]:
+        return iter(self.calls)
+
+    def __getitem__(self, index: int) -> Call:
+        return self.calls[index]
+
+    def inputs(self, position: int = 0) -> list[Tensor]:
+        """The positional argument at ``position`` of every call, in capture order."""
+        return [_positional(c, position) for c in self.calls]
+
+    def cat(self, position: int = 0, dim: int = 0) -> Tensor:
+        """The positional argument at ``position`` of every call, concatenated along ``dim``.
+
+        With ``dim=0`` (the default) this is the batch of every micro-batch and every
+        repeated call stacked as if the module had been called once.
+        """
+        return torch.cat(self.inputs(position), dim=dim)
+
+    def rows(self, position: int = 0) -> Tensor:
+        """Every call's argument at ``position`` as rows of features, concatenated.
+
+        Each tensor is reshaped to ``(-1, last_dim)``, flattening every leading dimension
+        (batch, sequence, ...) the way ``nn.Linear`` treats them, so the result has one row
+        per sample and position.
+        """
+        return torch.cat([x.reshape(-1, x.shape[-1]) for x in self.inputs(position)])
+
+    def grad_outputs(self, position: int = 0) -> list[Tensor]:
+        """The gradient that reached output ``position`` of every call, in capture order.
+
+        Raises:
+            RuntimeError: If output gradients were not captured, or a call's output got none.
+        """
+        grads: list[Tensor] = []
+        for call in self.calls:
+            got = call.grad_outputs
+            if got is None:
+                raise RuntimeError(
+                    "output gradients were not captured; construct the optimizer (or Capture) "
+                    "with capture_grad_outputs=True, or set capture_grad_outputs = True on the rule"
+                )
+            grad = got[position] if position < len(got) else None
+            if grad is None:
+                raise RuntimeError(
+                    f"no gradient reached output {position} of {call!r}: run backward() through "
+                    "this call's output before step(), or skip calls whose output is unused"
+                )
+            grads.append(grad)
+        return grads
+
+    def grad_output_rows(self, position: int = 0) -> Tensor:
+        """Every call's output gradient at ``position``, reshaped to ``(-1, last_dim)`` and concatenated."""
+        return torch.cat([g.reshape(-1, g.shape[-1]) for g in self.grad_outputs(position)])
+
+    def __repr__(self) -> str:
+        return f"Captured({len(self.calls)} calls of {', '.join(type(m).__name__ for m in self.modules)})"
+
+
+def _positional(call: Call, position: int) -> Any:
+    if position >= len(call.args):
+        raise IndexError(f"{call!r} has {len(call.args)} positional argument(s); position {position} does not exist")
+    return call.args[position]
+
+
+class Inputs(Mapping[nn.Module, Captured]):
+    """The forward calls captured for one step, looked up by module or by parameter.
+
+    ``inputs[m]`` / ``inputs.get(m)`` give the ``Captured`` calls of module ``m``;
+    ``inputs[p]`` / ``inputs.get(p)`` give the calls of the module(s) that directly own
+    parameter ``p`` (several for tied weights, merged in capture order). ``get`` returns
+    ``None`` where nothing was captured; ``[]`` raises a ``KeyError`` that says why.
+    Iteration yields the modules that have at least one call, in order of first call.
+    """
+
+    def __init__(
+        self,
+        calls: Callable[[], Sequence[Call]] | Sequence[Call],
+        owners: Mapping[Tensor, tuple[nn.Module, ...]] | None = None,
+        names: Mapping[nn.Module, str] | None = None,
+        direct: Mapping[Tensor, Captured] | None = None,
+        on_missing: Callable[[Tensor], None] | None = None,
+    ) -> None:
+        self._source = calls if callable(calls) else (lambda fixed=list(calls): fixed)
+        self._owners: Mapping[Tensor, tuple[nn.Module, ...]] = owners or {}
+        self._names: Mapping[nn.Module, str] = names or {}
+        self._direct: Mapping[Tensor, Captured] = direct or {}
+        self._seen: Sequence[Call] | None = None
+        self._by_module: dict[nn.Module, list[Call]] = {}
+        self._expired: str | None = None
+        self._on_missing = on_missing
+
+    # -- construction -----------------------------------------------------------------
+    @classmethod
+    def from_mapping(
+        cls,
+        mapping: Mapping[Any, Any],
+        owners: Mapping[Tensor, tuple[nn.Module, ...]] | None = None,
+        names: Mapping[nn.Module, str] | None = None,
+    ) -> Inputs:
+        """Build ``Inputs`` from a mapping of modules or parameters to ``Captured`` (or lists of ``Call``).
+
+        Raises:
+            TypeError: If a key is not a module or tensor, or a value is not calls.
+        """
+        calls: list[Call] = []
+        direct: dict[Tensor, Captured] = {}
+        for key, value in mapping.items():
+            if isinstance(value, Captured):
+                entry = value
+            elif isinstance(value, Iterable) and not isinstance(value, (Tensor, str, bytes)):
+                items = list(value)
+                if not all(isinstance(c, Call) for c in items):
+                    raise TypeError(
+                        "inputs= mapping values must be Captured entries or lists of Call; "
+                        f"the value for {key!r:.60} holds {sorted({type(c).__name__ for c in items})}"
+                    )
+                entry = Captured(items)
+            else:
+                raise TypeError(
+                    "inputs= mapping values must be Captured entries or lists of Call, got "
+                    f"{type(value).__name__} for key {key!r:.60}"
+                )
+            if isinstance(key, nn.Module):
+                if any(c.module is not key for c in entry.calls):
+                    raise TypeError(f"inputs= holds calls of another module under the key {key!r:.60}")
+                calls.extend(entry.calls)
+            elif isinstance(key, Tensor):
+                direct[key] = entry
+            else:
+                raise TypeError(f"inputs= mapping keys must be modules or parameters, got {type(key).__name__}")
+        return cls(calls, owners, names, direct)
+
+    # -- lookups ----------------------------------------------------------------------
+    @property
+    def calls(self) -> list[Call]:
+        """Every captured call, of every module, in capture order."""
+        return list(self._current())
+
+    def __getitem__(self, key: nn.Module | Tensor) -> Captured:  # type: ignore[override]
+        entry = self.get(key)
+        if entry is None:
+            raise KeyError(self._why_missing(key))
+        return entry
+
+    def get(self, key: nn.Module | Tensor, default: Any = None) -> Any:  # type: ignore[override]
+        """The ``Captured`` calls for a module or parameter, or ``default`` if none were captured."""
+        self._current()
+        if isinstance(key, nn.Module):
+            calls = self._by_module.get(key)
+            return Captured(calls) if calls else default
+        if isinstance(key, Tensor):
+            if key in self._direct:
+                return self._direct[key]
+            modules = self._owners.get(key, ())
+            if len(modules) == 1:
+                calls = self._by_module.get(modules[0])
+            else:
+                wanted = {id(m) for m in modules}
+                calls = [c for c in self._current() if id(c.module) in wanted]
+            if calls:
+                return Captured(calls)
+            if modules and key.grad is not None and self._on_missing is not None:
+                self._on_missing(key)
+        return default
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, (nn.Module, Tensor)) and self.get(key) is not None
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        self._current()
+        return iter(list(self._by_module))
+
+    def __len__(self) -> int:
+        self._current()
+        return len(self._by_module)
+
+    def __repr__(self) -> str:
+        if self._expired:
+            return "Inputs(<expired>)"
+        self._current()
+        parts = ", ".join(f"{self._name(m)}: {len(c)}" for m, c in self._by_module.items())
+        return f"Inputs({{{parts}}})"
+
+    # -- internals --------------------------------------------------------------------
+    def _current(self) -> Sequence[Call]:
+        if self._expired is not None:
+            raise RuntimeError(self._expired)
+        calls = self._source()
+        if calls is not self._seen:
+            by_module: dict[nn.Module, list[Call]] = {}
+            for call in calls:
+                by_module.setdefault(call.module, []).append(call)
+            self._by_module = by_module
+            self._seen = calls
+        return calls
+
+    def _expire(self, message: str) -> None:
+        self._expired = message
+        self._seen = None
+        self._by_module = {}
+
+    def _name(self, module: nn.Module) -> str:
+        return self._names.get(module) or type(module).__name__
+
+    def _why_missing(self, key: object) -> str:
+        since = "since the last step() or zero_grad()"
+        if isinstance(key, nn.Module):
+            if self._names and key not in self._names:
+                return (
+                    f"{type(key).__name__} is not captured: it owns no parameter of this optimizer "
+                    "(or its type is not among the rule's captured module types)"
+                )
+            return (
+                f"no forward call of {self._name(key)} was captured {since}. Calls made under "
+                "torch.no_grad() or inference_mode() are not captured, and zero_grad() discards "
+                "the calls before it: run the forward after zero_grad()"
+            )
+        if isinstance(key, Tensor):
+            modules = self._owners.get(key)
+            if not modules:
+                return (
+                    f"no captured module owns this tensor (shape {tuple(key.shape)}): it is not a "
+                    "parameter of this optimizer, or the module that owns it is not captured"
+                )
+            names = ", ".join(self._name(m) for m in modules)
+            return (
+                f"no forward call of {names} (which owns this parameter) was captured {since}. "
+                "Calls under torch.no_grad() are not captured; a weight used without calling its "
+                "module (as nn.MultiheadAttention does with out_proj) is never captured"
+            )
+        return f"Inputs are looked up by module or parameter, not {type(key).__name__}"

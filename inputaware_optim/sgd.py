@@ -1,0 +1,31 @@
+"""InputAwareSGD: ``torch.optim.SGD`` that sees the inputs that produced each gradient."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import InputAwareOptimizer
+
+__all__ = ["InputAwareSGD"]
+
+
+class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
+    r"""A drop-in ``torch.optim.SGD`` that captures each module's forward inputs.
+
+    ``InputAwareSGD(model, params=None, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
+    nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
+    storage="reference", capture_grad_outputs=None)``
+
+    Every hyperparameter is ``torch.optim.SGD``'s, with its name, default and validation,
+    and the update is torch's own kernel: with no rule, every step is bitwise identical to
+    ``torch.optim.SGD`` with the same flags. Override ``step(closure=None, inputs=None)``
+    to write a rule that reads ``inputs.get(p)``.
+
+    Args:
+        model: The model (``torch.compile``\ d and ``DistributedDataParallel`` wrappers too).
+        params: Parameters or param groups of ``model``; default: those requiring grad.
+        storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
+        capture_grad_outputs: Also capture each call's output gradients (default: the rule's choice).
+    """
+
+    _stock = torch.optim.SGD

@@ -1,0 +1,274 @@
+"""What is captured: which calls, in which order, kept how, and released when."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from inputaware_optim import Capture, InputAwareAdamW, InputAwareSGD, Inputs
+
+from .conftest import hooks_on, mlp
+
+
+class Recorder(InputAwareSGD):
+    """A rule that records what it was handed (as plain tensors, so they survive the step)."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, inputs: Any = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.log = {m: [c.args[0].clone() for c in entry] for m, entry in inputs.items()}
+        super().step(inputs=inputs)
+        return loss
+
+
+def test_every_grad_enabled_call_of_each_owning_module_in_order() -> None:
+    model = mlp()
+    optimizer = Recorder(model, lr=0.1)
+    xs = [torch.randn(n, 4) for n in (2, 3, 5)]
+    for x in xs:  # gradient accumulation over micro-batches
+        model(x).sum().backward()
+    with torch.no_grad():
+        model(torch.randn(7, 4))
+    with torch.inference_mode():
+        model(torch.randn(7, 4))
+    optimizer.step()
+    assert set(optimizer.log) == {model[0], model[2]}
+    assert [t.shape[0] for t in optimizer.log[model[0]]] == [2, 3, 5]
+    assert all(torch.equal(a, b) for a, b in zip(optimizer.log[model[0]], xs, strict=True))
+
+
+def test_only_parameter_owners_are_hooked() -> None:
+    model = mlp()
+    before = hooks_on(model)
+    optimizer = InputAwareSGD(model, lr=0.1)
+    assert not model[1]._forward_hooks and not model[1]._forward_pre_hooks  # Tanh owns nothing
+    assert set(optimizer.capture.modules) == {model[0], model[2]}
+    assert not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
+    del optimizer
+    gc.collect()
+    assert hooks_on(model) == before
+
+
+def test_module_called_twice_and_tied_weights() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 4)
+            self.block = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.embed(tokens)
+            h = self.block(torch.tanh(self.block(h)))  # the same module twice
+            return self.head(h)
+
+    model = Tied()
+    capture = Capture(model)
+    tokens = torch.tensor([[1, 2, 3]])
+    model(tokens).sum().backward()
+    inputs = capture.inputs()
+    assert len(inputs[model.block]) == 2
+    assert [c.module for c in inputs[model.embed.weight]] == [model.embed, model.head]  # both owners, in order
+    assert torch.equal(inputs[model.embed.weight].calls[0].args[0], tokens)
+    assert inputs[model.head].calls[0].args[0].shape == (1, 3, 4)
+
+
+def test_args_kwargs_and_detached() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor, scale: float = 1.0, *, shift: torch.Tensor | None = None) -> torch.Tensor:
+            y = self.linear(x) * scale
+            return y if shift is None else y + shift
+
+    model = Scaled()
+    capture = Capture(model, modules=[model])  # a module that owns no parameter, watched by request
+    x = torch.randn(2, 3, requires_grad=True)
+    shift = torch.randn(3, requires_grad=True)
+    model(x, 2.0, shift=shift).sum().backward()
+    (call,) = capture.inputs()[model].calls
+    assert call.args[1] == 2.0 and call.kwargs["shift"] is not shift
+    assert torch.equal(call.kwargs["shift"], shift) and not call.kwargs["shift"].requires_grad
+    assert not call.args[0].requires_grad and call.args[0].grad_fn is None
+    assert call.args[0].data_ptr() == x.data_ptr()  # zero-copy
+
+
+def test_in_place_change_after_capture_is_detected() -> None:
+    model = mlp()
+    capture = Capture(model)
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    x.mul_(2)  # the caller reuses its buffer for the next batch
+    with pytest.raises(RuntimeError, match=r"modified in place.*storage='clone'"):
+        capture.inputs()
+
+
+@pytest.mark.parametrize("storage", ["clone", "cpu"])
+def test_copying_storage_keeps_the_value_that_was_seen(storage: str) -> None:
+    model = mlp()
+    capture = Capture(model, storage=storage)
+    x = torch.randn(3, 4)
+    expected = x.clone()
+    model(x).sum().backward()
+    x.mul_(2)
+    (call,) = capture.inputs()[model[0]].calls
+    assert torch.equal(call.args[0], expected)
+    assert call.args[0].data_ptr() != x.data_ptr()
+    assert call.args[0].device.type == "cpu"
+
+
+def test_forward_that_raises_leaves_nothing_behind() -> None:
+    class Fragile(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, fail: bool = False) -> torch.Tensor:
+            h = self.a(x)
+            if fail:
+                raise RuntimeError("out of memory (simulated)")
+            return self.b(h)
+
+    model = Fragile()
+    capture = Capture(model)
+    good = torch.randn(2, 4)
+    model(good).sum().backward()
+    with pytest.raises(RuntimeError, match="simulated"):
+        model(torch.randn(9, 4), fail=True)
+    assert [c.module for c in capture.calls()] == [model.a, model.b]
+    assert capture.calls()[0].args[0] is not None and capture.calls()[0].args[0].shape[0] == 2
+    model(good).sum().backward()
+    assert [c.module for c in capture.calls()] == [model.a, model.b, model.a, model.b]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_delivers_each_call_once(reentrant: bool) -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    capture = Capture(model)
+    x = torch.randn(3, 4, requires_grad=True)
+    inner = nn.Sequential(*model[:4])
+    h = checkpoint(inner, x, use_reentrant=reentrant)
+    model[4](h).sum().backward()
+    calls = capture.inputs()
+    assert [len(calls[m]) for m in (model[0], model[2], model[4])] == [1, 1, 1]
+    assert torch.equal(calls[model[0]].calls[0].args[0], x.detach())
+    assert torch.allclose(calls[model[2]].calls[0].args[0], torch.tanh(model[0](x)).detach())
+
+
+def test_captures_are_released_after_step_and_zero_grad() -> None:
+    model = mlp()
+    optimizer = InputAwareAdamW(model, lr=0.1)
+    refs = []
+
+    def keep_ref(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        refs.append(weakref.ref(output))
+
+    handle = model[1].register_forward_hook(keep_ref)  # Tanh's output is model[2]'s input
+    loss = model(torch.randn(4, 4)).sum()
+    loss.backward()
+    del loss
+    gc.collect()
+    assert refs[0]() is not None  # held by the capture until the step
+    optimizer.step()
+    gc.collect()
+    assert refs[0]() is None and optimizer.capture.calls() == []
+    model(torch.randn(4, 4)).sum().backward()
+    optimizer.zero_grad()
+    assert optimizer.capture.calls() == []
+    handle.remove()
+
+
+def test_a_thousand_steps_hold_memory_flat() -> None:
+    model = mlp()
+    optimizer = InputAwareAdamW(model, lr=1e-3)
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(torch.randn(8, 4)).sum().backward()
+            optimizer.step()
+
+    run(50)
+    gc.collect()
+    tensors_before = sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+    objects_before = len(gc.get_objects())
+    run(1000)
+    gc.collect()
+    assert sum(isinstance(o, torch.Tensor) for o in gc.get_objects()) <= tensors_before
+    assert len(gc.get_objects()) - objects_before < 100
+    assert optimizer.capture.calls() == []
+
+
+def test_garbage_collected_optimizers_take_their_hooks_along() -> None:
+    model = mlp()
+    before = hooks_on(model)
+    for cls in (InputAwareSGD, InputAwareAdamW, Recorder):
+        optimizer = cls(model, lr=0.1)
+        model(torch.randn(2, 4)).sum().backward()
+        assert hooks_on(model) > before
+        del optimizer
+        gc.collect()
+        assert hooks_on(model) == before
+
+
+def test_capture_on_its_own() -> None:
+    model = mlp()
+    with Capture(model, modules=[model[2]]) as capture:
+        model(torch.randn(5, 4)).sum().backward()
+        assert capture.modules == (model[2],)
+    assert hooks_on(model) == 0  # leaving the block takes the hooks off
+    inputs = capture.inputs()
+    assert isinstance(inputs, Inputs) and list(inputs) == [model[2]]
+    model(torch.randn(5, 4)).sum().backward()
+    assert len(capture.inputs()[model[2]]) == 1  # nothing new recorded after remove()
+    capture.clear()
+    assert capture.calls() == []
+
+
+def test_capture_refuses_foreign_modules_and_bad_arguments() -> None:
+    model = mlp()
+    with pytest.raises(ValueError, match="not a submodule"):
+        Capture(model, modules=[nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        Capture([model])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="storage"):
+        Capture(model, storage="gpu")  # type: ignore[arg-type]
+
+
+def test_closure_forward_reaches_the_rule() -> None:
+    model = mlp()
+    optimizer = Recorder(model, lr=0.1)
+    model(torch.randn(9, 4)).sum().backward()  # before the closure; zero_grad() inside drops it
+    x = torch.randn(3, 4)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = model(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    loss = optimizer.step(closure)
+    assert isinstance(loss, torch.Tensor)
+    assert [t.shape[0] for t in optimizer.log[model[0]]] == [3]
+    assert torch.equal(optimizer.log[model[0]][0], x)
+
+
+def test_data_parallel_wrapper_is_unwrapped() -> None:
+    inner = mlp()
+    wrapped = nn.DataParallel(inner)
+    optimizer = Recorder(wrapped, lr=0.1)
+    wrapped(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    assert set(optimizer.log) == {inner[0], inner[2]}

@@ -1,0 +1,115 @@
+"""torch.compile: inputs arrive whether the model is compiled before or after the optimizer."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from inputaware_optim import Capture, InputAwareSGD
+
+from .conftest import mlp
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Any:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+Seen = dict[nn.Module, list[torch.Tensor]]
+
+
+def first_inputs(capture: Capture) -> Seen:
+    return {m: [c.args[0] for c in entry] for m, entry in capture.inputs().items()}
+
+
+def assert_same_inputs(
+    compiled: dict[nn.Module, list[torch.Tensor]], eager: dict[nn.Module, list[torch.Tensor]]
+) -> None:
+    assert len(compiled) == len(eager) > 0
+    for (m, xs), (n, ys) in zip(compiled.items(), eager.items(), strict=True):
+        assert type(m) is type(n) and len(xs) == len(ys) > 0
+        for x, y in zip(xs, ys, strict=True):
+            torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_after_the_optimizer(backend: str) -> None:
+    eager_model, model = MLP(), MLP()
+    x = torch.randn(5, 4)
+    eager = Capture(eager_model)
+    eager_model(x).sum().backward()
+    optimizer = InputAwareSGD(model, lr=0.1)
+    compiled = torch.compile(model, backend=backend)
+    compiled(x).sum().backward()
+    assert_same_inputs(first_inputs(optimizer.capture), first_inputs(eager))
+
+
+@pytest.mark.parametrize("how", ["wrapper", "in_place", "builtin"])
+def test_compiled_and_run_before_the_optimizer(how: str) -> None:
+    model: nn.Module = mlp() if how == "builtin" else MLP()
+    if how == "in_place":
+        model.compile(backend="aot_eager")
+        compiled = model
+    else:
+        compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(3, 4)
+    compiled(x).sum().backward()  # compiled code now exists, traced without our hooks
+    optimizer = InputAwareSGD(compiled, lr=0.1)
+    compiled(x).sum().backward()
+    calls = optimizer.capture.calls()
+    assert [type(c.module) for c in calls] == [nn.Linear, nn.Linear]
+    assert torch.equal(calls[0].args[0], x)
+
+
+def test_no_recompilation_when_the_number_of_calls_per_step_changes() -> None:
+    model = MLP()
+    optimizer = InputAwareSGD(model, lr=0.1)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    frames = counters["frames"]["total"]
+    for micro_batches in (1, 3, 2, 5):
+        for _ in range(micro_batches):
+            compiled(torch.randn(3, 4)).sum().backward()
+        assert len(optimizer.capture.calls()) == 2 * micro_batches
+        optimizer.step()
+    assert counters["frames"]["total"] == frames
+
+
+def test_zero_graph_breaks_with_capture_on() -> None:
+    model = MLP()
+    InputAwareSGD(model, lr=0.1)
+    explanation = torch._dynamo.explain(model)(torch.randn(3, 4))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_compiled_code_stops_recording_once_the_optimizer_is_gone() -> None:
+    model = MLP()
+    optimizer = InputAwareSGD(model, lr=0.1)
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(3, 4)).sum().backward()
+    log = weakref.ref(optimizer.capture._log)
+    del optimizer
+    gc.collect()
+    for _ in range(3):
+        compiled(torch.randn(3, 4)).sum().backward()
+    assert log() is None or log().head is None  # type: ignore[union-attr]

@@ -3,12 +3,18 @@
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer
 from .capture import Capture, unwrap_model
+from .foof import FOOF
 from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
+from .layers import Layer, LayerKind, layer_kind, register_layer
+from .lazy_adamw import LazyAdamW
+from .nlms import NLMS
 from .sgd import InputAwareSGD
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FOOF",
+    "NLMS",
     "Call",
     "Capture",
     "Captured",
@@ -16,7 +22,12 @@ __all__ = [
     "InputAwareOptimizer",
     "InputAwareSGD",
     "Inputs",
+    "Layer",
+    "LayerKind",
+    "LazyAdamW",
     "UncapturedInputsWarning",
     "__version__",
+    "layer_kind",
+    "register_layer",
     "unwrap_model",
 ]

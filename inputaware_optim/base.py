@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
@@ -30,7 +31,9 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .capture import Capture, Storage, unwrap_model
+from .distributed import data_parallel_group
 from .inputs import Inputs
+from .layers import Layer, layer_kind
 
 __all__ = ["InputAwareOptimizer"]
 
@@ -135,6 +138,7 @@ class InputAwareOptimizer(Optimizer):
         self._capture = Capture(
             model, self._modules_to_capture(self._params()), storage=storage, grad_outputs=wanted_grad_outputs
         )
+        self._data_parallel_group = data_parallel_group(model)
         # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
         self._step_supports_amp_scaling = True
 
@@ -191,6 +195,48 @@ class InputAwareOptimizer(Optimizer):
     def model(self) -> nn.Module:
         """The model given at construction."""
         return self._model
+
+    @property
+    def data_parallel_group(self) -> Any:
+        """The process group that rules average input statistics over (``None`` in one process).
+
+        Inferred from the model: a ``DistributedDataParallel`` wrapper's group, or the mesh an
+        FSDP2-sharded model is sharded over.
+        """
+        return self._data_parallel_group
+
+    def _param_groups_by_param(self) -> dict[Tensor, dict[str, Any]]:
+        return {p: group for group in self.param_groups for p in group["params"]}
+
+    def _layers(self, capability: str) -> list[Layer]:
+        """The captured layers whose weight this optimizer trains and whose kind provides ``capability``."""
+        groups = self._param_groups_by_param()
+        layers = []
+        for module in self.capture.modules:
+            kind = layer_kind(module)
+            weight = getattr(module, "weight", None)
+            if kind is None or not kind.provides(capability) or weight not in groups:
+                continue
+            bias = getattr(module, "bias", None)
+            layers.append(Layer(module, kind, isinstance(bias, Tensor) and bias in groups, groups[weight]))
+        return layers
+
+    def _warn_if_no_layers(self, capability: str, wanted: str) -> None:
+        if self._layers(capability):
+            return
+        plain = ", ".join(self.capture.name(m) for m in unwrap_model(self._model).modules() if m._parameters) or "none"
+        warnings.warn(
+            f"{type(self).__name__} found no {wanted} among the modules that own its parameters; it "
+            f"will update every parameter with the plain stock rule (modules: {plain})",
+            stacklevel=3,
+        )
+
+    def _set_group_defaults(self, **hyperparameters: Any) -> None:
+        """Add a rule's hyperparameters to ``defaults`` and to every group that lacks them."""
+        self.defaults.update(hyperparameters)
+        for group in self.param_groups:
+            for key, value in hyperparameters.items():
+                group.setdefault(key, value)
 
     # -- the step ---------------------------------------------------------------------------
     def _patch_step_function(self) -> None:
@@ -323,4 +369,6 @@ class InputAwareOptimizer(Optimizer):
         self.__dict__.setdefault("_step_depth", 0)
         self.__dict__.setdefault("_step_inputs", None)
         self.__dict__.setdefault("_model_params", {})
+        self.__dict__.setdefault("_model", None)
+        self.__dict__.setdefault("_data_parallel_group", None)
         super().__setstate__(state)

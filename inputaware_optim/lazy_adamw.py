@@ -1,0 +1,187 @@
+"""LazyAdamW: AdamW that updates only the embedding rows a step actually used."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .adamw import InputAwareAdamW
+from .capture import unwrap_model
+from .inputs import Inputs
+from .layers import layer_kind, weight_of
+
+__all__ = ["LazyAdamW"]
+
+
+class LazyAdamW(InputAwareAdamW):
+    r"""AdamW whose embedding tables update only the rows the step's inputs touched.
+
+    For each ``nn.Embedding`` and ``nn.EmbeddingBag`` (whose weight no other module uses),
+    let :math:`R` be the rows indexed by the step's captured inputs (``padding_idx``
+    excluded, the union over data-parallel ranks). For :math:`r \in R`, with the optimizer's
+    step count :math:`t` (as ``torch.optim.SparseAdam`` and TF Addons' LazyAdam do):
+
+    .. math::
+        \theta_r &\leftarrow \theta_r (1 - \gamma\lambda) \\
+        m_r &\leftarrow \beta_1 m_r + (1-\beta_1) g_r, \qquad
+        v_r \leftarrow \beta_2 v_r + (1-\beta_2) g_r^2 \\
+        \theta_r &\leftarrow \theta_r - \frac{\gamma}{1-\beta_1^t}\,
+            \frac{m_r}{\sqrt{v_r / (1-\beta_2^t)} + \epsilon}
+
+    (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum). Every other row,
+    and its moments, stays bitwise unchanged. The step costs in proportion to the rows touched,
+    not the table size. It accepts dense gradients (which ``SparseAdam`` refuses) and sparse
+    ones (``sparse=True``). Every other parameter gets the stock AdamW update, bitwise.
+
+    The rows follow AdamW's formula, so :math:`\epsilon` is added after bias correction;
+    ``SparseAdam`` adds it before, which differs only while :math:`\epsilon` is not negligible.
+
+    The state has AdamW's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so a
+    state dict moves between this class and ``torch.optim.AdamW``.
+
+    Args:
+        model: The model.
+        lr, betas, eps, weight_decay, amsgrad: As ``torch.optim.AdamW``.
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+        **adamw_kwargs: Any other ``torch.optim.AdamW`` argument (``maximize``, ``foreach``,
+            ``fused``) and ``storage``. ``capturable`` and ``differentiable`` are not supported.
+    """
+
+    captured_module_types = (nn.Embedding, nn.EmbeddingBag)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        params: Any = None,
+        **adamw_kwargs: Any,
+    ) -> None:
+        for flag in ("capturable", "differentiable"):
+            if adamw_kwargs.get(flag):
+                raise ValueError(f"LazyAdamW does not support {flag}=True (its row updates are data-dependent)")
+        super().__init__(
+            model, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **adamw_kwargs
+        )
+        self._warn_if_no_layers("touched_rows", "nn.Embedding or nn.EmbeddingBag")
+
+    def _lazy_modules(self) -> list[nn.Module]:
+        """Captured embeddings whose weight is trained here and used by no other module."""
+        groups = self._param_groups_by_param()
+        owners: dict[Tensor, int] = {}
+        for module in unwrap_model(self.model).modules():
+            for param in module._parameters.values():
+                if param is not None:
+                    owners[param] = owners.get(param, 0) + 1
+        return [
+            m
+            for m in self.capture.modules
+            if (kind := layer_kind(m)) is not None
+            and kind.provides("touched_rows")
+            and weight_of(m) in groups
+            and owners[weight_of(m)] == 1  # a tied weight (say, an output head) gets gradients on every row
+        ]
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+        """Update the touched embedding rows lazily and everything else with stock AdamW."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        assert inputs is not None
+        lazy = []
+        for module in self._lazy_modules():
+            weight = weight_of(module)
+            entry = inputs.get(weight)
+            if weight.grad is None or entry is None:
+                continue  # no gradient: AdamW skips it too; no inputs (Inputs warns): stock AdamW
+            kind = layer_kind(module)
+            assert kind is not None
+            lazy.append((weight, self._union_over_ranks(kind.touched_rows(module, entry), weight.shape[0])))
+        groups = self._param_groups_by_param()
+        with _hidden_grads([weight for weight, _ in lazy]):
+            super().step(inputs=inputs)
+        for weight, rows in lazy:
+            self._update_rows(weight, rows, groups[weight])
+        return loss
+
+    def _union_over_ranks(self, rows: Tensor, num_rows: int) -> Tensor:
+        group = self.data_parallel_group
+        if group is None:
+            return rows
+        touched = torch.zeros(num_rows, dtype=torch.int32, device=rows.device)
+        touched[rows] = 1
+        torch.distributed.all_reduce(touched, group=group)
+        return touched.nonzero().squeeze(1)
+
+    def _update_rows(self, weight: Tensor, rows: Tensor, group: dict[str, Any]) -> None:
+        state = self.state[weight]
+        grad = weight.grad
+        assert grad is not None
+        if not state:
+            on_device = group.get("fused") or group.get("capturable")
+            state["step"] = torch.zeros((), dtype=torch.float32, device=weight.device if on_device else "cpu")
+            state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+            if group["amsgrad"]:
+                state["max_exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+        state["step"] += 1
+        step = state["step"].item()
+        if rows.numel() == 0:
+            return
+        if grad.is_sparse:  # sparse=True embeddings: read the touched rows out of the coalesced gradient
+            grad = grad.coalesce()
+            indices, values = grad.indices()[0], grad.values()
+            position = torch.searchsorted(indices, rows).clamp_(max=max(indices.numel() - 1, 0))
+            found = (
+                (indices[position] == rows).unsqueeze(1) if indices.numel() else rows.new_zeros(0, 1, dtype=torch.bool)
+            )
+            g = (
+                torch.where(found, values[position], 0)
+                if indices.numel()
+                else weight.new_zeros(rows.numel(), weight.shape[1])
+            )
+        else:
+            g = grad.index_select(0, rows)
+        if group["maximize"]:
+            g = -g
+        beta1, beta2 = group["betas"]
+        lr = float(group["lr"])
+        theta = weight.index_select(0, rows)
+        theta.mul_(1 - lr * group["weight_decay"])
+        exp_avg = state["exp_avg"].index_select(0, rows).lerp_(g, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        second = exp_avg_sq
+        if group["amsgrad"]:
+            second = torch.maximum(state["max_exp_avg_sq"].index_select(0, rows), exp_avg_sq)
+            state["max_exp_avg_sq"].index_copy_(0, rows, second)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+        denom = (second.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+        theta.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+        weight.index_copy_(0, rows, theta)
+        state["exp_avg"].index_copy_(0, rows, exp_avg)
+        state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+
+
+@contextmanager
+def _hidden_grads(params: list[Tensor]) -> Iterator[None]:
+    """Hide gradients from the stock kernel (which skips parameters whose grad is None)."""
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g

@@ -1,0 +1,86 @@
+"""NLMS: normalized least mean squares, the input-normalized gradient step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .distributed import all_reduce_sum_
+from .inputs import Inputs
+from .layers import bias_of, weight_of
+from .sgd import InputAwareSGD
+
+__all__ = ["NLMS"]
+
+
+class NLMS(InputAwareSGD):
+    r"""Normalized least mean squares: each ``nn.Linear``'s step divided by its input power.
+
+    With :math:`\tilde x` the input with a constant 1 appended when the layer's bias is
+    trained, and :math:`N` the samples of the step (every row of every call):
+
+    .. math::
+        g \leftarrow \frac{g}{\varepsilon + \frac{1}{N}\sum_{n=1}^{N} \lVert \tilde x_n \rVert^2}
+
+    for the layer's weight and bias gradients, then the SGD update (torch's kernel). For a
+    single sample and loss :math:`\tfrac12 e^2` this is the textbook recursion
+    :math:`w \leftarrow w + \mu\, e\, x / (\varepsilon + \lVert x\rVert^2)`: the step no
+    longer depends on the scale of the inputs. Parameters of other modules take plain SGD.
+    Under data parallelism the input power is averaged over the data-parallel ranks.
+
+    Args:
+        model: The model.
+        lr: Learning rate :math:`\mu` (stable for :math:`0 < \mu < 2` on least squares).
+        eps: :math:`\varepsilon`, the regularizer of the normalization (>= 0).
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument (``momentum``, ``weight_decay``, ...)
+            and ``storage``.
+
+    Reference:
+        Simon Haykin, "Adaptive Filter Theory", chapter on normalized LMS.
+    """
+
+    captured_module_types = (nn.Linear,)
+
+    def __init__(
+        self, model: nn.Module, lr: float, eps: float = 1e-6, *, params: Any = None, **sgd_kwargs: Any
+    ) -> None:
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid eps: {eps} (must be >= 0)")
+        super().__init__(model, params, lr=lr, **sgd_kwargs)
+        self._set_group_defaults(eps=eps)
+        for group in self.param_groups:
+            if not group["eps"] >= 0.0:
+                raise ValueError(f"Invalid eps: {group['eps']} (must be >= 0)")
+        self._warn_if_no_layers("input_rows", "nn.Linear")
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+        """Normalize the gradients of every ``nn.Linear`` by its input power, then take the SGD step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        assert inputs is not None
+        layers, powers, counts = [], [], []
+        for layer in self._layers("input_rows"):
+            weight = weight_of(layer.module)
+            if not isinstance(layer.module, nn.Linear) or weight.grad is None:
+                continue
+            entry = inputs.get(weight)
+            if entry is None:
+                continue
+            rows = layer.kind.input_rows(layer.module, entry, layer.homogeneous)
+            layers.append(layer)
+            powers.append(rows.pow(2).sum())
+            counts.append(rows.new_tensor(float(rows.shape[0])))
+        all_reduce_sum_(powers + counts, self.data_parallel_group)
+        for layer, power, count in zip(layers, powers, counts, strict=True):
+            scale = 1.0 / (layer.group["eps"] + power / count)
+            for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
+                if param is not None and param.grad is not None:
+                    param.grad.mul_(scale.to(param.grad.dtype))
+        super().step(inputs=inputs)
+        return loss

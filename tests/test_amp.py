@@ -1,0 +1,88 @@
+"""Mixed precision: autocast captures, GradScaler unscaling and skipped steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from inputaware_optim import InputAwareAdamW, InputAwareSGD
+
+from .conftest import mlp
+
+
+class GradRecorder(InputAwareSGD):
+    """Records the gradients and the number of calls it was handed."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, inputs: Any = None) -> Any:
+        self.grads = [p.grad.clone() for p in self.model.parameters()]
+        self.calls = len(inputs.calls)
+        self.inputs_seen = {m: [c.args[0].clone() for c in e] for m, e in inputs.items()}
+        return super().step(inputs=inputs)
+
+
+def scaled_steps(
+    model: nn.Module, optimizer: Any, batches: list[torch.Tensor], poison: set[int]
+) -> torch.amp.GradScaler:
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    for i, x in enumerate(batches):
+        model.zero_grad()  # not optimizer.zero_grad(): captures must be dropped by the skip itself
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        if i in poison:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return scaler
+
+
+@pytest.mark.parametrize("implementation", [{"foreach": False}, {"foreach": True}, {"fused": True}])
+@pytest.mark.parametrize("pair", [(InputAwareSGD, torch.optim.SGD), (InputAwareAdamW, torch.optim.AdamW)])
+def test_grad_scaler_steps_are_bitwise_stock(pair: tuple[type, type], implementation: dict[str, bool]) -> None:
+    ours_cls, stock_cls = pair
+    batches = [torch.randn(4, 4, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    ours_model, stock_model = mlp(), mlp()
+    extra = {"momentum": 0.9} if stock_cls is torch.optim.SGD else {}
+    ours = ours_cls(ours_model, lr=0.01, **extra, **implementation)
+    stock = stock_cls(stock_model.parameters(), lr=0.01, **extra, **implementation)
+    ours_scaler = scaled_steps(ours_model, ours, batches, poison={1, 4})
+    stock_scaler = scaled_steps(stock_model, stock, batches, poison={1, 4})
+    assert ours_scaler.get_scale() == stock_scaler.get_scale()
+    for p, q in zip(ours_model.parameters(), stock_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert ours.state[p].keys() == stock.state[q].keys()
+        for key, value in stock.state[q].items():
+            assert torch.equal(ours.state[p][key], value), key
+
+
+def test_a_rule_sees_unscaled_gradients_and_skipped_steps_drop_their_captures() -> None:
+    model, reference = mlp(), mlp()
+    rule = GradRecorder(model, lr=0.01)
+    x, poisoned = torch.randn(4, 4), torch.randn(9, 4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+
+    # A poisoned step: the scaler skips it, the rule never runs, and its captures go.
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(poisoned).float().sum() * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(rule)
+    scaler.update()
+    assert not hasattr(rule, "calls") and rule.capture.calls() == []
+
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.step(rule)
+    assert rule.calls == 2  # only this step's two Linear calls
+    assert rule.inputs_seen[model[0]][0].shape == (4, 4)
+    assert rule.inputs_seen[model[2]][0].dtype == torch.bfloat16  # what the module received under autocast
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference(x).float().pow(2).mean().backward()
+    for got, want in zip(rule.grads, (p.grad for p in reference.parameters()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)  # unscaled before the rule ran

@@ -1,0 +1,222 @@
+"""LazyAdamW against SparseAdam and a row-wise AdamW reference; untouched rows stay bitwise."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from inputaware_optim import InputAwareAdamW, LazyAdamW
+
+VOCAB, DIM = 30, 4
+
+
+class Bag(nn.Module):
+    """An embedding followed by a linear head: a bag-of-words classifier."""
+
+    def __init__(self, sparse: bool = False, padding_idx: int | None = None, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, DIM, sparse=sparse, padding_idx=padding_idx)
+        self.head = nn.Linear(DIM, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens).mean(dim=1))
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    return model(tokens).pow(2).mean()
+
+
+def batches(count: int, seed: int = 0, high: int = VOCAB) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, high, (3, 5), generator=generator) for _ in range(count)]
+
+
+def test_embedding_matches_sparse_adam_without_weight_decay() -> None:
+    lazy_model, sparse_model = Bag(), Bag(sparse=True)
+    # SparseAdam adds eps to sqrt(v) before bias correction, AdamW after: equal once eps is negligible.
+    lazy = LazyAdamW(lazy_model, lr=0.01, eps=1e-12, weight_decay=0.0, params=lazy_model.embed.parameters())
+    sparse = torch.optim.SparseAdam(sparse_model.embed.parameters(), lr=0.01, eps=1e-12)
+    for tokens in batches(6, high=VOCAB // 2):  # half the table is never touched
+        for model, optimizer in ((lazy_model, lazy), (sparse_model, sparse)):
+            optimizer.zero_grad()
+            loss_of(model, tokens).backward()
+            optimizer.step()
+    torch.testing.assert_close(lazy_model.embed.weight, sparse_model.embed.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        lazy.state[lazy_model.embed.weight]["exp_avg"], sparse.state[sparse_model.embed.weight]["exp_avg"]
+    )
+
+
+@given(rows=st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6), min_size=1, max_size=4))
+def test_untouched_rows_and_their_moments_stay_bitwise(rows: list[list[int]]) -> None:
+    model = Bag()
+    optimizer = LazyAdamW(model, lr=0.1, weight_decay=0.1)
+    touched: set[int] = set()
+    for step_rows in rows:
+        tokens = torch.tensor([step_rows])
+        before = model.embed.weight.detach().clone()
+        moments = {k: v.clone() for k, v in optimizer.state[model.embed.weight].items() if k != "step"}
+        optimizer.zero_grad()
+        loss_of(model, tokens).backward()
+        optimizer.step()
+        untouched = torch.tensor([r for r in range(VOCAB) if r not in step_rows])
+        assert torch.equal(model.embed.weight[untouched], before[untouched])
+        for key, value in moments.items():
+            assert torch.equal(optimizer.state[model.embed.weight][key][untouched], value[untouched])
+        touched.update(step_rows)
+    never = [r for r in range(VOCAB) if r not in touched]
+    if never:
+        assert torch.equal(optimizer.state[model.embed.weight]["exp_avg"][never], torch.zeros(len(never), DIM))
+
+
+def reference_rows(
+    weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], rows: torch.Tensor, **h: Any
+) -> None:
+    """AdamW on ``rows`` only, written out as the textbook update with bias correction by the step count."""
+    state["step"] = state.get("step", 0) + 1
+    t = state["step"]
+    for name in ("m", "v", "vmax"):
+        state.setdefault(name, torch.zeros_like(weight))
+    beta1, beta2 = h["betas"]
+    for r in rows.tolist():
+        g = -grad[r] if h["maximize"] else grad[r]
+        weight[r] *= 1 - h["lr"] * h["weight_decay"]
+        state["m"][r] = beta1 * state["m"][r] + (1 - beta1) * g
+        state["v"][r] = beta2 * state["v"][r] + (1 - beta2) * g * g
+        state["vmax"][r] = torch.maximum(state["vmax"][r], state["v"][r])
+        v = state["vmax"][r] if h["amsgrad"] else state["v"][r]
+        weight[r] -= h["lr"] / (1 - beta1**t) * state["m"][r] / ((v / (1 - beta2**t)).sqrt() + h["eps"])
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_touched_rows_follow_adamw(amsgrad: bool, maximize: bool) -> None:
+    h = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.2, "amsgrad": amsgrad, "maximize": maximize}
+    model = Bag()
+    optimizer = LazyAdamW(model, **h)
+    weight = model.embed.weight.detach().clone().double()
+    state: dict[str, Any] = {}
+    for tokens in batches(5, seed=1, high=20):
+        optimizer.zero_grad()
+        loss_of(model, tokens).backward()
+        reference_rows(weight, model.embed.weight.grad.double(), state, torch.unique(tokens), **h)
+        optimizer.step()
+        torch.testing.assert_close(model.embed.weight.detach().double(), weight, rtol=1e-5, atol=1e-6)
+
+
+def test_other_parameters_are_stock_adamw_bitwise() -> None:
+    lazy_model, stock_model = Bag(), Bag()
+    lazy = LazyAdamW(lazy_model, lr=0.01)
+    stock = torch.optim.AdamW(stock_model.head.parameters(), lr=0.01)
+    for tokens in batches(4):
+        for model, optimizer in ((lazy_model, lazy), (stock_model, stock)):
+            optimizer.zero_grad()
+            loss_of(model, tokens).backward()
+            optimizer.step()
+        stock_model.embed.load_state_dict(lazy_model.embed.state_dict())  # same inputs to the head
+    for p, q in zip(lazy_model.head.parameters(), stock_model.head.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_padding_row_is_never_touched() -> None:
+    model = Bag(padding_idx=0)
+    optimizer = LazyAdamW(model, lr=0.1, weight_decay=0.5)
+    padding = model.embed.weight[0].detach().clone()
+    for tokens in batches(3):
+        tokens[:, -1] = 0
+        optimizer.zero_grad()
+        loss_of(model, tokens).backward()
+        optimizer.step()
+    assert torch.equal(model.embed.weight[0], padding)
+
+
+def test_sparse_gradients_give_the_same_update_as_dense_ones() -> None:
+    dense_model, sparse_model = Bag(), Bag(sparse=True)
+    dense, sparse = LazyAdamW(dense_model, lr=0.05), LazyAdamW(sparse_model, lr=0.05)
+    for tokens in batches(4):
+        for model, optimizer in ((dense_model, dense), (sparse_model, sparse)):
+            optimizer.zero_grad()
+            loss_of(model, tokens).backward()
+            optimizer.step()
+    torch.testing.assert_close(dense_model.embed.weight, sparse_model.embed.weight)
+
+
+def test_embedding_bag_with_offsets() -> None:
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(VOCAB, DIM, mode="sum")
+    optimizer = LazyAdamW(bag, lr=0.1)
+    before = bag.weight.detach().clone()
+    indices, offsets = torch.tensor([1, 2, 4, 5, 4, 3]), torch.tensor([0, 2])
+    bag(indices, offsets).pow(2).sum().backward()
+    optimizer.step()
+    changed = (bag.weight != before).any(dim=1).nonzero().squeeze(1)
+    assert changed.tolist() == [1, 2, 3, 4, 5]
+
+
+def test_a_tied_weight_is_updated_densely_like_adamw() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, DIM)
+            self.out = nn.Linear(DIM, VOCAB, bias=False)
+            self.out.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.out(self.embed(tokens))
+
+    lazy_model, stock_model = Tied(), Tied()
+    lazy, stock = LazyAdamW(lazy_model, lr=0.01), InputAwareAdamW(stock_model, lr=0.01)
+    for tokens in batches(3):
+        for model, optimizer in ((lazy_model, lazy), (stock_model, stock)):
+            optimizer.zero_grad()
+            model(tokens).logsumexp(-1).mean().backward()
+            optimizer.step()
+    assert torch.equal(lazy_model.embed.weight, stock_model.embed.weight)
+
+
+def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
+    a, b = Bag(), Bag()
+    oa, ob = LazyAdamW(a, lr=0.05), LazyAdamW(b, lr=0.05)
+    for step in range(3):
+        micro = batches(3, seed=step)
+        oa.zero_grad()
+        for tokens in micro:
+            (loss_of(a, tokens) / 3).backward()
+        oa.step()
+        ob.zero_grad()
+        loss_of(b, torch.cat(micro)).backward()
+        ob.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_state_dict_moves_to_stock_adamw_and_back() -> None:
+    model = Bag()
+    optimizer = LazyAdamW(model, lr=0.01)
+    for tokens in batches(2):
+        optimizer.zero_grad()
+        loss_of(model, tokens).backward()
+        optimizer.step()
+    stock = torch.optim.AdamW(copy.deepcopy(model).parameters(), lr=0.01)
+    stock.load_state_dict(optimizer.state_dict())
+    back = LazyAdamW(model, lr=0.01)
+    back.load_state_dict(stock.state_dict())
+    for key, value in optimizer.state[model.embed.weight].items():
+        assert torch.equal(back.state[model.embed.weight][key], value)
+    assert math.isclose(float(back.state[model.embed.weight]["step"]), 2.0)
+
+
+def test_unsupported_flags_and_no_embedding() -> None:
+    with pytest.raises(ValueError, match="capturable"):
+        LazyAdamW(Bag(), capturable=True)
+    with pytest.warns(UserWarning, match=r"no nn\.Embedding"):
+        LazyAdamW(nn.Linear(2, 2))

@@ -3,8 +3,10 @@
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer
 from .capture import Capture, unwrap_model
+from .dp import DPSGD, DPAdamW
 from .foof import FOOF
 from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
+from .kfac import KFAC
 from .layers import Layer, LayerKind, layer_kind, register_layer
 from .lazy_adamw import LazyAdamW
 from .nlms import NLMS
@@ -13,11 +15,14 @@ from .sgd import InputAwareSGD
 __version__ = "0.1.0"
 
 __all__ = [
+    "DPSGD",
     "FOOF",
+    "KFAC",
     "NLMS",
     "Call",
     "Capture",
     "Captured",
+    "DPAdamW",
     "InputAwareAdamW",
     "InputAwareOptimizer",
     "InputAwareSGD",

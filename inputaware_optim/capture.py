@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .inputs import Call, Inputs, UncapturedInputsWarning
@@ -58,18 +58,25 @@ class _Log:
         self.grad_outputs = grad_outputs
         self.forwards: list[list[Any]] = []  # [head at start, finished] per open root forward
 
-    def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not self.enabled or not torch.is_grad_enabled():
-            return
+            return None
         compiling = torch.compiler.is_compiling()
         if not compiling and torch._C._current_graph_task_id() != -1 and _recomputing_checkpointed_forward():
-            return
+            return None
         if self.storage != "reference":
             args, kwargs, check = _copy_arguments(args, kwargs, self.storage, compiling)
         else:
             check = None if compiling else _versions(args, kwargs)
-        slot = _tap_outputs(output) if self.grad_outputs else None
+        slot: Any = None
+        if self.grad_outputs and not compiling:
+            slot = _tap_outputs(output)
+        elif self.grad_outputs:  # see _tap_compiled_outputs
+            slot = torch.ops.inputaware_optim.open_grad_slot(_first_tensor(output), id(self), _count_tensors(output))
+            self.head = (module, args, kwargs, check, slot, self.head)
+            return _tap_compiled_outputs(output, slot, id(self))
         self.head = (module, args, kwargs, check, slot, self.head)
+        return None
 
     # The root model's forward is a transaction: a forward that raises part-way must not
     # leave the calls it recorded behind for the next step.
@@ -91,6 +98,7 @@ class _Log:
 
     def clear(self) -> None:
         self.head = None
+        _COMPILED_SLOTS.pop(id(self), None)
 
 
 def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -136,6 +144,77 @@ def _store_grad(slot: list[Any], index: int, grad: Tensor) -> None:
     # Backward may reach one output several times (it is used twice); the total is what
     # flowed back into the module.
     slot[index] = grad if slot[index] is None else slot[index] + grad
+
+
+# Output gradients under torch.compile. A tensor hook's body is traced into the backward
+# graph, where Python side effects are not allowed, and Dynamo (2.13) drops side effects
+# traced after a ``register_hook`` in the same frame. So compiled code instead routes each
+# output through ``_GradTap``, whose backward calls a custom op (``store_grad``) that runs
+# at run time and files the gradient under a key made by another (``open_grad_slot``).
+_COMPILED_SLOTS: dict[int, dict[int, list[Any]]] = {}  # id(_Log) -> key -> gradients per output
+_KEYS = iter(range(1, 1 << 62))
+
+
+@torch.library.custom_op("inputaware_optim::open_grad_slot", mutates_args=())
+def _open_grad_slot(like: Tensor, log_id: int, outputs: int) -> Tensor:
+    key = next(_KEYS)
+    _COMPILED_SLOTS.setdefault(log_id, {})[key] = [None] * outputs
+    return torch.tensor(key, dtype=torch.int64)
+
+
+@_open_grad_slot.register_fake
+def _(like: Tensor, log_id: int, outputs: int) -> Tensor:
+    return torch.empty((), dtype=torch.int64)
+
+
+# Declared as mutating ``grad`` (it does not) so that the compiler keeps it; it stores a
+# copy, since the compiler may reuse the gradient's buffer once the graph is done with it.
+@torch.library.custom_op("inputaware_optim::store_grad", mutates_args=("grad",))
+def _store_grad_op(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
+    slot = _COMPILED_SLOTS.get(log_id, {}).get(int(key))
+    if slot is not None:
+        _store_grad(slot, index, grad.clone())
+
+
+@_store_grad_op.register_fake
+def _(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
+    return None
+
+
+class _GradTap(torch.autograd.Function):
+    """Identity (a copy: a view would forbid in-place ops after the module) whose backward files the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, key: Tensor, log_id: int, index: int) -> Tensor:
+        ctx.save_for_backward(key)
+        ctx.log_id, ctx.index = log_id, index
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        (key,) = ctx.saved_tensors
+        torch.ops.inputaware_optim.store_grad(grad, key, ctx.log_id, ctx.index)
+        return grad, None, None, None
+
+
+def _first_tensor(output: Any) -> Tensor:
+    return next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor))
+
+
+def _count_tensors(output: Any) -> int:
+    return sum(isinstance(t, Tensor) for t in tree_flatten(output)[0])
+
+
+def _tap_compiled_outputs(output: Any, key: Tensor, log_id: int) -> Any:
+    leaves, spec = tree_flatten(output)
+    tapped, index = [], 0
+    for leaf in leaves:
+        if isinstance(leaf, Tensor):
+            if leaf.requires_grad:
+                leaf = _GradTap.apply(leaf, key, log_id, index)
+            index += 1
+        tapped.append(leaf)
+    return tree_unflatten(tapped, spec)
 
 
 def _recomputing_checkpointed_forward() -> bool:
@@ -405,6 +484,8 @@ class Capture:
             elif check is not None:  # copies still on their way from an accelerator
                 for event in check:
                     event.synchronize()
+            if isinstance(slot, Tensor):  # recorded by compiled code: the gradients are filed by key
+                slot = _COMPILED_SLOTS.get(id(self._log), {}).get(int(slot), [])
             calls.append(Call(module, args, kwargs, slot))
         return calls
 

@@ -13,15 +13,17 @@ capabilities they need:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .inputs import Captured
+from .inputs import Call, Captured
 
-__all__ = ["Layer", "LayerKind", "bias_of", "layer_kind", "register_layer", "weight_of"]
+__all__ = ["GENERIC", "Layer", "LayerKind", "bias_of", "layer_kind", "register_layer", "weight_of"]
 
 _REGISTRY: dict[type[nn.Module], LayerKind] = {}
 
@@ -70,9 +72,9 @@ class LayerKind:
         """The output gradients as rows (float32 or wider) ``(samples, out_features)``, matching ``input_rows``."""
         raise NotImplementedError(f"{type(module).__name__} has no output-gradient rows")
 
-    def rows_per_sample(self, module: nn.Module, entry: Captured) -> int:
-        """How many rows of ``input_rows`` each sample of the batch contributes (positions, patches)."""
-        raise NotImplementedError(f"{type(module).__name__} has no input rows")
+    def batch_size(self, module: nn.Module, entry: Captured) -> int:
+        """How many samples (the leading dimension of the inputs) the captured calls hold together."""
+        raise NotImplementedError(f"{type(module).__name__} has no batch dimension")
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
         """The gradient of ``W̃``: ``(out_features, in_features [+1])``, bias gradient last."""
@@ -86,6 +88,28 @@ class LayerKind:
     def touched_rows(self, module: nn.Module, entry: Captured) -> Tensor:
         """The sorted, unique rows of the weight that the captured calls read (an index tensor)."""
         raise NotImplementedError(f"{type(module).__name__} has no rows to touch")
+
+    # -- per-sample gradients ------------------------------------------------------------------
+    # Each sample's share of the gradient of the loss that was backpropagated, from one call.
+    # The generic versions work for any module whose output for a sample depends only on
+    # that sample's input: they run torch.func's vmap(grad(...)) over the module's forward
+    # and materialize (batch, *parameter shape) tensors. Layer kinds override them with
+    # cheaper closed forms where one exists.
+    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
+        """Each sample's gradient of the parameters ``names`` (direct parameters of ``module``)."""
+        return _functional_per_sample_grads(module, call, names)
+
+    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
+        """Each sample's squared gradient norm over the parameters ``names``: shape ``(batch,)``."""
+        grads = self.per_sample_grads(module, call, names)
+        return sum((g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()), torch.zeros(()))
+
+    def weighted_grad_sum(
+        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
+    ) -> dict[str, Tensor]:
+        """``sum_i weights[i] * (sample i's gradient)`` for each parameter in ``names``."""
+        grads = self.per_sample_grads(module, call, names)
+        return {n: torch.tensordot(weights.to(g.dtype), g, dims=1) for n, g in grads.items()}
 
 
 def weight_of(module: nn.Module) -> Tensor:
@@ -141,8 +165,50 @@ def _set_matrix_grad(weight: Tensor, bias: Tensor | None, matrix: Tensor, homoge
         bias.grad.copy_(matrix[:, columns])
 
 
+class _MatrixPerSample(LayerKind):
+    """Per-sample gradients of a layer that is a matrix on rows: a sample's weight gradient is
+    ``sum_t g_t x_t^T`` over its positions ``t`` (its bias gradient ``sum_t g_t``)."""
+
+    def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
+        """Inputs ``(batch, positions, in)`` and output gradients ``(batch, positions, out)``."""
+        raise NotImplementedError
+
+    def _per_sample_rows(self, module: nn.Module, call: Call, names: Sequence[str]) -> tuple[Tensor, Tensor]:
+        x, g = self._sample_rows(module, call)
+        if "weight" not in names:  # the bias alone: its input is the constant 1
+            x = x.new_ones(x.shape[0], x.shape[1], 1)
+        elif "bias" in names:
+            x = torch.cat([x, x.new_ones(x.shape[0], x.shape[1], 1)], dim=2)
+        return x, g
+
+    def _split(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
+        parts = _split_matrix(matrix, names)
+        if "weight" in parts:
+            parts["weight"] = parts["weight"].reshape(*matrix.shape[:-2], *weight_of(module).shape)
+        return parts
+
+    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
+        x, g = self._per_sample_rows(module, call, names)
+        return self._split(module, torch.einsum("bto,bti->boi", g, x), names)
+
+    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
+        x, g = self._per_sample_rows(module, call, names)
+        positions, inputs, outputs = x.shape[1], x.shape[2], g.shape[2]
+        if positions * (inputs + outputs) > inputs * outputs:  # forming the gradient is the cheaper way
+            return torch.einsum("bto,bti->boi", g, x).pow(2).sum((1, 2))
+        # Ghost norm: |sum_t g_t x_t^T|^2 = sum_{t,s} (g_t . g_s)(x_t . x_s), never forming the gradient.
+        return (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+
+    def weighted_grad_sum(
+        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
+    ) -> dict[str, Tensor]:
+        x, g = self._per_sample_rows(module, call, names)
+        weighted = g * weights.to(g.dtype)[:, None, None]
+        return self._split(module, weighted.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2]), names)
+
+
 @register_layer(nn.Linear)
-class LinearKind(LayerKind):
+class LinearKind(_MatrixPerSample):
     """``nn.Linear``: every leading dimension of the input is a sample dimension."""
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
@@ -151,9 +217,8 @@ class LinearKind(LayerKind):
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
         return _statistics_dtype(entry.grad_output_rows())
 
-    def rows_per_sample(self, module: nn.Module, entry: Captured) -> int:
-        x = entry.calls[0].input
-        return 1 if x.dim() <= 2 else int(torch.tensor(x.shape[1:-1]).prod())
+    def batch_size(self, module: nn.Module, entry: Captured) -> int:
+        return sum(x.shape[0] if x.dim() > 1 else 1 for x in entry.inputs())
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
         return _matrix_grad(weight_of(module), bias_of(module), homogeneous)
@@ -161,9 +226,15 @@ class LinearKind(LayerKind):
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
         _set_matrix_grad(weight_of(module), bias_of(module), matrix, homogeneous)
 
+    def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
+        x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
+        if x.dim() == 1:
+            x, g = x[None], g[None]
+        return x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+
 
 @register_layer(nn.Conv2d)
-class Conv2dKind(LayerKind):
+class Conv2dKind(_MatrixPerSample):
     """``nn.Conv2d`` (``groups=1``): a linear map on unfolded input patches, one row per output position."""
 
     def supports(self, module: nn.Module) -> bool:
@@ -185,16 +256,41 @@ class Conv2dKind(LayerKind):
         grads = [_statistics_dtype(_batched(g, 4)) for g in entry.grad_outputs()]
         return torch.cat([g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]) for g in grads])
 
-    def rows_per_sample(self, module: nn.Module, entry: Captured) -> int:
+    def batch_size(self, module: nn.Module, entry: Captured) -> int:
+        return sum(x.shape[0] if x.dim() == 4 else 1 for x in entry.inputs())
+
+    def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
         assert isinstance(module, nn.Conv2d)
-        x = _batched(entry.calls[0].input, 4)
-        return self._patches(module, x[:1]).shape[0]
+        x = _statistics_dtype(_batched(call.input, 4))
+        g = _statistics_dtype(_batched(_grad_output(call), 4))
+        patches = self._patches(module, x).reshape(x.shape[0], -1, module.in_channels * _area(module))
+        return patches, g.flatten(2).transpose(1, 2)
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
         return _matrix_grad(weight_of(module), bias_of(module), homogeneous)
 
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
         _set_matrix_grad(weight_of(module), bias_of(module), matrix, homogeneous)
+
+
+def _split_matrix(matrix: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
+    """Split ``[W | b]`` (optionally batched) into the named parameters' tensors."""
+    if "weight" not in names:
+        return {"bias": matrix[..., 0]}
+    if "bias" not in names:
+        return {"weight": matrix}
+    return {"weight": matrix[..., :-1], "bias": matrix[..., -1]}
+
+
+def _grad_output(call: Call) -> Tensor:
+    grad = call.grad_output
+    if grad is None:
+        raise RuntimeError(f"no output gradient was captured for {call!r}")
+    return grad
+
+
+def _area(conv: nn.Conv2d) -> int:
+    return int(conv.kernel_size[0] * conv.kernel_size[1])
 
 
 def _batched(x: Tensor, dims: int) -> Tensor:
@@ -211,7 +307,91 @@ class EmbeddingKind(LayerKind):
         padding = getattr(module, "padding_idx", None)
         return rows[rows != padding] if padding is not None else rows
 
+    # A sample's gradient adds its output gradient g_t to the row of each index i_t it read.
+    def _indexed(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
+        """Indices ``(batch, positions)`` (-1 at padding) and output gradients ``(batch, positions, dim)``."""
+        index, g = call.input, _statistics_dtype(_grad_output(call))
+        if index.dim() == 1:  # one index per sample
+            index, g = index[:, None], g[:, None]
+        padding = getattr(module, "padding_idx", None)
+        if padding is not None:
+            index = index.masked_fill(index == padding, -1)
+        return index.reshape(index.shape[0], -1), g.reshape(index.shape[0], -1, g.shape[-1])
+
+    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
+        index, g = self._indexed(module, call)
+        weight = weight_of(module)
+        grads = g.new_zeros(index.shape[0], weight.shape[0] + 1, weight.shape[1])  # the last row takes padding
+        grads.scatter_add_(1, index.remainder(weight.shape[0] + 1)[..., None].expand_as(g), g)
+        return {"weight": grads[:, :-1]}
+
+    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
+        index, g = self._indexed(module, call)
+        same_row = (index[:, :, None] == index[:, None, :]) & (index[:, :, None] >= 0)
+        return (torch.bmm(g, g.transpose(1, 2)) * same_row).sum((1, 2))
+
+    def weighted_grad_sum(
+        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
+    ) -> dict[str, Tensor]:
+        index, g = self._indexed(module, call)
+        weight = weight_of(module)
+        kept = index.reshape(-1) >= 0
+        rows = (g * weights.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])[kept]
+        total = g.new_zeros(weight.shape)
+        return {"weight": total.index_add_(0, index.reshape(-1)[kept], rows)}
+
 
 @register_layer(nn.EmbeddingBag)
 class EmbeddingBagKind(EmbeddingKind):
-    """``nn.EmbeddingBag``: the indices of every bag (``padding_idx`` excluded)."""
+    """``nn.EmbeddingBag``: the indices of every bag (``padding_idx`` excluded); per-sample gradients generic."""
+
+    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
+        return _functional_per_sample_grads(module, call, names)
+
+    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
+        return LayerKind.per_sample_sq_norms(self, module, call, names)
+
+    def weighted_grad_sum(
+        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
+    ) -> dict[str, Tensor]:
+        return LayerKind.weighted_grad_sum(self, module, call, names, weights)
+
+
+GENERIC = LayerKind()
+"""The kind of any module without a registered one: only the generic per-sample capabilities."""
+
+
+def _functional_per_sample_grads(module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
+    from torch.func import functional_call, grad, vmap
+
+    if call.grad_outputs is None:
+        raise RuntimeError(f"no output gradients were captured for {call!r}")
+    batch = _batch_of(call)
+    params = dict(module.named_parameters(recurse=False))
+    wanted = {n: params[n].detach() for n in names}
+    fixed = {n: t.detach() for n, t in [*params.items(), *module.named_buffers(recurse=False)] if n not in wanted}
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    batched = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch]
+    reached = [(i, g) for i, g in enumerate(call.grad_outputs) if g is not None]
+
+    def one_sample(weights: dict[str, Tensor], samples: list[Tensor], grads: list[Tensor]) -> Tensor:
+        # The module's output for one sample (as a batch of one), dotted with its output gradient.
+        full = list(leaves)
+        for i, sample in zip(batched, samples, strict=True):
+            full[i] = sample.unsqueeze(0)
+        args, kwargs = tree_unflatten(full, spec)
+        outputs = [t for t in tree_flatten(functional_call(module, {**weights, **fixed}, args, kwargs))[0]]
+        outputs = [t for t in outputs if isinstance(t, Tensor)]
+        total = torch.zeros((), dtype=grads[0].dtype if grads else torch.float32)
+        for (i, _), g in zip(reached, grads, strict=True):
+            total = total + (outputs[i] * g.unsqueeze(0)).sum()
+        return total
+
+    return vmap(grad(one_sample), in_dims=(None, 0, 0))(wanted, [leaves[i] for i in batched], [g for _, g in reached])
+
+
+def _batch_of(call: Call) -> int:
+    first = next((t for t in tree_flatten(call.args)[0] if isinstance(t, Tensor)), None)
+    if first is None or first.dim() == 0:
+        raise RuntimeError(f"cannot tell the batch size of {call!r}: its first tensor argument has no batch dimension")
+    return int(first.shape[0])

@@ -272,3 +272,63 @@ def test_data_parallel_wrapper_is_unwrapped() -> None:
     wrapped(torch.randn(2, 4)).sum().backward()
     optimizer.step()
     assert set(optimizer.log) == {inner[0], inner[2]}
+
+
+def reference_output_grads(model: nn.Module, x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor]:
+    """The gradients reaching each module's output, by retain_grad on a plain forward."""
+    outputs: list[torch.Tensor] = []
+
+    def keep(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.retain_grad()
+        outputs.append(output)
+
+    handles = [m.register_forward_hook(keep) for m in modules]
+    model(x).pow(2).sum().backward()
+    for handle in handles:
+        handle.remove()
+    model.zero_grad()
+    return [o.grad for o in outputs]
+
+
+def test_output_gradients_match_each_call_even_when_a_module_runs_twice() -> None:
+    torch.manual_seed(0)
+    block = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), block, nn.Tanh(), block)
+    x = torch.randn(5, 3)
+    expected = reference_output_grads(model, x, [model[0], block])
+    capture = Capture(model, grad_outputs=True)
+    model(x).pow(2).sum().backward()
+    calls = capture.calls()
+    assert [c.module for c in calls] == [model[0], block, block]
+    for call, want in zip(calls, expected, strict=True):
+        torch.testing.assert_close(call.grad_output, want)
+    entry = capture.inputs()[block]
+    torch.testing.assert_close(entry.grad_output_rows(), torch.cat(expected[1:]))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_output_gradients_under_checkpointing(reentrant: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3, requires_grad=True)
+    expected = reference_output_grads(model, x, [model[0], model[2]])
+    capture = Capture(model, grad_outputs=True)
+    h = checkpoint(nn.Sequential(model[0], model[1]), x, use_reentrant=reentrant)
+    model[2](h).pow(2).sum().backward()
+    grads = {c.module: c.grad_output for c in capture.calls()}
+    assert len(capture.calls()) == 2
+    torch.testing.assert_close(grads[model[0]], expected[0])
+    torch.testing.assert_close(grads[model[2]], expected[1])
+
+
+def test_output_gradients_accumulate_over_micro_batches_in_order() -> None:
+    model = mlp()
+    xs = [torch.randn(n, 4) for n in (2, 3)]
+    expected = [reference_output_grads(model, x, [model[2]])[0] for x in xs]
+    capture = Capture(model, grad_outputs=True)
+    for x in xs:
+        model(x).pow(2).sum().backward()
+    got = capture.inputs()[model[2]].grad_outputs()
+    assert [g.shape[0] for g in got] == [2, 3]
+    for g, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, want)

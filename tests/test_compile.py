@@ -113,3 +113,26 @@ def test_compiled_code_stops_recording_once_the_optimizer_is_gone() -> None:
     for _ in range(3):
         compiled(torch.randn(3, 4)).sum().backward()
     assert log() is None or log().head is None  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_output_gradients_arrive_from_compiled_code_without_graph_breaks(backend: str) -> None:
+    x = torch.randn(5, 4)
+    eager_model, model = MLP(), MLP()
+    eager = Capture(eager_model, grad_outputs=True)
+    eager_model(x).pow(2).sum().backward()
+    capture = Capture(model, grad_outputs=True)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    capture.clear()
+    compiled = torch.compile(model, backend=backend)
+    for _ in range(2):  # the second time from the cached compiled code
+        capture.clear()
+        model.zero_grad()
+        compiled(x).pow(2).sum().backward()
+        got, want = capture.calls(), eager.calls()
+        assert len(got) == len(want) == 2
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.grad_output, b.grad_output)
+        for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)  # the gradients themselves are untouched

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -15,6 +14,7 @@ from torch import nn
 from inputaware_optim import FOOF
 
 from .conftest import mlp
+from .references import conv_patches
 
 
 def least_squares_step(bias: bool, dtype: torch.dtype) -> tuple[nn.Linear, torch.Tensor, torch.Tensor]:
@@ -40,22 +40,6 @@ def test_one_step_lands_on_the_least_squares_solution(bias: bool, dtype: torch.d
         torch.testing.assert_close(layer.bias.detach(), solution[-1], **tolerance)
 
 
-def reference_patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """Patch rows by explicit slicing: one row per (sample, output position), as conv sees them."""
-    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-    x = F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)
-    (kh, kw), (sh, sw), (dh, dw) = conv.kernel_size, conv.stride, conv.dilation
-    out_h = (x.shape[2] - dh * (kh - 1) - 1) // sh + 1
-    out_w = (x.shape[3] - dw * (kw - 1) - 1) // sw + 1
-    rows = []
-    for b in range(x.shape[0]):
-        for i in range(out_h):
-            for j in range(out_w):
-                patch = x[b, :, i * sh : i * sh + dh * (kh - 1) + 1 : dh, j * sw : j * sw + dw * (kw - 1) + 1 : dw]
-                rows.append(patch.reshape(-1))
-    return torch.stack(rows)
-
-
 @pytest.mark.parametrize(
     "conv",
     [
@@ -75,7 +59,7 @@ def test_conv2d_gradient_is_preconditioned_by_explicit_patch_statistics(conv: nn
     grad = conv.weight.grad.reshape(conv.out_channels, -1)
     if conv.bias is not None:
         grad = torch.cat([grad, conv.bias.grad[:, None]], dim=1)
-    rows = reference_patches(conv, x)
+    rows = conv_patches(conv, x)
     if conv.bias is not None:
         rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
     moment = rows.T @ rows / rows.shape[0]
@@ -107,7 +91,7 @@ def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
     train(b, ob, whole)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(oa.state[a[0].weight]["preconditioner"], ob.state[b[0].weight]["preconditioner"])
+    torch.testing.assert_close(oa.state[a[0].weight]["input_inverse"], ob.state[b[0].weight]["input_inverse"])
 
 
 @given(order=st.permutations(range(4)))
@@ -151,7 +135,7 @@ def test_running_moment_and_refresh_schedule() -> None:
         optimizer.step()
         state = optimizer.state[model[0].weight]
         torch.testing.assert_close(state["input_second_moment"], ema)
-        seen.append(state["preconditioner"].clone())
+        seen.append(state["input_inverse"].clone())
         if step % 3 == 0:
             torch.testing.assert_close(
                 seen[-1], torch.linalg.inv(ema.double() + 1e-2 * torch.eye(5, dtype=torch.float64)).float()

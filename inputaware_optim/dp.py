@@ -1,0 +1,264 @@
+"""DP-SGD / DP-AdamW: per-sample gradient clipping with Gaussian noise (Abadi et al. 2016)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .adamw import InputAwareAdamW
+from .base import InputAwareOptimizer
+from .distributed import all_reduce_sum_
+from .inputs import Call, Inputs
+from .layers import GENERIC, _batch_of, layer_kind
+from .sgd import InputAwareSGD
+
+__all__ = ["DPSGD", "DPAdamW"]
+
+_DOC = r"""
+
+    Each step replaces the gradient of every parameter by its differentially private
+    estimate (Abadi et al. 2016), then applies the stock update:
+
+    .. math::
+        \tilde g = \frac{1}{B}\Big(\sum_{i=1}^{B} g_i \min\big(1, \tfrac{C}{\lVert g_i\rVert}\big)
+            + \mathcal N(0, \sigma^2 C^2 I)\Big)
+
+    where :math:`g_i` is sample :math:`i`'s gradient of its own loss over *all* parameters of
+    the optimizer, :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier``
+    (with ``loss_reduction="sum"`` the division by :math:`B` is left out, as the loss was a sum).
+    Per-sample gradients come from each captured call's inputs and output gradients:
+    closed forms for ``nn.Linear`` and ``nn.Conv2d`` (the ghost norm, which never forms a
+    batch × parameters tensor, including for sequence inputs), ``nn.Embedding``, and
+    ``torch.func``'s ``vmap(grad)`` over the module's forward for any other layer.
+    The noise comes from ``generator`` (default: a generator seeded from torch's global
+    RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
+
+    Micro-batches (gradient accumulation) are separate samples of one step; each module
+    must be called once per micro-batch. Under ``DistributedDataParallel`` each rank clips
+    its own samples, the clipped sums are added across ranks, the noise is drawn once (on
+    rank 0) and the result divided by the global batch, so every replica applies the same
+    update. Layers that mix samples (``BatchNorm``) are refused.
+
+    Privacy accounting (the :math:`(\varepsilon, \delta)` a run spends) is out of scope: use
+    an accountant (for example Opacus's RDP accountant) with this ``noise_multiplier``, the
+    sampling rate and the number of steps. The guarantee also assumes how batches are drawn
+    (Poisson sampling in the analysis); fixed-size shuffled batches are the usual approximation.
+
+    Args:
+        model: The model.
+        lr: Learning rate.
+        max_grad_norm: :math:`C`, the L2 bound on each sample's gradient (> 0).
+        noise_multiplier: :math:`\sigma` (>= 0; 0 turns the noise off).
+        loss_reduction: ``"mean"`` (the loss averaged over the batch) or ``"sum"``.
+        generator: The ``torch.Generator`` the noise is drawn from.
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+    """
+
+
+class _PerSampleClipping(InputAwareOptimizer):
+    """The privatization shared by DPSGD and DPAdamW."""
+
+    capture_grad_outputs = True
+
+    def _setup_privacy(
+        self, max_grad_norm: float, noise_multiplier: float, loss_reduction: str, generator: torch.Generator | None
+    ) -> None:
+        if generator is None:
+            generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+        self._generator = generator
+        self._set_group_defaults(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
+        for group in self.param_groups:
+            _check_privacy(group["max_grad_norm"], group["noise_multiplier"], loss_reduction)
+            if (group["max_grad_norm"], group["noise_multiplier"]) != (max_grad_norm, noise_multiplier):
+                raise ValueError(
+                    "max_grad_norm and noise_multiplier bound each sample's gradient over all parameters at "
+                    "once, so every param group must use the same values"
+                )
+        self._loss_reduction = loss_reduction
+        for module in self.capture.modules:
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                raise ValueError(
+                    f"{type(self).__name__} cannot clip per-sample gradients through {self.capture.name(module)} "
+                    f"({type(module).__name__} mixes the samples of a batch); use GroupNorm or LayerNorm instead"
+                )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+        """Replace every gradient by its clipped, noised estimate, then take the stock step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        assert inputs is not None
+        private = self._private_gradients(inputs)
+        for param, grad in private.items():
+            assert param.grad is not None
+            param.grad.copy_(grad)
+        super().step(inputs=inputs)
+        return loss
+
+    def _private_gradients(self, inputs: Inputs) -> dict[Tensor, Tensor]:
+        targets = [p for p in self._params() if p.grad is not None]
+        if not targets:
+            return {}
+        group = self.param_groups[0]
+        clip, sigma = float(group["max_grad_norm"]), float(group["noise_multiplier"])
+        plan = self._plan(targets, inputs)
+        batch_sizes = [_batch_of(call) for call in plan.calls_of[plan.modules[0]]]
+        local_batch = sum(batch_sizes)
+        offsets = [sum(batch_sizes[:k]) for k in range(len(batch_sizes))]
+
+        # Each sample's share of the captured gradient, scaled to the gradient of its own loss.
+        scale = float(local_batch) if self._loss_reduction == "mean" else 1.0
+        squared = torch.zeros(local_batch, dtype=torch.float64)
+        tied: dict[Tensor, list[Tensor]] = {}
+        for module in plan.modules:
+            kind = layer_kind(module) or GENERIC
+            names = plan.single_owner[module]
+            for k, call in enumerate(plan.calls_of[module] if names else []):
+                window = slice(offsets[k], offsets[k] + batch_sizes[k])
+                squared[window] += kind.per_sample_sq_norms(module, call, names).double().cpu()
+        for tied_param, owners in plan.tied.items():
+            per_call = []
+            for k in range(len(batch_sizes)):
+                shares = [self._owned_grad(owner, name, plan.calls_of[owner][k]) for owner, name in owners]
+                per_call.append(sum(shares[1:], shares[0]))
+            tied[tied_param] = per_call
+            for k, sample_grads in enumerate(per_call):
+                window = slice(offsets[k], offsets[k] + batch_sizes[k])
+                squared[window] += sample_grads.reshape(sample_grads.shape[0], -1).double().pow(2).sum(1).cpu()
+        norms = scale * squared.sqrt()
+        weights = scale * (clip / (norms + 1e-6)).clamp(max=1.0)
+
+        sums = {p: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in targets}
+        for module in plan.modules:
+            kind = layer_kind(module) or GENERIC
+            names = plan.single_owner[module]
+            for k, call in enumerate(plan.calls_of[module] if names else []):
+                w = weights[offsets[k] : offsets[k] + batch_sizes[k]]
+                for name, total in kind.weighted_grad_sum(module, call, names, w).items():
+                    owned = module._parameters[name]
+                    assert owned is not None
+                    sums[owned] += total.to(sums[owned].device, sums[owned].dtype)
+        for tied_param, per_call in tied.items():
+            for k, sample_grads in enumerate(per_call):
+                w = weights[offsets[k] : offsets[k] + batch_sizes[k]].to(sample_grads.device, sample_grads.dtype)
+                sums[tied_param] += torch.tensordot(w, sample_grads, dims=1).to(sums[tied_param].dtype)
+
+        data_parallel = self.data_parallel_group
+        if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
+            for total in sums.values():
+                noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
+                total += (noise * (sigma * clip)).to(total.device, total.dtype)
+        count = torch.tensor(float(local_batch), dtype=torch.float64)
+        all_reduce_sum_([*sums.values(), count], data_parallel)
+        divisor = float(count) if self._loss_reduction == "mean" else 1.0
+        return {p: total / divisor for p, total in sums.items()}
+
+    def _owned_grad(self, module: nn.Module, name: str, call: Call) -> Tensor:
+        kind = layer_kind(module) or GENERIC
+        return kind.per_sample_grads(module, call, [name])[name]
+
+    def _plan(self, targets: list[Tensor], inputs: Inputs) -> _Plan:
+        """Which module computes which parameter's per-sample gradients; raises before any change."""
+        plan = _Plan()
+        capture = self.capture
+        for param in targets:
+            owners = capture.owners(param)
+            uncalled = [capture.name(m) for m in owners if inputs.get(m) is None]
+            if not owners or uncalled:
+                where = ", ".join(uncalled) or "a module the optimizer does not capture"
+                raise RuntimeError(
+                    f"{type(self).__name__} cannot compute per-sample gradients of a parameter of shape "
+                    f"{tuple(param.shape)}: no forward call of {where} was captured this step (a weight used "
+                    "without calling its module, as nn.MultiheadAttention does with out_proj, is not "
+                    "supported). No parameter was changed"
+                )
+            pairs = [(m, n) for m in owners for n, p in m._parameters.items() if p is param]
+            for module, _ in pairs:
+                if module not in plan.calls_of:
+                    plan.modules.append(module)
+                    plan.calls_of[module] = inputs[module].calls
+                    plan.single_owner[module] = []
+            if len(pairs) == 1:
+                plan.single_owner[pairs[0][0]].append(pairs[0][1])
+            else:
+                plan.tied[param] = pairs
+        counts = {capture.name(m): len(calls) for m, calls in plan.calls_of.items()}
+        if len(set(counts.values())) != 1:
+            raise RuntimeError(
+                f"{type(self).__name__} needs each module called once per micro-batch, but the captured calls "
+                f"per module differ ({counts}); a module called twice in one forward is not supported. "
+                "No parameter was changed"
+            )
+        sizes = {capture.name(m): [_batch_of(c) for c in calls] for m, calls in plan.calls_of.items()}
+        if len({tuple(v) for v in sizes.values()}) != 1:
+            raise RuntimeError(f"the captured calls disagree on the batch size of each micro-batch: {sizes}")
+        return plan
+
+
+class _Plan:
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []
+        self.calls_of: dict[nn.Module, list[Call]] = {}
+        self.single_owner: dict[nn.Module, list[str]] = {}
+        self.tied: dict[Tensor, list[tuple[nn.Module, str]]] = {}
+
+
+def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:
+    if not max_grad_norm > 0.0:
+        raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0)")
+    if not noise_multiplier >= 0.0:
+        raise ValueError(f"Invalid noise_multiplier: {noise_multiplier} (must be >= 0)")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
+
+
+class DPSGD(_PerSampleClipping, InputAwareSGD):
+    __doc__ = (
+        "SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).\n\n    ``DPSGD(model, lr, "
+        'max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean", generator=None, params=None, '
+        "**sgd_kwargs)``" + _DOC
+    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float = 1.0,
+        *,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        params: Any = None,
+        **sgd_kwargs: Any,
+    ) -> None:
+        _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
+        super().__init__(model, params, lr=lr, **sgd_kwargs)
+        self._setup_privacy(max_grad_norm, noise_multiplier, loss_reduction, generator)
+
+
+class DPAdamW(_PerSampleClipping, InputAwareAdamW):
+    __doc__ = (
+        "AdamW with per-sample gradient clipping and Gaussian noise (DP-Adam with decoupled weight decay)."
+        '\n\n    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean", '
+        "generator=None, params=None, **adamw_kwargs)``" + _DOC
+    )
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float = 1.0,
+        *,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        params: Any = None,
+        **adamw_kwargs: Any,
+    ) -> None:
+        _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
+        super().__init__(model, params, lr=lr, **adamw_kwargs)
+        self._setup_privacy(max_grad_norm, noise_multiplier, loss_reduction, generator)

@@ -1,0 +1,86 @@
+"""K-FAC: Kronecker-factored approximate curvature from inputs and output gradients."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torch import Tensor, nn
+
+from .inputs import Captured
+from .kronecker import KroneckerRule
+from .layers import Layer
+
+__all__ = ["KFAC"]
+
+
+class KFAC(KroneckerRule):
+    r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
+
+    ``KFAC(model, lr, momentum=0.9, damping=1e-3, stat_decay=0.95, update_every=10, *,
+    batch_averaged=True, params=None, **sgd_kwargs)``
+
+    For each ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``), with :math:`\tilde x` the input
+    rows (a 1 appended when the bias is trained), :math:`g` the gradient that reached the
+    layer's output (one row per sample and position), :math:`B` the batch size and
+    :math:`\tilde G` the weight-and-bias gradient:
+
+    .. math::
+        A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \qquad
+        G = B \sum_r g_r g_r^\top, \qquad
+        \tilde G \leftarrow (\bar G + \sqrt{\lambda} I)^{-1}\, \tilde G\, (\bar A + \sqrt{\lambda} I)^{-1}
+
+    :math:`G` is the second moment of the per-example output derivative
+    :math:`Ds = B g` of a loss averaged over the batch (``batch_averaged=True``; for a summed
+    loss, :math:`g` is already per example and :math:`G = \frac1B\sum_r g_r g_r^\top`). Both
+    factors keep running averages (:math:`\bar A, \bar G`, decay ``stat_decay``; the first step
+    takes its own) whose damped inverses are refreshed every ``update_every`` steps (Cholesky,
+    float64). Then the SGD momentum update runs, with torch's kernel. Micro-batches combine
+    as their concatenation; under data parallelism both factors combine over the ranks.
+
+    Output gradients are captured for the supported layers (``capture_grad_outputs``).
+    State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
+    ``output_grad_second_moment``, ``output_grad_inverse`` and ``statistics_steps``.
+
+    Args:
+        model: The model.
+        lr: Learning rate.
+        momentum: SGD momentum factor.
+        damping: :math:`\lambda`; each factor is damped by :math:`\sqrt\lambda` (>= 0).
+        stat_decay: Decay of the running factors, in [0, 1).
+        update_every: Refresh the inverses every this many steps (>= 1).
+        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
+
+    References:
+        James Martens and Roger Grosse, "Optimizing Neural Networks with Kronecker-factored
+        Approximate Curvature", ICML 2015. Roger Grosse and James Martens, "A Kronecker-factored
+        approximate Fisher matrix for convolution layers", ICML 2016.
+    """
+
+    capture_grad_outputs = True
+    factors = ("input", "output_grad")
+
+    def __init__(self, model: nn.Module, lr: float, *args: Any, batch_averaged: bool = True, **kwargs: Any) -> None:
+        super().__init__(model, lr, *args, **kwargs)
+        self._set_group_defaults(batch_averaged=bool(batch_averaged))
+
+    def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:
+        module, kind = layer.module, layer.kind
+        rows = kind.input_rows(module, entry, layer.homogeneous)
+        grads = kind.output_grad_rows(module, entry)
+        batch = float(kind.batch_size(module, entry))
+        scale = batch * batch if layer.group["batch_averaged"] else 1.0
+        return {
+            "input": (rows.T @ rows, rows.new_tensor(float(rows.shape[0]))),
+            # Summing (B^2 sum g g^T) and B over micro-batches and ranks, then dividing, gives
+            # G = E[sum over positions of Ds Ds^T] whatever the split.
+            "output_grad": ((grads.T @ grads) * scale, grads.new_tensor(batch)),
+        }
+
+    def _damping(self, group: dict[str, Any], factor: str) -> float:
+        return math.sqrt(float(group["damping"]))
+
+    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
+        return inverses["output_grad"].to(matrix.dtype) @ matrix @ inverses["input"].to(matrix.dtype)

@@ -1,0 +1,161 @@
+"""The machinery FOOF and K-FAC share: Kronecker factors from captured calls, kept and inverted.
+
+A layer ``y = W̃ x̃`` has a gradient ``G̃`` (bias as its last column). A Kronecker rule
+builds, per layer and step, second-moment factors from the captured calls (the inputs
+for both rules, the output gradients too for K-FAC), keeps their running averages,
+refreshes their damped inverses every ``update_every`` steps and replaces ``G̃`` by a
+preconditioned one before the stock SGD update. Each factor is a ratio of sums
+(numerator, denominator) so that micro-batches and data-parallel ranks combine exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .distributed import all_reduce_sum_
+from .inputs import Captured, Inputs
+from .layers import Layer, bias_of, weight_of
+from .sgd import InputAwareSGD
+
+__all__ = ["KroneckerRule", "damped_inverse"]
+
+
+class KroneckerRule(InputAwareSGD):
+    """Base of the Kronecker-factored rules; subclasses name their factors and how to apply them.
+
+    Subclasses set ``factors`` (the names of their Kronecker factors), implement
+    ``_factor_sums`` (this step's numerator and denominator per factor) and
+    ``_precondition`` (the new gradient matrix from the old one and the damped inverses),
+    and may override ``_damping`` (the damping added to each factor before inverting).
+
+    State per preconditioned weight: ``<factor>_second_moment`` (running average),
+    ``<factor>_inverse`` (damped inverse) for each factor, and ``statistics_steps``.
+    """
+
+    captured_module_types = (nn.Linear, nn.Conv2d)
+    factors: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float,
+        momentum: float = 0.9,
+        damping: float = 1e-3,
+        stat_decay: float = 0.95,
+        update_every: int = 10,
+        *,
+        params: Any = None,
+        **sgd_kwargs: Any,
+    ) -> None:
+        _check_hyperparameters(damping, stat_decay, update_every)
+        super().__init__(model, params, lr=lr, momentum=momentum, **sgd_kwargs)
+        self._set_group_defaults(damping=damping, stat_decay=stat_decay, update_every=update_every)
+        for group in self.param_groups:
+            _check_hyperparameters(group["damping"], group["stat_decay"], group["update_every"])
+        self._refuse_sharded_parameters()
+        self._warn_if_no_layers("input_rows", "nn.Linear or nn.Conv2d (groups=1)")
+
+    def _refuse_sharded_parameters(self) -> None:
+        for p in self._params():
+            if getattr(p, "device_mesh", None) is not None:
+                raise NotImplementedError(
+                    f"{type(self).__name__} does not support sharded (FSDP2 / DTensor) parameters yet: its "
+                    "preconditioner needs whole weight matrices. Use DistributedDataParallel, or "
+                    "InputAwareAdamW / LazyAdamW under FSDP2"
+                )
+
+    # -- what subclasses provide ----------------------------------------------------------
+    def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:
+        raise NotImplementedError
+
+    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def _damping(self, group: dict[str, Any], factor: str) -> float:
+        return float(group["damping"])
+
+    # -- the step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+        """Precondition the gradients of the supported layers, then take the SGD step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        assert inputs is not None
+        layers, sums = self._step_statistics(inputs)
+        # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
+        updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
+        for layer, (state, moments, inverses) in zip(layers, updates, strict=True):
+            for factor in self.factors:
+                state[f"{factor}_second_moment"] = moments[factor]
+                state[f"{factor}_inverse"] = inverses[factor]
+            state["statistics_steps"] = state.get("statistics_steps", 0) + 1
+            matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
+            layer.kind.set_grad_matrix(layer.module, self._precondition(layer, matrix, inverses), layer.homogeneous)
+        super().step(inputs=inputs)
+        return loss
+
+    def _step_statistics(self, inputs: Inputs) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
+        """This step's factor sums for every layer with gradients and captured calls, summed over ranks."""
+        layers, sums = [], []
+        for layer in self._layers("input_rows"):
+            weight, bias = weight_of(layer.module), bias_of(layer.module)
+            if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
+                continue
+            entry = inputs.get(weight)
+            if entry is None:  # nothing captured (Inputs warns): plain SGD for this layer
+                continue
+            layers.append(layer)
+            sums.append(self._factor_sums(layer, entry))
+        all_reduce_sum_(
+            [t for factor_sums in sums for pair in factor_sums.values() for t in pair], self.data_parallel_group
+        )
+        return layers, sums
+
+    def _refreshed(
+        self, layer: Layer, factor_sums: dict[str, tuple[Tensor, Tensor]]
+    ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor]]:
+        state = self.state[weight_of(layer.module)]
+        group = layer.group
+        refresh = state.get("statistics_steps", 0) % group["update_every"] == 0
+        moments, inverses = {}, {}
+        for factor, (numerator, denominator) in factor_sums.items():
+            moment = numerator / denominator
+            previous = state.get(f"{factor}_second_moment")
+            if previous is not None:  # the first step takes this step's moment as it is
+                moment = previous * group["stat_decay"] + moment * (1 - group["stat_decay"])
+            inverse = state.get(f"{factor}_inverse")
+            if inverse is None or refresh:
+                name = f"{self.capture.name(layer.module)} ({factor})"
+                inverse = damped_inverse(moment, self._damping(group, factor), name)
+            moments[factor], inverses[factor] = moment, inverse
+        return state, moments, inverses
+
+
+def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
+    """:math:`(M + \\lambda I)^{-1}` by Cholesky in float64, returned in ``matrix``'s dtype.
+
+    Raises:
+        RuntimeError: If the damped matrix is not positive definite (damping too small).
+    """
+    damped = matrix.double() + damping * torch.eye(matrix.shape[0], dtype=torch.float64, device=matrix.device)
+    factor, info = torch.linalg.cholesky_ex(damped)
+    if info.item() != 0:
+        raise RuntimeError(
+            f"the damped statistics of {name} are not positive definite (damping={damping}); "
+            "increase damping. No parameter was changed by this step"
+        )
+    return torch.cholesky_inverse(factor).to(matrix.dtype)
+
+
+def _check_hyperparameters(damping: float, stat_decay: float, update_every: int) -> None:
+    if not damping >= 0.0:
+        raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
+    if not 0.0 <= stat_decay < 1.0:
+        raise ValueError(f"Invalid stat_decay: {stat_decay} (must be in [0, 1))")
+    if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+        raise ValueError(f"Invalid update_every: {update_every!r} (must be an integer >= 1)")

@@ -1,0 +1,125 @@
+"""K-FAC against the explicit solve with the dense Kronecker product, built in float64."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from inputaware_optim import KFAC
+
+from .references import conv_patches, output_grads, with_ones
+
+
+def dense_kronecker_step(grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, damping: float) -> torch.Tensor:
+    """Solve (A_d ⊗ G_d) vec(U) = vec(grad) with the Kronecker product materialized (vec: column-major)."""
+    eye_a, eye_g = torch.eye(a.shape[0], dtype=a.dtype), torch.eye(g.shape[0], dtype=g.dtype)
+    kron = torch.kron(a + math.sqrt(damping) * eye_a, g + math.sqrt(damping) * eye_g)
+    solution = torch.linalg.solve(kron, grad.T.reshape(-1))
+    return solution.reshape(grad.shape[1], grad.shape[0]).T
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.fc = nn.Linear(3 * 4 * 4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.conv(x)).flatten(1))
+
+
+def test_preconditioned_gradient_equals_the_dense_kronecker_solve() -> None:
+    model = Net().double()
+    x = torch.randn(5, 2, 4, 4, dtype=torch.float64)
+    target = torch.randn(5, 4, dtype=torch.float64)
+
+    def loss_of(m: nn.Module) -> torch.Tensor:
+        return 0.5 * (m(x) - target).pow(2).sum(dim=1).mean()
+
+    conv_g, fc_g = output_grads(model, [model.conv, model.fc], loss_of)
+    damping = 1e-2
+    optimizer = KFAC(model, lr=1.0, momentum=0.0, damping=damping)
+    loss_of(model).backward()
+    grads = {
+        "conv": torch.cat([model.conv.weight.grad.reshape(3, -1), model.conv.bias.grad[:, None]], 1),
+        "fc": torch.cat([model.fc.weight.grad, model.fc.bias.grad[:, None]], 1),
+    }
+    with torch.no_grad():
+        hidden = torch.tanh(model.conv(x)).flatten(1)
+    rows = {"conv": with_ones(conv_patches(model.conv, x)), "fc": with_ones(hidden)}
+    ds = {  # per-example output derivatives: the loss is a mean over 5 samples
+        "conv": 5 * conv_g.permute(0, 2, 3, 1).reshape(-1, 3),
+        "fc": 5 * fc_g,
+    }
+    expected = {}
+    for name in ("conv", "fc"):
+        a = rows[name].T @ rows[name] / rows[name].shape[0]
+        g = ds[name].T @ ds[name] / 5  # E over examples of the sum over positions
+        expected[name] = dense_kronecker_step(grads[name], a, g, damping)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    steps = {n: before[n] - p.detach() for n, p in model.named_parameters()}
+    torch.testing.assert_close(steps["conv.weight"].reshape(3, -1), expected["conv"][:, :-1])
+    torch.testing.assert_close(steps["conv.bias"], expected["conv"][:, -1])
+    torch.testing.assert_close(steps["fc.weight"], expected["fc"][:, :-1])
+    torch.testing.assert_close(steps["fc.bias"], expected["fc"][:, -1])
+
+
+def run(model: nn.Module, optimizer: Any, steps: list[list[torch.Tensor]], reduction: str = "mean") -> None:
+    for micro_batches in steps:
+        optimizer.zero_grad()
+        for x in micro_batches:
+            out = model(x).pow(2).sum(dim=1)
+            loss = out.mean() / len(micro_batches) if reduction == "mean" else out.sum()
+            loss.backward()
+        optimizer.step()
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
+    generator = torch.Generator().manual_seed(0)
+    micro = [[torch.randn(3, 4, generator=generator, dtype=torch.float64) for _ in range(3)] for _ in range(3)]
+    a, b = mlp(), mlp()
+    oa, ob = KFAC(a, lr=0.1, update_every=2), KFAC(b, lr=0.1, update_every=2)
+    run(a, oa, micro)
+    run(b, ob, [[torch.cat(m)] for m in micro])
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    for key in ("input_inverse", "output_grad_inverse"):
+        torch.testing.assert_close(oa.state[a[0].weight][key], ob.state[b[0].weight][key])
+
+
+@given(batch=st.integers(2, 6))
+def test_a_summed_loss_gives_the_same_factors_and_a_batch_times_larger_step(batch: int) -> None:
+    x = torch.randn(batch, 4, generator=torch.Generator().manual_seed(batch), dtype=torch.float64)
+    mean_model, sum_model = mlp(), mlp()
+    mean_opt = KFAC(mean_model, lr=0.1, momentum=0.0)
+    sum_opt = KFAC(sum_model, lr=0.1 / batch, momentum=0.0, batch_averaged=False)
+    run(mean_model, mean_opt, [[x]], "mean")
+    run(sum_model, sum_opt, [[x]], "sum")
+    for p, q in zip(mean_model.parameters(), sum_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    torch.testing.assert_close(
+        mean_opt.state[mean_model[2].weight]["output_grad_second_moment"],
+        sum_opt.state[sum_model[2].weight]["output_grad_second_moment"],
+    )
+
+
+def test_captures_output_gradients_by_itself_and_validates() -> None:
+    optimizer = KFAC(mlp(), lr=0.1)
+    assert optimizer.capture.grad_outputs
+    with pytest.raises(ValueError, match="Invalid damping"):
+        KFAC(mlp(), lr=0.1, damping=-1.0)
+    with pytest.raises(ValueError, match="Invalid update_every"):
+        KFAC(mlp(), lr=0.1, update_every=0)

@@ -231,6 +231,14 @@ class InputAwareOptimizer(Optimizer):
             stacklevel=3,
         )
 
+    def _refuse_sharded_parameters(self, why: str) -> None:
+        """Raise at construction if any parameter is sharded (FSDP2 / DTensor): the rule needs whole tensors."""
+        if any(getattr(p, "device_mesh", None) is not None for p in self._params()):
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support sharded (FSDP2 / DTensor) parameters yet: {why}. "
+                "Use DistributedDataParallel, or InputAwareAdamW / InputAwareSGD / LazyAdamW under FSDP2"
+            )
+
     def _set_group_defaults(self, **hyperparameters: Any) -> None:
         """Add a rule's hyperparameters to ``defaults`` and to every group that lacks them."""
         self.defaults.update(hyperparameters)

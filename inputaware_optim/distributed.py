@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["all_reduce_sum_", "data_parallel_group"]
+__all__ = ["all_reduce_sum_", "data_parallel_group", "local_tensor"]
 
 
 def data_parallel_group(model: nn.Module) -> Any:
@@ -50,3 +50,9 @@ def all_reduce_sum_(tensors: Sequence[Tensor], group: Any) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2), which in-place updates write through; else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t

@@ -77,6 +77,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "once, so every param group must use the same values"
                 )
         self._loss_reduction = loss_reduction
+        self._refuse_sharded_parameters("per-sample gradients need each layer's whole parameters")
         for module in self.capture.modules:
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 raise ValueError(

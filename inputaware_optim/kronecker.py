@@ -55,17 +55,8 @@ class KroneckerRule(InputAwareSGD):
         self._set_group_defaults(damping=damping, stat_decay=stat_decay, update_every=update_every)
         for group in self.param_groups:
             _check_hyperparameters(group["damping"], group["stat_decay"], group["update_every"])
-        self._refuse_sharded_parameters()
+        self._refuse_sharded_parameters("its preconditioner needs whole weight matrices")
         self._warn_if_no_layers("input_rows", "nn.Linear or nn.Conv2d (groups=1)")
-
-    def _refuse_sharded_parameters(self) -> None:
-        for p in self._params():
-            if getattr(p, "device_mesh", None) is not None:
-                raise NotImplementedError(
-                    f"{type(self).__name__} does not support sharded (FSDP2 / DTensor) parameters yet: its "
-                    "preconditioner needs whole weight matrices. Use DistributedDataParallel, or "
-                    "InputAwareAdamW / LazyAdamW under FSDP2"
-                )
 
     # -- what subclasses provide ----------------------------------------------------------
     def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:

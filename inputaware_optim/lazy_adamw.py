@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .adamw import InputAwareAdamW
 from .capture import unwrap_model
+from .distributed import local_tensor as _local
 from .inputs import Inputs
 from .layers import layer_kind, weight_of
 
@@ -126,8 +127,6 @@ class LazyAdamW(InputAwareAdamW):
 
     def _update_rows(self, weight: Tensor, rows: Tensor, group: dict[str, Any]) -> None:
         state = self.state[weight]
-        grad = weight.grad
-        assert grad is not None
         if not state:
             on_device = group.get("fused") or group.get("capturable")
             state["step"] = torch.zeros((), dtype=torch.float32, device=weight.device if on_device else "cpu")
@@ -137,41 +136,57 @@ class LazyAdamW(InputAwareAdamW):
                 state["max_exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
         state["step"] += 1
         step = state["step"].item()
+        rows = _local_rows(weight, rows)
         if rows.numel() == 0:
             return
-        if grad.is_sparse:  # sparse=True embeddings: read the touched rows out of the coalesced gradient
-            grad = grad.coalesce()
-            indices, values = grad.indices()[0], grad.values()
-            position = torch.searchsorted(indices, rows).clamp_(max=max(indices.numel() - 1, 0))
-            found = (
-                (indices[position] == rows).unsqueeze(1) if indices.numel() else rows.new_zeros(0, 1, dtype=torch.bool)
-            )
-            g = (
-                torch.where(found, values[position], 0)
-                if indices.numel()
-                else weight.new_zeros(rows.numel(), weight.shape[1])
-            )
-        else:
-            g = grad.index_select(0, rows)
+        assert weight.grad is not None
+        g = _gradient_rows(_local(weight.grad), rows)
         if group["maximize"]:
             g = -g
         beta1, beta2 = group["betas"]
         lr = float(group["lr"])
-        theta = weight.index_select(0, rows)
-        theta.mul_(1 - lr * group["weight_decay"])
-        exp_avg = state["exp_avg"].index_select(0, rows).lerp_(g, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].index_select(0, rows).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        param, exp_avg_all, exp_avg_sq_all = _local(weight), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+        theta = param.index_select(0, rows).mul_(1 - lr * group["weight_decay"])
+        exp_avg = exp_avg_all.index_select(0, rows).lerp_(g, 1 - beta1)
+        exp_avg_sq = exp_avg_sq_all.index_select(0, rows).mul_(beta2).addcmul_(g, g, value=1 - beta2)
         second = exp_avg_sq
         if group["amsgrad"]:
-            second = torch.maximum(state["max_exp_avg_sq"].index_select(0, rows), exp_avg_sq)
-            state["max_exp_avg_sq"].index_copy_(0, rows, second)
+            max_all = _local(state["max_exp_avg_sq"])
+            second = torch.maximum(max_all.index_select(0, rows), exp_avg_sq)
+            max_all.index_copy_(0, rows, second)
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = math.sqrt(1 - beta2**step)
         denom = (second.sqrt() / bias_correction2_sqrt).add_(group["eps"])
         theta.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-        weight.index_copy_(0, rows, theta)
-        state["exp_avg"].index_copy_(0, rows, exp_avg)
-        state["exp_avg_sq"].index_copy_(0, rows, exp_avg_sq)
+        param.index_copy_(0, rows, theta)
+        exp_avg_all.index_copy_(0, rows, exp_avg)
+        exp_avg_sq_all.index_copy_(0, rows, exp_avg_sq)
+
+
+def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:
+    """The global ``rows`` that this rank's shard holds, as indices into the shard."""
+    mesh = getattr(weight, "device_mesh", None)
+    if mesh is None:
+        return rows
+    placements = weight.placements  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or not placements[0].is_shard(0):
+        raise NotImplementedError(f"LazyAdamW supports embeddings sharded on their rows only, got {placements}")
+    chunk = -(-weight.shape[0] // mesh.size())  # FSDP2 shards like torch.chunk: ceil(rows / ranks) each
+    start = mesh.get_local_rank() * chunk
+    held = _local(weight).shape[0]
+    return rows[(rows >= start) & (rows < start + held)] - start
+
+
+def _gradient_rows(grad: Tensor, rows: Tensor) -> Tensor:
+    if not grad.is_sparse:
+        return grad.index_select(0, rows)
+    # sparse=True embeddings: read the touched rows out of the coalesced gradient.
+    grad = grad.coalesce()
+    indices, values = grad.indices()[0], grad.values()
+    if indices.numel() == 0:
+        return values.new_zeros(rows.numel(), *values.shape[1:])
+    position = torch.searchsorted(indices, rows).clamp_(max=indices.numel() - 1)
+    return torch.where((indices[position] == rows).unsqueeze(1), values[position], 0)
 
 
 @contextmanager

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .distributed import all_reduce_sum_
+from .distributed import all_reduce_sum_, local_tensor
 from .inputs import Inputs
 from .layers import bias_of, weight_of
 from .sgd import InputAwareSGD
@@ -81,6 +81,6 @@ class NLMS(InputAwareSGD):
             scale = 1.0 / (layer.group["eps"] + power / count)
             for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
                 if param is not None and param.grad is not None:
-                    param.grad.mul_(scale.to(param.grad.dtype))
+                    local_tensor(param.grad).mul_(scale.to(param.grad.dtype))
         super().step(inputs=inputs)
         return loss

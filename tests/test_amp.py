@@ -86,3 +86,20 @@ def test_a_rule_sees_unscaled_gradients_and_skipped_steps_drop_their_captures() 
         reference(x).float().pow(2).mean().backward()
     for got, want in zip(rule.grads, (p.grad for p in reference.parameters()), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)  # unscaled before the rule ran
+
+
+def test_rules_keep_float32_statistics_under_bfloat16_autocast() -> None:
+    from inputaware_optim import FOOF, KFAC
+
+    for cls in (FOOF, KFAC):
+        model = mlp()
+        optimizer = cls(model, lr=0.01)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(torch.randn(6, 4)).float().pow(2).mean()
+        loss.backward()
+        assert optimizer.capture.inputs()[model[2]].calls[0].args[0].dtype == torch.bfloat16
+        optimizer.step()
+        for key, value in optimizer.state[model[2].weight].items():
+            if isinstance(value, torch.Tensor) and key != "momentum_buffer":
+                assert value.dtype == torch.float32, (cls.__name__, key)
+        assert all(torch.isfinite(p).all() for p in model.parameters())

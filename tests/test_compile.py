@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from inputaware_optim import Capture, InputAwareSGD
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Capture, InputAwareSGD, LazyAdamW
 
 from .conftest import mlp
 
@@ -136,3 +136,61 @@ def test_output_gradients_arrive_from_compiled_code_without_graph_breaks(backend
             torch.testing.assert_close(a.grad_output, b.grad_output)
         for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad)  # the gradients themselves are untouched
+
+
+def test_transformer_block_has_zero_graph_breaks_and_captures_what_eager_does() -> None:
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, batch_first=True, dropout=0.0)
+    x = torch.randn(2, 5, 32)
+    eager = Capture(block)
+    block(x).sum().backward()
+    eager_seen = first_inputs(eager)
+    eager.remove()
+    optimizer = InputAwareSGD(block, lr=0.1, capture_grad_outputs=True)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    optimizer.zero_grad()
+    torch.compile(block, backend="aot_eager")(x).sum().backward()
+    assert_same_inputs(first_inputs(optimizer.capture), eager_seen)
+
+
+RULE_FACTORIES = {
+    "FOOF": lambda m: FOOF(m, lr=0.1, update_every=1),
+    "KFAC": lambda m: KFAC(m, lr=0.1, update_every=1, damping=1e-2),
+    "NLMS": lambda m: NLMS(m, lr=0.2),
+    "DPSGD": lambda m: DPSGD(m, lr=0.5, max_grad_norm=0.5, noise_multiplier=0.0),
+    "LazyAdamW": lambda m: LazyAdamW(m, lr=0.05),
+}
+
+
+class TokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.a, self.b = nn.Embedding(20, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(self.embed(tokens)))).mean(1)
+
+
+@pytest.mark.parametrize(
+    ("rule", "backend"),
+    [(rule, "aot_eager") for rule in RULE_FACTORIES] + [("KFAC", "inductor")],
+)
+def test_rules_under_a_compiled_model_match_eager(rule: str, backend: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 20, (6, 4), generator=generator), torch.randn(6, 3, generator=generator))]
+    data += [(torch.randint(0, 20, (6, 4), generator=generator), torch.randn(6, 3, generator=generator))]
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = TokenNet()
+        optimizer = RULE_FACTORIES[rule](model)
+        run = torch.compile(model, backend=backend) if compiled else model
+        for tokens, target in data:
+            optimizer.zero_grad()
+            (run(tokens) - target).pow(2).sum(1).mean().backward()
+            optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for eager_param, compiled_param in zip(*results, strict=True):
+        torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,156 @@
+"""Two gloo processes: DDP and FSDP2 keep replicas identical and match one process on the whole batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, InputAwareAdamW, InputAwareSGD, LazyAdamW
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+
+WORLD = 2
+STEPS = 3
+BATCH = 8  # global; each rank takes half
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(40, 6)
+        self.hidden = nn.Linear(6, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(self.embed(tokens)))).mean(1)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randint(0, 40, (BATCH, 5), generator=generator), torch.randn(BATCH, 3, generator=generator))
+        for _ in range(STEPS)
+    ]
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (model(tokens) - target).pow(2).sum(1).mean()
+
+
+RULES: dict[str, Callable[[nn.Module], Any]] = {
+    "InputAwareSGD": lambda m: InputAwareSGD(m, lr=0.1, momentum=0.9),
+    "InputAwareAdamW": lambda m: InputAwareAdamW(m, lr=0.01),
+    "FOOF": lambda m: FOOF(m, lr=0.05, update_every=2),
+    "KFAC": lambda m: KFAC(m, lr=0.05, update_every=2, damping=1e-2),
+    "NLMS": lambda m: NLMS(m, lr=0.1),
+    "LazyAdamW": lambda m: LazyAdamW(m, lr=0.01),
+    "DPSGD": lambda m: DPSGD(m, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0),
+    "DPSGD-noise": lambda m: DPSGD(m, lr=0.5, max_grad_norm=0.1, noise_multiplier=1.0),
+}
+
+
+def train_whole(rule: str, micro_batches: int = 1) -> list[torch.Tensor]:
+    """One process on the whole batch: the reference."""
+    model = Net()
+    optimizer = RULES[rule](model)
+    for tokens, target in batches():
+        optimizer.zero_grad()
+        loss_of(model, tokens, target).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def assert_replicas_identical(params: list[torch.Tensor]) -> None:
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    for other in gathered[1:]:
+        assert torch.equal(gathered[0], other), "replicas diverged"
+
+
+def ddp_worker(rank: int) -> None:
+    part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    for rule in RULES:
+        for micro_batches in (1, 2):
+            model = DistributedDataParallel(Net())
+            optimizer = RULES[rule](model)
+            for step, (tokens, target) in enumerate(batches()):
+                optimizer.zero_grad()
+                local_tokens, local_target = tokens[part], target[part]
+                size = len(local_tokens) // micro_batches
+                for k in range(micro_batches):
+                    chunk = slice(k * size, (k + 1) * size)
+                    last = k == micro_batches - 1
+                    with model.no_sync() if not last else torch.enable_grad():
+                        (loss_of(model, local_tokens[chunk], local_target[chunk]) / micro_batches).backward()
+                if step == 0 and micro_batches == 1:  # each rank captured its own half of the batch
+                    calls = optimizer.capture.inputs()[model.module.embed].calls if rule == "LazyAdamW" else None
+                    assert calls is None or torch.equal(calls[0].args[0], local_tokens)
+                optimizer.step()
+            assert_replicas_identical(list(model.parameters()))
+            if rank == 0 and rule != "DPSGD-noise":
+                for p, q in zip(model.parameters(), train_whole(rule), strict=True):
+                    torch.testing.assert_close(p.detach(), q, rtol=1e-4, atol=1e-5, msg=f"{rule} x{micro_batches}")
+
+
+def fsdp_worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    for rule in ("InputAwareAdamW", "LazyAdamW", "InputAwareSGD"):
+        model = Net()
+        for module in (model.embed, model.hidden, model.out):
+            fully_shard(module, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = RULES[rule](model)
+        for tokens, target in batches():
+            optimizer.zero_grad()
+            loss_of(model, tokens[part], target[part]).backward()
+            optimizer.step()
+        full = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+        if rank == 0:
+            for p, q in zip(full, train_whole(rule), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=rule)
+    model = Net()
+    fully_shard(model, mesh=mesh)
+    for rule in ("FOOF", "KFAC", "DPSGD"):
+        with pytest.raises(NotImplementedError, match="does not support sharded"):
+            RULES[rule](model)
+
+
+def _entry(rank: int, port: int, worker: Callable[[int], None]) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    try:
+        worker(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_two_processes(worker: Callable[[int], None]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_entry, args=(port, worker), nprocs=WORLD, join=True)
+
+
+def test_ddp_replicas_stay_identical_and_match_one_process() -> None:
+    run_two_processes(ddp_worker)
+
+
+def test_fsdp2_stock_and_lazy_adamw_match_one_process_and_other_rules_refuse() -> None:
+    run_two_processes(fsdp_worker)

@@ -133,7 +133,10 @@ class InputAwareOptimizer(Optimizer):
             params = [p for p in self._model_params if p.requires_grad]
             if not params:
                 raise ValueError(f"{name}: the model has no parameter that requires grad, so there is nothing to train")
+        if capture_grad_outputs is False and type(self).capture_grad_outputs:
+            raise ValueError(f"{name} needs the output gradients of its layers; leave capture_grad_outputs unset")
         super().__init__(params, *args, **kwargs)
+        self._check_param_groups()  # a rule's validation: before any hook is attached, so failing leaves none
         wanted_grad_outputs = type(self).capture_grad_outputs if capture_grad_outputs is None else capture_grad_outputs
         self._capture = Capture(
             model, self._modules_to_capture(self._params()), storage=storage, grad_outputs=wanted_grad_outputs
@@ -238,6 +241,10 @@ class InputAwareOptimizer(Optimizer):
                 f"{type(self).__name__} does not support sharded (FSDP2 / DTensor) parameters yet: {why}. "
                 "Use DistributedDataParallel, or InputAwareAdamW / InputAwareSGD / LazyAdamW under FSDP2"
             )
+
+    def _check_param_groups(self) -> None:
+        """Called once the param groups exist and before any hook is attached; rules add their
+        hyperparameters to the groups and validate them here."""
 
     def _set_group_defaults(self, **hyperparameters: Any) -> None:
         """Add a rule's hyperparameters to ``defaults`` and to every group that lacks them."""

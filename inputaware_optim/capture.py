@@ -71,12 +71,11 @@ class _Log:
         slot: Any = None
         if self.grad_outputs and not compiling:
             slot = _tap_outputs(output)
-        elif self.grad_outputs:  # see _tap_compiled_outputs
+        elif self.grad_outputs:  # compiled code files gradients by key; see _GradTap
             slot = torch.ops.inputaware_optim.open_grad_slot(_first_tensor(output), id(self), _count_tensors(output))
-            self.head = (module, args, kwargs, check, slot, self.head)
-            return _tap_compiled_outputs(output, slot, id(self))
+            output = _tap_compiled_outputs(output, slot, id(self))
         self.head = (module, args, kwargs, check, slot, self.head)
-        return None
+        return output if self.grad_outputs and compiling else None
 
     # The root model's forward is a transaction: a forward that raises part-way must not
     # leave the calls it recorded behind for the next step.

@@ -61,28 +61,25 @@ class _PerSampleClipping(InputAwareOptimizer):
     """The privatization shared by DPSGD and DPAdamW."""
 
     capture_grad_outputs = True
+    _privacy: tuple[float, float, str]  # max_grad_norm, noise_multiplier, loss_reduction
+    _generator: torch.Generator
 
-    def _setup_privacy(
-        self, max_grad_norm: float, noise_multiplier: float, loss_reduction: str, generator: torch.Generator | None
-    ) -> None:
-        if generator is None:
-            generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
-        self._generator = generator
-        self._set_group_defaults(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier)
+    def _check_param_groups(self) -> None:
+        clip, sigma, reduction = self._privacy
+        self._set_group_defaults(max_grad_norm=clip, noise_multiplier=sigma)
         for group in self.param_groups:
-            _check_privacy(group["max_grad_norm"], group["noise_multiplier"], loss_reduction)
-            if (group["max_grad_norm"], group["noise_multiplier"]) != (max_grad_norm, noise_multiplier):
+            _check_privacy(group["max_grad_norm"], group["noise_multiplier"], reduction)
+            if (group["max_grad_norm"], group["noise_multiplier"]) != (clip, sigma):
                 raise ValueError(
                     "max_grad_norm and noise_multiplier bound each sample's gradient over all parameters at "
                     "once, so every param group must use the same values"
                 )
-        self._loss_reduction = loss_reduction
         self._refuse_sharded_parameters("per-sample gradients need each layer's whole parameters")
-        for module in self.capture.modules:
+        for module in self._modules_to_capture(self._params()):
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 raise ValueError(
-                    f"{type(self).__name__} cannot clip per-sample gradients through {self.capture.name(module)} "
-                    f"({type(module).__name__} mixes the samples of a batch); use GroupNorm or LayerNorm instead"
+                    f"{type(self).__name__} cannot clip per-sample gradients through {type(module).__name__} "
+                    "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
 
     @torch.no_grad()
@@ -112,7 +109,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         offsets = [sum(batch_sizes[:k]) for k in range(len(batch_sizes))]
 
         # Each sample's share of the captured gradient, scaled to the gradient of its own loss.
-        scale = float(local_batch) if self._loss_reduction == "mean" else 1.0
+        scale = float(local_batch) if self._privacy[2] == "mean" else 1.0
         squared = torch.zeros(local_batch, dtype=torch.float64)
         tied: dict[Tensor, list[Tensor]] = {}
         for module in plan.modules:
@@ -155,7 +152,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 total += (noise * (sigma * clip)).to(total.device, total.dtype)
         count = torch.tensor(float(local_batch), dtype=torch.float64)
         all_reduce_sum_([*sums.values(), count], data_parallel)
-        divisor = float(count) if self._loss_reduction == "mean" else 1.0
+        divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
 
     def _owned_grad(self, module: nn.Module, name: str, call: Call) -> Tensor:
@@ -208,6 +205,12 @@ class _Plan:
         self.tied: dict[Tensor, list[tuple[nn.Module, str]]] = {}
 
 
+def _seeded_generator() -> torch.Generator:
+    """A private generator seeded from torch's global RNG: reproducible under torch.manual_seed,
+    and drawing noise from it leaves the global stream (dropout, data order) undisturbed."""
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+
+
 def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:
     if not max_grad_norm > 0.0:
         raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0)")
@@ -237,8 +240,9 @@ class DPSGD(_PerSampleClipping, InputAwareSGD):
         **sgd_kwargs: Any,
     ) -> None:
         _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
+        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
+        self._generator = generator or _seeded_generator()
         super().__init__(model, params, lr=lr, **sgd_kwargs)
-        self._setup_privacy(max_grad_norm, noise_multiplier, loss_reduction, generator)
 
 
 class DPAdamW(_PerSampleClipping, InputAwareAdamW):
@@ -261,5 +265,6 @@ class DPAdamW(_PerSampleClipping, InputAwareAdamW):
         **adamw_kwargs: Any,
     ) -> None:
         _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
+        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
+        self._generator = generator or _seeded_generator()
         super().__init__(model, params, lr=lr, **adamw_kwargs)
-        self._setup_privacy(max_grad_norm, noise_multiplier, loss_reduction, generator)

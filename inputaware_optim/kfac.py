@@ -63,8 +63,12 @@ class KFAC(KroneckerRule):
     factors = ("input", "output_grad")
 
     def __init__(self, model: nn.Module, lr: float, *args: Any, batch_averaged: bool = True, **kwargs: Any) -> None:
+        self._batch_averaged = bool(batch_averaged)
         super().__init__(model, lr, *args, **kwargs)
-        self._set_group_defaults(batch_averaged=bool(batch_averaged))
+
+    def _check_param_groups(self) -> None:
+        super()._check_param_groups()
+        self._set_group_defaults(batch_averaged=self._batch_averaged)
 
     def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:
         module, kind = layer.module, layer.kind

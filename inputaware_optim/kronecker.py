@@ -51,12 +51,15 @@ class KroneckerRule(InputAwareSGD):
         **sgd_kwargs: Any,
     ) -> None:
         _check_hyperparameters(damping, stat_decay, update_every)
+        self._rule_defaults = {"damping": damping, "stat_decay": stat_decay, "update_every": update_every}
         super().__init__(model, params, lr=lr, momentum=momentum, **sgd_kwargs)
-        self._set_group_defaults(damping=damping, stat_decay=stat_decay, update_every=update_every)
+        self._warn_if_no_layers("input_rows", "nn.Linear or nn.Conv2d (groups=1)")
+
+    def _check_param_groups(self) -> None:
+        self._set_group_defaults(**self._rule_defaults)
         for group in self.param_groups:
             _check_hyperparameters(group["damping"], group["stat_decay"], group["update_every"])
         self._refuse_sharded_parameters("its preconditioner needs whole weight matrices")
-        self._warn_if_no_layers("input_rows", "nn.Linear or nn.Conv2d (groups=1)")
 
     # -- what subclasses provide ----------------------------------------------------------
     def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:

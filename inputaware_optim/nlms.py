@@ -49,12 +49,15 @@ class NLMS(InputAwareSGD):
     ) -> None:
         if not eps >= 0.0:
             raise ValueError(f"Invalid eps: {eps} (must be >= 0)")
+        self._eps = eps
         super().__init__(model, params, lr=lr, **sgd_kwargs)
-        self._set_group_defaults(eps=eps)
+        self._warn_if_no_layers("input_rows", "nn.Linear")
+
+    def _check_param_groups(self) -> None:
+        self._set_group_defaults(eps=self._eps)
         for group in self.param_groups:
             if not group["eps"] >= 0.0:
                 raise ValueError(f"Invalid eps: {group['eps']} (must be >= 0)")
-        self._warn_if_no_layers("input_rows", "nn.Linear")
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:

@@ -206,6 +206,7 @@ def test_bad_group_override() -> None:
     model = mlp()
     with pytest.raises(ValueError, match="Invalid damping"):
         FOOF(model, lr=0.1, params=[{"params": model[0].parameters(), "damping": -1.0}])
+    assert all(not m._forward_hooks for m in model.modules())
 
 
 def test_no_supported_layer_warns_and_names_what_is_plain_sgd() -> None:

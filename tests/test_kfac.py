@@ -123,3 +123,5 @@ def test_captures_output_gradients_by_itself_and_validates() -> None:
         KFAC(mlp(), lr=0.1, damping=-1.0)
     with pytest.raises(ValueError, match="Invalid update_every"):
         KFAC(mlp(), lr=0.1, update_every=0)
+    with pytest.raises(ValueError, match="needs the output gradients"):
+        KFAC(mlp(), lr=0.1, capture_grad_outputs=False)

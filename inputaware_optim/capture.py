@@ -59,23 +59,35 @@ class _Log:
         self.forwards: list[list[Any]] = []  # [head at start, finished] per open root forward
 
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        if not self.enabled or not torch.is_grad_enabled():
+        # The hot path: every call of every watched module runs this, so the common case
+        # (eager, zero-copy, one tensor argument, no output gradients) is kept short.
+        if not (self.enabled and _grad_enabled()):
             return None
-        compiling = torch.compiler.is_compiling()
-        if not compiling and torch._C._current_graph_task_id() != -1 and _recomputing_checkpointed_forward():
+        if _compiling():
+            return self._record_compiled(module, args, kwargs, output)
+        if _graph_task_id() != -1 and _recomputing_checkpointed_forward():
             return None
-        if self.storage != "reference":
-            args, kwargs, check = _copy_arguments(args, kwargs, self.storage, compiling)
+        if self.storage == "reference":
+            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+                check: Any = args[0]._version
+            else:
+                check = _versions(args, kwargs)
         else:
-            check = None if compiling else _versions(args, kwargs)
+            args, kwargs, check = _copy_arguments(args, kwargs, self.storage, False)
+        slot = _tap_outputs(output) if self.grad_outputs else None
+        self.head = (module, args, kwargs, check, slot, self.head)
+        return None
+
+    def _record_compiled(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        # Traced by Dynamo: no version counters, and output gradients through _GradTap.
+        if self.storage != "reference":
+            args, kwargs, _ = _copy_arguments(args, kwargs, self.storage, True)
         slot: Any = None
-        if self.grad_outputs and not compiling:
-            slot = _tap_outputs(output)
-        elif self.grad_outputs:  # compiled code files gradients by key; see _GradTap
+        if self.grad_outputs:
             slot = torch.ops.inputaware_optim.open_grad_slot(_first_tensor(output), id(self), _count_tensors(output))
             output = _tap_compiled_outputs(output, slot, id(self))
-        self.head = (module, args, kwargs, check, slot, self.head)
-        return output if self.grad_outputs and compiling else None
+        self.head = (module, args, kwargs, None, slot, self.head)
+        return output if self.grad_outputs else None
 
     # The root model's forward is a transaction: a forward that raises part-way must not
     # leave the calls it recorded behind for the next step.
@@ -100,9 +112,12 @@ class _Log:
         _COMPILED_SLOTS.pop(id(self), None)
 
 
+_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling
+_graph_task_id = torch._C._current_graph_task_id
+
+
 def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-        return args[0]._version
     leaves = tree_flatten((args, kwargs))[0]
     return tuple(t._version if isinstance(t, Tensor) else None for t in leaves)
 

@@ -35,7 +35,7 @@ from .distributed import data_parallel_group
 from .inputs import Inputs
 from .layers import Layer, layer_kind
 
-__all__ = ["InputAwareOptimizer"]
+__all__ = ["InputAwareOptimizer", "evaluate_closure"]
 
 _EXPIRED = (
     "these Inputs were handed to a step() that has returned; the captured tensors are released "
@@ -73,6 +73,14 @@ def _wrap_step(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
     step_with_inputs.hooked = True  # type: ignore[attr-defined]  # torch.optim must not wrap it again
     step_with_inputs._inputaware = True  # type: ignore[attr-defined]
     return step_with_inputs
+
+
+def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
+    """Run a step's closure with grad enabled (rules run under ``torch.no_grad()``) and return its loss."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _split_step_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .adamw import InputAwareAdamW
-from .base import InputAwareOptimizer
+from .base import InputAwareOptimizer, evaluate_closure
 from .distributed import all_reduce_sum_
 from .inputs import Call, Inputs
 from .layers import GENERIC, _batch_of, layer_kind
@@ -61,8 +61,23 @@ class _PerSampleClipping(InputAwareOptimizer):
     """The privatization shared by DPSGD and DPAdamW."""
 
     capture_grad_outputs = True
-    _privacy: tuple[float, float, str]  # max_grad_norm, noise_multiplier, loss_reduction
-    _generator: torch.Generator
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float = 1.0,
+        *,
+        loss_reduction: str = "mean",
+        generator: torch.Generator | None = None,
+        params: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
+        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
+        self._generator = generator or _seeded_generator()
+        super().__init__(model, params, lr=lr, **kwargs)
 
     def _check_param_groups(self) -> None:
         clip, sigma, reduction = self._privacy
@@ -85,10 +100,7 @@ class _PerSampleClipping(InputAwareOptimizer):
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Replace every gradient by its clipped, noised estimate, then take the stock step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         assert inputs is not None
         private = self._private_gradients(inputs)
         for param, grad in private.items():
@@ -222,27 +234,10 @@ def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction
 
 class DPSGD(_PerSampleClipping, InputAwareSGD):
     __doc__ = (
-        "SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).\n\n    ``DPSGD(model, lr, "
+        "SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).\n\n    ``DPSGD(model, lr=1e-3, "
         'max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean", generator=None, params=None, '
         "**sgd_kwargs)``" + _DOC
     )
-
-    def __init__(
-        self,
-        model: nn.Module,
-        lr: float,
-        max_grad_norm: float = 1.0,
-        noise_multiplier: float = 1.0,
-        *,
-        loss_reduction: str = "mean",
-        generator: torch.Generator | None = None,
-        params: Any = None,
-        **sgd_kwargs: Any,
-    ) -> None:
-        _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
-        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
-        self._generator = generator or _seeded_generator()
-        super().__init__(model, params, lr=lr, **sgd_kwargs)
 
 
 class DPAdamW(_PerSampleClipping, InputAwareAdamW):
@@ -251,20 +246,3 @@ class DPAdamW(_PerSampleClipping, InputAwareAdamW):
         '\n\n    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean", '
         "generator=None, params=None, **adamw_kwargs)``" + _DOC
     )
-
-    def __init__(
-        self,
-        model: nn.Module,
-        lr: float = 1e-3,
-        max_grad_norm: float = 1.0,
-        noise_multiplier: float = 1.0,
-        *,
-        loss_reduction: str = "mean",
-        generator: torch.Generator | None = None,
-        params: Any = None,
-        **adamw_kwargs: Any,
-    ) -> None:
-        _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
-        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
-        self._generator = generator or _seeded_generator()
-        super().__init__(model, params, lr=lr, **adamw_kwargs)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .base import evaluate_closure
 from .distributed import all_reduce_sum_
 from .inputs import Captured, Inputs
 from .layers import Layer, bias_of, weight_of
@@ -75,10 +76,7 @@ class KroneckerRule(InputAwareSGD):
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Precondition the gradients of the supported layers, then take the SGD step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         assert inputs is not None
         layers, sums = self._step_statistics(inputs)
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from .adamw import InputAwareAdamW
+from .base import evaluate_closure
 from .capture import unwrap_model
 from .distributed import local_tensor as _local
 from .inputs import Inputs
@@ -95,10 +96,7 @@ class LazyAdamW(InputAwareAdamW):
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Update the touched embedding rows lazily and everything else with stock AdamW."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         assert inputs is not None
         lazy = []
         for module in self._lazy_modules():

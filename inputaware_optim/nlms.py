@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base import evaluate_closure
 from .distributed import all_reduce_sum_, local_tensor
 from .inputs import Inputs
 from .layers import bias_of, weight_of
@@ -62,10 +63,7 @@ class NLMS(InputAwareSGD):
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Normalize the gradients of every ``nn.Linear`` by its input power, then take the SGD step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         assert inputs is not None
         layers, powers, counts = [], [], []
         for layer in self._layers("input_rows"):

@@ -111,6 +111,15 @@ class _Log:
         self.head = None
         _COMPILED_SLOTS.pop(id(self), None)
 
+    # A model copied (copy.deepcopy) or pickled with its hooks must not carry the captured
+    # tensors along, nor keep recording into a log no optimizer reads: the copy is inert.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"storage": self.storage, "grad_outputs": self.grad_outputs}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["storage"], state["grad_outputs"])  # type: ignore[misc]
+        self.enabled = False
+
 
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling

@@ -332,3 +332,18 @@ def test_output_gradients_accumulate_over_micro_batches_in_order() -> None:
     assert [g.shape[0] for g in got] == [2, 3]
     for g, want in zip(got, expected, strict=True):
         torch.testing.assert_close(g, want)
+
+
+def test_a_copied_model_neither_carries_captures_nor_records() -> None:
+    import copy
+    import pickle
+
+    model = mlp()
+    optimizer = InputAwareSGD(model, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        logs = [h.__self__ for m in twin.modules() for h in m._forward_hooks.values() if hasattr(h, "__self__")]
+        assert logs and all(log.head is None and not log.enabled for log in logs)
+        twin(torch.randn(3, 4)).sum().backward()
+        assert all(log.head is None for log in logs)
+    assert len(optimizer.capture.calls()) == 2  # the original is untouched

@@ -1,0 +1,241 @@
+"""What a section is given (``Config``, ``Progress``) and what it returns (``Result``).
+
+A ``Result`` holds everything a run records about one section: display tables, the targets
+with their measured values, plot data (rendered to PNG by ``plots``) and the raw figures
+(``data``). All of it is plain data, so a run's JSON is enough to rebuild the report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from tqdm import tqdm
+
+__all__ = [
+    "SIZES",
+    "Config",
+    "Panel",
+    "Plot",
+    "Progress",
+    "Result",
+    "Section",
+    "Series",
+    "Size",
+    "Table",
+    "Target",
+    "finite_or_none",
+    "format_ratio",
+    "format_seconds",
+]
+
+Size = Literal["quick", "default", "large"]
+SIZES: tuple[Size, ...] = ("quick", "default", "large")
+
+
+@dataclass(frozen=True)
+class Config:
+    """How big and how carefully to measure.
+
+    Attributes:
+        size: ``"quick"`` (smoke run, under a minute in all), ``"default"`` or ``"large"``.
+        pairs: Timed rounds after warm-up; each round times every variant once, in turn.
+        sample_seconds: Each timed sample repeats the measured call until it lasts this long.
+        warmup_seconds: Untimed calls of each variant before calibration.
+        threads: ``torch.set_num_threads`` for the whole run.
+        seed: Seed of every model and data generator.
+    """
+
+    size: Size = "default"
+    pairs: int = 11
+    sample_seconds: float = 0.05
+    warmup_seconds: float = 0.1
+    threads: int = 1
+    seed: int = 0
+
+    def pick(self, quick: Any, default: Any, large: Any | None = None) -> Any:
+        """The value for this run's size (``large`` falls back to ``default``)."""
+        if self.size == "quick":
+            return quick
+        if self.size == "large" and large is not None:
+            return large
+        return default
+
+
+class Progress:
+    """One progress bar for a section: ``start(total)``, then ``advance()`` per unit of work."""
+
+    def __init__(self, name: str, enabled: bool = True) -> None:
+        self._bar = tqdm(desc=f"{name:<18}", total=1, unit="task", disable=not enabled, leave=True, dynamic_ncols=True)
+
+    def start(self, total: int) -> None:
+        """Set how many units of work the section will report."""
+        self._bar.reset(total=total)
+
+    def advance(self, what: str = "") -> None:
+        """Mark one unit done; ``what`` names the next (shown beside the bar)."""
+        self._bar.update()
+        if what:
+            self._bar.set_postfix_str(what, refresh=False)
+
+    def describe(self, what: str) -> None:
+        """Show what is running now."""
+        self._bar.set_postfix_str(what)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+@dataclass
+class Table:
+    """A display table: cells are already formatted; the raw numbers are in ``Result.data``."""
+
+    title: str
+    columns: list[str]
+    rows: list[list[str]]
+    note: str = ""
+
+
+@dataclass
+class Target:
+    """A number the project holds itself to, with the value this run measured.
+
+    Build one with ``at_most`` or ``at_least``, or directly with ``passed`` decided by the
+    caller. ``measured`` is ``None`` when the quantity was never reached (the target is missed).
+    """
+
+    name: str
+    requirement: str
+    measured: float | None
+    unit: str
+    passed: bool
+    detail: str = ""
+    limit: float | None = None
+    source: str = "issue 4"
+
+    @classmethod
+    def at_most(
+        cls,
+        name: str,
+        measured: float | None,
+        limit: float,
+        unit: str,
+        detail: str = "",
+        *,
+        strict: bool = False,
+        source: str = "issue 4",
+    ) -> Target:
+        """``measured <= limit`` (``<`` when ``strict``)."""
+        ok = measured is not None and math.isfinite(measured) and (measured < limit if strict else measured <= limit)
+        requirement = f"{'<' if strict else '≤'} {limit:g} {unit}".rstrip()
+        return cls(name, requirement, measured, unit, ok, detail, limit, source)
+
+    @classmethod
+    def at_least(
+        cls, name: str, measured: float | None, limit: float, unit: str, detail: str = "", *, source: str = "issue 4"
+    ) -> Target:
+        """``measured >= limit``."""
+        ok = measured is not None and math.isfinite(measured) and measured >= limit
+        return cls(name, f"≥ {limit:g} {unit}".rstrip(), measured, unit, ok, detail, limit, source)
+
+    @property
+    def shown(self) -> str:
+        """The measured value as the report prints it."""
+        if self.measured is None or not math.isfinite(self.measured):
+            return "never reached"
+        return f"{self.measured:.3g} {self.unit}".rstrip()
+
+
+@dataclass
+class Series:
+    """One line of a panel."""
+
+    label: str
+    x: list[float]
+    y: list[float | None]
+    style: str = "-"
+
+
+@dataclass
+class Panel:
+    """One set of axes."""
+
+    title: str
+    xlabel: str
+    ylabel: str
+    series: list[Series]
+    logx: bool = False
+    logy: bool = False
+
+
+@dataclass
+class Plot:
+    """A figure of one or more panels, saved as ``<section>-<name>.png``."""
+
+    name: str
+    title: str
+    panels: list[Panel]
+    columns: int = 2
+    headline: bool = False
+
+
+@dataclass
+class Result:
+    """Everything one section measured."""
+
+    tables: list[Table] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    plots: list[Plot] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        for target, raw in zip(self.targets, out["targets"], strict=True):
+            raw["shown"] = target.shown
+        return finite_or_none(out)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A benchmark section: ``run`` measures and returns a ``Result``.
+
+    Attributes:
+        name: Short name used by ``--sections`` and in file names.
+        title: Heading in the report.
+        summary: What it measures and how, in a paragraph of Markdown.
+        run: The measurement.
+    """
+
+    name: str
+    title: str
+    summary: str
+    run: Callable[[Config, Progress], Result]
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by ``None`` (JSON has no such numbers)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def format_ratio(median: float, low: float, high: float) -> str:
+    """``1.013× (0.998–1.030)``: the median ratio with the range over pairs."""
+    return f"{median:.3f}× ({low:.3f}–{high:.3f})"
+
+
+def format_seconds(seconds: float) -> str:
+    """A duration with a unit that keeps three significant digits."""
+    magnitude = abs(seconds)
+    if magnitude >= 1:
+        return f"{seconds:.3g} s"
+    if magnitude >= 1e-3:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds * 1e6:.3g} µs"

@@ -1,0 +1,19 @@
+"""The benchmark sections, in report order.
+
+A section is a module that defines ``SECTION`` (a ``benchmarks.core.Section``); adding one
+is that module plus its line in ``SECTIONS``.
+"""
+
+from __future__ import annotations
+
+from ..core import Section
+from . import capture_overhead, foof, hook_cost, lazy_adamw, memory, nlms
+
+SECTIONS: list[Section] = [
+    hook_cost.SECTION,
+    capture_overhead.SECTION,
+    memory.SECTION,
+    foof.SECTION,
+    nlms.SECTION,
+    lazy_adamw.SECTION,
+]

@@ -1,0 +1,89 @@
+"""The benchmarks run end to end (``python -m benchmarks --quick``) and their report renders from the JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+for _module in ("matplotlib", "sklearn", "tqdm"):  # the bench extra
+    pytest.importorskip(_module)
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGETED = {"hook_cost", "capture_overhead", "memory", "foof", "lazy_adamw"}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("benchmarks")
+    finished = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--quick", "--no-progress", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+    return out
+
+
+def _numbers(value: Any) -> Iterator[float]:
+    if isinstance(value, bool):
+        return
+    if isinstance(value, (int, float)):
+        yield float(value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _numbers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _numbers(item)
+
+
+def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Path) -> None:
+    from benchmarks.sections import SECTIONS
+
+    run = json.loads((quick_run / "results.json").read_text())
+    assert set(run["sections"]) == {section.name for section in SECTIONS}
+    assert "--quick" in run["command"]
+    assert run["machine"]["torch_threads"] >= 1 and run["machine"]["torch"]
+    for name, section in run["sections"].items():
+        assert "error" not in section, section.get("error")
+        numbers = list(_numbers(section["data"]))
+        assert len(numbers) > 10, name
+        assert all(math.isfinite(n) for n in numbers), name
+        assert section["tables"] and all(table["rows"] for table in section["tables"]), name
+        for table in section["tables"]:
+            assert not any("nan" in cell.lower() for row in table["rows"] for cell in row), (name, table["title"])
+        for plot in section["plots"]:
+            assert (quick_run / f"{name}-{plot['name']}.png").stat().st_size > 0
+    targets = run["targets"]
+    assert {t["section"] for t in targets} >= TARGETED
+    for target in targets:
+        assert isinstance(target["passed"], bool)
+        assert target["requirement"] and target["shown"]
+        if target["measured"] is None:
+            assert not target["passed"], target["name"]
+        else:
+            assert math.isfinite(target["measured"]), target["name"]
+
+
+def test_report_renders_from_the_json(quick_run: Path, tmp_path: Path) -> None:
+    from benchmarks.__main__ import main
+
+    assert main(["--report", str(quick_run), "--report-to", str(tmp_path)]) == 0
+    readme = (tmp_path / "README.md").read_text()
+    run = json.loads((quick_run / "results.json").read_text())
+    assert "Do not edit by hand" in readme and run["command"] in readme
+    for section in run["sections"].values():
+        assert section["title"] in readme
+    for target in run["targets"]:
+        assert target["name"] in readme
+    images = list((tmp_path / "results").glob("*.png"))
+    assert images and all(f"results/{image.name}" in readme for image in images)

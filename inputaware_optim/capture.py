@@ -503,7 +503,7 @@ class Capture:
             if self._log.storage == "reference":
                 if check is not None:
                     _check_versions(self.name(module), index, args, kwargs, check)
-                args, kwargs = tree_map_only(Tensor, Tensor.detach, (args, kwargs))
+                args, kwargs = _detached(args), _detached(kwargs)
             elif check is not None:  # copies still on their way from an accelerator
                 for event in check:
                     event.synchronize()
@@ -511,6 +511,18 @@ class Capture:
                 slot = _COMPILED_SLOTS.get(id(self._log), {}).get(int(slot), [])
             calls.append(Call(module, args, kwargs, slot))
         return calls
+
+
+def _detached(tree: Any) -> Any:
+    """``tree`` with every tensor detached; flat tuples and dicts without the pytree machinery."""
+    if type(tree) is tuple and not any(isinstance(x, _CONTAINERS) for x in tree):
+        return tuple(x.detach() if isinstance(x, Tensor) else x for x in tree)
+    if type(tree) is dict and not any(isinstance(x, _CONTAINERS) for x in tree.values()):
+        return {k: x.detach() if isinstance(x, Tensor) else x for k, x in tree.items()}
+    return tree_map_only(Tensor, Tensor.detach, tree)
+
+
+_CONTAINERS = (list, tuple, dict)
 
 
 def _check_versions(name: str, index: int, args: Sequence[Any], kwargs: dict[str, Any], check: Any) -> None:

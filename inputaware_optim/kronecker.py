@@ -137,6 +137,11 @@ def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
     damped = matrix.double() + damping * torch.eye(matrix.shape[0], dtype=torch.float64, device=matrix.device)
     factor, info = torch.linalg.cholesky_ex(damped)
     if info.item() != 0:
+        if not torch.isfinite(matrix).all():
+            raise RuntimeError(
+                f"the statistics of {name} are not finite: training has diverged (NaN or inf activations "
+                "or gradients). Lower the learning rate or raise damping. No parameter was changed by this step"
+            )
         raise RuntimeError(
             f"the damped statistics of {name} are not positive definite (damping={damping}); "
             "increase damping. No parameter was changed by this step"

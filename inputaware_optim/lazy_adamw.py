@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,7 +12,7 @@ from torch import Tensor, nn
 from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import unwrap_model
-from .distributed import local_tensor as _local
+from .distributed import local_tensor
 from .inputs import Inputs
 from .layers import layer_kind, weight_of
 
@@ -101,9 +100,15 @@ class LazyAdamW(InputAwareAdamW):
         lazy = []
         for module in self._lazy_modules():
             weight = weight_of(module)
+            if weight.grad is None:
+                continue  # AdamW skips it too
+            if weight.grad.is_sparse:  # sparse=True: the gradient itself lists the rows (coalesced)
+                weight.grad = weight.grad.coalesce()
+                lazy.append((weight, weight.grad.indices()[0]))
+                continue
             entry = inputs.get(weight)
-            if weight.grad is None or entry is None:
-                continue  # no gradient: AdamW skips it too; no inputs (Inputs warns): stock AdamW
+            if entry is None:
+                continue  # no inputs were captured (Inputs warns): stock AdamW updates it densely
             kind = layer_kind(module)
             assert kind is not None
             lazy.append((weight, self._union_over_ranks(kind.touched_rows(module, entry), weight.shape[0])))
@@ -133,32 +138,35 @@ class LazyAdamW(InputAwareAdamW):
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
         state["step"] += 1
-        step = state["step"].item()
+        grad = weight.grad
+        assert grad is not None
         rows = _local_rows(weight, rows)
         if rows.numel() == 0:
             return
-        assert weight.grad is not None
-        g = _gradient_rows(_local(weight.grad), rows)
-        if group["maximize"]:
-            g = -g
-        beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
-        param, exp_avg_all, exp_avg_sq_all = _local(weight), _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        theta = param.index_select(0, rows).mul_(1 - lr * group["weight_decay"])
-        exp_avg = exp_avg_all.index_select(0, rows).lerp_(g, 1 - beta1)
-        exp_avg_sq = exp_avg_sq_all.index_select(0, rows).mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        second = exp_avg_sq
+        # Gather the rows, update them with torch's fused AdamW kernel (so a touched row moves
+        # exactly as fused AdamW would move it), and write them back.
+        tables = [local_tensor(weight), local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])]
         if group["amsgrad"]:
-            max_all = _local(state["max_exp_avg_sq"])
-            second = torch.maximum(max_all.index_select(0, rows), exp_avg_sq)
-            max_all.index_copy_(0, rows, second)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-        denom = (second.sqrt() / bias_correction2_sqrt).add_(group["eps"])
-        theta.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
-        param.index_copy_(0, rows, theta)
-        exp_avg_all.index_copy_(0, rows, exp_avg)
-        exp_avg_sq_all.index_copy_(0, rows, exp_avg_sq)
+            tables.append(local_tensor(state["max_exp_avg_sq"]))
+        theta, *moments = [table.index_select(0, rows) for table in tables]
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            [theta],
+            [_gradient_rows(local_tensor(grad), rows).to(theta.dtype)],
+            [moments[0]],
+            [moments[1]],
+            moments[2:],
+            [state["step"].to(theta.device)],
+            amsgrad=group["amsgrad"],
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+        )
+        for table, updated in zip(tables, [theta, *moments], strict=True):
+            table.index_copy_(0, rows, updated)
 
 
 def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:
@@ -171,20 +179,13 @@ def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:
         raise NotImplementedError(f"LazyAdamW supports embeddings sharded on their rows only, got {placements}")
     chunk = -(-weight.shape[0] // mesh.size())  # FSDP2 shards like torch.chunk: ceil(rows / ranks) each
     start = mesh.get_local_rank() * chunk
-    held = _local(weight).shape[0]
+    held = local_tensor(weight).shape[0]
     return rows[(rows >= start) & (rows < start + held)] - start
 
 
 def _gradient_rows(grad: Tensor, rows: Tensor) -> Tensor:
-    if not grad.is_sparse:
-        return grad.index_select(0, rows)
-    # sparse=True embeddings: read the touched rows out of the coalesced gradient.
-    grad = grad.coalesce()
-    indices, values = grad.indices()[0], grad.values()
-    if indices.numel() == 0:
-        return values.new_zeros(rows.numel(), *values.shape[1:])
-    position = torch.searchsorted(indices, rows).clamp_(max=indices.numel() - 1)
-    return torch.where((indices[position] == rows).unsqueeze(1), values[position], 0)
+    # A sparse gradient arrives coalesced, and its indices are the rows.
+    return grad.values() if grad.is_sparse else grad.index_select(0, rows)
 
 
 @contextmanager

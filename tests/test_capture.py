@@ -347,3 +347,27 @@ def test_a_copied_model_neither_carries_captures_nor_records() -> None:
         twin(torch.randn(3, 4)).sum().backward()
         assert all(log.head is None for log in logs)
     assert len(optimizer.capture.calls()) == 2  # the original is untouched
+
+
+def test_nested_arguments_are_detached_and_keep_their_structure() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "left right")
+
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+
+        def forward(self, pair: Any, extras: dict[str, Any]) -> torch.Tensor:
+            return self.linear(pair.left + pair.right + extras["bias"][0])
+
+    model = Nested()
+    capture = Capture(model, modules=[model])
+    left, right, bias = (torch.randn(2, 3, requires_grad=True) for _ in range(3))
+    model(Pair(left, right), {"bias": [bias]}).sum().backward()
+    (call,) = capture.calls()
+    pair, extras = call.args
+    assert isinstance(pair, Pair) and isinstance(extras["bias"], list)
+    assert not pair.left.requires_grad and not extras["bias"][0].requires_grad
+    assert torch.equal(pair.right, right) and torch.equal(extras["bias"][0], bias)

@@ -226,3 +226,11 @@ def test_too_little_damping_fails_cleanly() -> None:
     assert all(torch.equal(p, q) for p, q in zip(layer.parameters(), before, strict=True))
     assert all(torch.equal(p.grad, g) for p, g in zip(layer.parameters(), grads, strict=True))
     assert not optimizer.state[layer.weight]
+
+
+def test_diverged_statistics_are_named_as_such() -> None:
+    layer = nn.Linear(3, 2)
+    optimizer = FOOF(layer, lr=0.1)
+    layer(torch.tensor([[float("inf"), 1.0, 2.0]])).sum().backward()
+    with pytest.raises(RuntimeError, match="not finite: training has diverged"):
+        optimizer.step()

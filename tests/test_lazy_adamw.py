@@ -126,8 +126,9 @@ def test_other_parameters_are_stock_adamw_bitwise() -> None:
         assert torch.equal(p, q)
 
 
-def test_padding_row_is_never_touched() -> None:
-    model = Bag(padding_idx=0)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_padding_row_is_never_touched(sparse: bool) -> None:
+    model = Bag(sparse=sparse, padding_idx=0)
     optimizer = LazyAdamW(model, lr=0.1, weight_decay=0.5)
     padding = model.embed.weight[0].detach().clone()
     for tokens in batches(3):

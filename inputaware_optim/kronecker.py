@@ -116,10 +116,10 @@ class KroneckerRule(InputAwareSGD):
         refresh = state.get("statistics_steps", 0) % group["update_every"] == 0
         moments, inverses = {}, {}
         for factor, (numerator, denominator) in factor_sums.items():
-            moment = numerator / denominator
+            moment = numerator.div_(denominator)  # this step's sums are ours to overwrite
             previous = state.get(f"{factor}_second_moment")
-            if previous is not None:  # the first step takes this step's moment as it is
-                moment = previous * group["stat_decay"] + moment * (1 - group["stat_decay"])
+            if previous is not None:  # beta * previous + (1 - beta) * moment; the first step takes its own
+                moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             inverse = state.get(f"{factor}_inverse")
             if inverse is None or refresh:
                 name = f"{self.capture.name(layer.module)} ({factor})"

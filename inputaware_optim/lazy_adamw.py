@@ -34,8 +34,9 @@ class LazyAdamW(InputAwareAdamW):
         \theta_r &\leftarrow \theta_r - \frac{\gamma}{1-\beta_1^t}\,
             \frac{m_r}{\sqrt{v_r / (1-\beta_2^t)} + \epsilon}
 
-    (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum). Every other row,
-    and its moments, stays bitwise unchanged. The step costs in proportion to the rows touched,
+    (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum). The touched rows
+    are gathered and updated by torch's fused AdamW kernel, so each moves exactly as
+    ``AdamW(fused=True)`` would move it. Every other row, and its moments, stays bitwise unchanged. The step costs in proportion to the rows touched,
     not the table size. It accepts dense gradients (which ``SparseAdam`` refuses) and sparse
     ones (``sparse=True``). Every other parameter gets the stock AdamW update, bitwise.
 

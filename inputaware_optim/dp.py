@@ -116,58 +116,51 @@ class _PerSampleClipping(InputAwareOptimizer):
         group = self.param_groups[0]
         clip, sigma = float(group["max_grad_norm"]), float(group["noise_multiplier"])
         plan = self._plan(targets, inputs)
-        batch_sizes = [_batch_of(call) for call in plan.calls_of[plan.modules[0]]]
-        local_batch = sum(batch_sizes)
-        offsets = [sum(batch_sizes[:k]) for k in range(len(batch_sizes))]
-
-        # Each sample's share of the captured gradient, scaled to the gradient of its own loss.
-        scale = float(local_batch) if self._privacy[2] == "mean" else 1.0
-        squared = torch.zeros(local_batch, dtype=torch.float64)
-        tied: dict[Tensor, list[Tensor]] = {}
-        for module in plan.modules:
-            kind = layer_kind(module) or GENERIC
-            names = plan.single_owner[module]
-            for k, call in enumerate(plan.calls_of[module] if names else []):
-                window = slice(offsets[k], offsets[k] + batch_sizes[k])
-                squared[window] += kind.per_sample_sq_norms(module, call, names).double().cpu()
-        for tied_param, owners in plan.tied.items():
-            per_call = []
-            for k in range(len(batch_sizes)):
-                shares = [self._owned_grad(owner, name, plan.calls_of[owner][k]) for owner, name in owners]
-                per_call.append(sum(shares[1:], shares[0]))
-            tied[tied_param] = per_call
-            for k, sample_grads in enumerate(per_call):
-                window = slice(offsets[k], offsets[k] + batch_sizes[k])
-                squared[window] += sample_grads.reshape(sample_grads.shape[0], -1).double().pow(2).sum(1).cpu()
-        norms = scale * squared.sqrt()
-        weights = scale * (clip / (norms + 1e-6)).clamp(max=1.0)
-
-        sums = {p: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in targets}
-        for module in plan.modules:
-            kind = layer_kind(module) or GENERIC
-            names = plan.single_owner[module]
-            for k, call in enumerate(plan.calls_of[module] if names else []):
-                w = weights[offsets[k] : offsets[k] + batch_sizes[k]]
-                for name, total in kind.weighted_grad_sum(module, call, names, w).items():
-                    owned = module._parameters[name]
-                    assert owned is not None
-                    sums[owned] += total.to(sums[owned].device, sums[owned].dtype)
-        for tied_param, per_call in tied.items():
-            for k, sample_grads in enumerate(per_call):
-                w = weights[offsets[k] : offsets[k] + batch_sizes[k]].to(sample_grads.device, sample_grads.dtype)
-                sums[tied_param] += torch.tensordot(w, sample_grads, dims=1).to(sums[tied_param].dtype)
-
+        # The captured gradient holds each sample's share of the loss; its own loss's gradient
+        # is that share times the batch size when the loss was a mean.
+        scale = float(plan.batch) if self._privacy[2] == "mean" else 1.0
+        norms = scale * self._per_sample_sq_norms(plan, targets[0]).sqrt()
+        sums = self._weighted_sums(plan, targets, scale * (clip / (norms + 1e-6)).clamp(max=1.0))
         data_parallel = self.data_parallel_group
         if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
-            for total in sums.values():
+            for total in sums.values():  # drawn once over all ranks, so replicas stay identical
                 noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
                 total += (noise * (sigma * clip)).to(total.device, total.dtype)
-        count = torch.tensor(float(local_batch), dtype=torch.float64)
+        count = torch.tensor(float(plan.batch), dtype=torch.float64)
         all_reduce_sum_([*sums.values(), count], data_parallel)
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
 
-    def _owned_grad(self, module: nn.Module, name: str, call: Call) -> Tensor:
+    def _per_sample_sq_norms(self, plan: _Plan, like: Tensor) -> Tensor:
+        """Each sample's squared gradient norm over every parameter (before scaling)."""
+        squared = torch.zeros(plan.batch, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+        for module in plan.modules:
+            kind = layer_kind(module) or GENERIC
+            names = plan.single_owner[module]
+            for window, call in zip(plan.windows, plan.calls_of[module] if names else [], strict=False):
+                squared[window] += kind.per_sample_sq_norms(module, call, names).to(squared)
+        for per_call in plan.tied_grads.values():
+            for window, grads in zip(plan.windows, per_call, strict=True):
+                squared[window] += grads.reshape(grads.shape[0], -1).pow(2).sum(1).to(squared)
+        return squared
+
+    def _weighted_sums(self, plan: _Plan, targets: list[Tensor], weights: Tensor) -> dict[Tensor, Tensor]:
+        """``sum_i weights[i] * (sample i's gradient)`` for every parameter."""
+        sums = {p: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in targets}
+        for module in plan.modules:
+            kind = layer_kind(module) or GENERIC
+            names = plan.single_owner[module]
+            for window, call in zip(plan.windows, plan.calls_of[module] if names else [], strict=False):
+                for name, total in kind.weighted_grad_sum(module, call, names, weights[window]).items():
+                    owned = module._parameters[name]
+                    assert owned is not None
+                    sums[owned] += total.to(sums[owned])
+        for param, per_call in plan.tied_grads.items():
+            for window, grads in zip(plan.windows, per_call, strict=True):
+                sums[param] += torch.tensordot(weights[window].to(grads), grads, dims=1).to(sums[param])
+        return sums
+
+    def _owned_grads(self, module: nn.Module, name: str, call: Call) -> Tensor:
         kind = layer_kind(module) or GENERIC
         return kind.per_sample_grads(module, call, [name])[name]
 
@@ -206,15 +199,29 @@ class _PerSampleClipping(InputAwareOptimizer):
         sizes = {capture.name(m): [_batch_of(c) for c in calls] for m, calls in plan.calls_of.items()}
         if len({tuple(v) for v in sizes.values()}) != 1:
             raise RuntimeError(f"the captured calls disagree on the batch size of each micro-batch: {sizes}")
+        batch_sizes = next(iter(sizes.values()))
+        starts = [sum(batch_sizes[:k]) for k in range(len(batch_sizes))]
+        plan.windows = [slice(start, start + size) for start, size in zip(starts, batch_sizes, strict=True)]
+        plan.batch = sum(batch_sizes)
+        for param, uses in plan.tied.items():  # a shared weight: materialize and add its owners' shares
+            plan.tied_grads[param] = [
+                torch.stack([self._owned_grads(owner, name, plan.calls_of[owner][k]) for owner, name in uses]).sum(0)
+                for k in range(len(batch_sizes))
+            ]
         return plan
 
 
 class _Plan:
+    """Which module computes which parameter's per-sample gradients, and where each call's samples sit."""
+
     def __init__(self) -> None:
         self.modules: list[nn.Module] = []
         self.calls_of: dict[nn.Module, list[Call]] = {}
-        self.single_owner: dict[nn.Module, list[str]] = {}
-        self.tied: dict[Tensor, list[tuple[nn.Module, str]]] = {}
+        self.single_owner: dict[nn.Module, list[str]] = {}  # parameters only this module uses
+        self.tied: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules use
+        self.tied_grads: dict[Tensor, list[Tensor]] = {}  # their per-sample gradients, per call
+        self.windows: list[slice] = []  # each call's samples in the step's batch
+        self.batch = 0
 
 
 def _seeded_generator() -> torch.Generator:

@@ -36,9 +36,10 @@ class LazyAdamW(InputAwareAdamW):
 
     (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum). The touched rows
     are gathered and updated by torch's fused AdamW kernel, so each moves exactly as
-    ``AdamW(fused=True)`` would move it. Every other row, and its moments, stays bitwise unchanged. The step costs in proportion to the rows touched,
-    not the table size. It accepts dense gradients (which ``SparseAdam`` refuses) and sparse
-    ones (``sparse=True``). Every other parameter gets the stock AdamW update, bitwise.
+    ``AdamW(fused=True)`` would move it. Every other row, and its moments, stays bitwise
+    unchanged. The step costs in proportion to the rows touched, not the table size. It
+    accepts dense gradients (which ``SparseAdam`` refuses) and sparse ones (``sparse=True``).
+    Every other parameter gets the stock AdamW update, bitwise.
 
     The rows follow AdamW's formula, so :math:`\epsilon` is added after bias correction;
     ``SparseAdam`` adds it before, which differs only while :math:`\epsilon` is not negligible.

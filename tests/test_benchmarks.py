@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-for _module in ("matplotlib", "sklearn", "tqdm"):  # the bench extra
+for _module in ("matplotlib", "sklearn", "tqdm", "opacus"):  # the bench extra
     pytest.importorskip(_module)
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETED = {"hook_cost", "capture_overhead", "memory", "foof", "lazy_adamw"}
+TARGETED = {"hook_cost", "capture_overhead", "memory", "foof", "lazy_adamw", "grad_outputs", "kfac", "dp"}
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,20 @@ def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Pat
             assert not target["passed"], target["name"]
         else:
             assert math.isfinite(target["measured"]), target["name"]
+
+
+def test_quick_run_dp_equals_opacus_and_kfac_trains_beside_the_others(quick_run: Path) -> None:
+    sections = json.loads((quick_run / "results.json").read_text())["sections"]
+    dp = sections["dp"]["data"]
+    for name, workload in dp["workloads"].items():
+        by_dtype = {result["dtype"]: result["relative_difference"] for result in workload["equality"]}
+        # Not a timing: with the noise off the two implementations compute the same update.
+        assert by_dtype["float64"] < 1e-10 and by_dtype["float32"] < 1e-4, (name, by_dtype)
+        assert workload["max_grad_norm"] > 0
+    for model in ("MLP", "CNN"):
+        runs = sections["kfac"]["data"][model]["runs"]
+        assert set(runs) == {"SGD (momentum 0.9)", "AdamW", "FOOF (update_every=10)", "K-FAC (update_every=10)"}
+    assert sections["grad_outputs"]["data"]["in_place_relu"]["Capture(model, grad_outputs=True)"]["works"]
 
 
 def test_report_renders_from_the_json(quick_run: Path, tmp_path: Path) -> None:

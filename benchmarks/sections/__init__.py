@@ -7,7 +7,7 @@ is that module plus its line in ``SECTIONS``.
 from __future__ import annotations
 
 from ..core import Section
-from . import capture_overhead, foof, hook_cost, lazy_adamw, memory, nlms
+from . import capture_overhead, dp, foof, grad_outputs, hook_cost, kfac, lazy_adamw, memory, nlms
 
 SECTIONS: list[Section] = [
     hook_cost.SECTION,
@@ -16,4 +16,7 @@ SECTIONS: list[Section] = [
     foof.SECTION,
     nlms.SECTION,
     lazy_adamw.SECTION,
+    grad_outputs.SECTION,
+    kfac.SECTION,
+    dp.SECTION,
 ]

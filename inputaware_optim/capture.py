@@ -155,8 +155,13 @@ def _copy_arguments(
 
 
 def _tap_outputs(output: Any) -> list[Any] | None:
+    if type(output) is Tensor:  # the common case, without the pytree machinery
+        slot: list[Any] = [None]
+        if output.requires_grad:
+            output.register_hook(functools.partial(_store_grad, slot, 0))
+        return slot
     leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-    slot: list[Any] = [None] * len(leaves)
+    slot = [None] * len(leaves)
     for i, t in enumerate(leaves):
         if t.requires_grad:
             t.register_hook(functools.partial(_store_grad, slot, i))

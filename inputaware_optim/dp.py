@@ -11,7 +11,7 @@ from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .distributed import all_reduce_sum_
 from .inputs import Call, Inputs
-from .layers import GENERIC, _batch_of, layer_kind
+from .layers import GENERIC, Materialized, PerSample, _batch_of, layer_kind
 from .sgd import InputAwareSGD
 
 __all__ = ["DPSGD", "DPAdamW"]
@@ -119,8 +119,19 @@ class _PerSampleClipping(InputAwareOptimizer):
         # The captured gradient holds each sample's share of the loss; its own loss's gradient
         # is that share times the batch size when the loss was a mean.
         scale = float(plan.batch) if self._privacy[2] == "mean" else 1.0
-        norms = scale * self._per_sample_sq_norms(plan, targets[0]).sqrt()
-        sums = self._weighted_sums(plan, targets, scale * (clip / (norms + 1e-6)).clamp(max=1.0))
+        like = targets[0]
+        squared = torch.zeros(plan.batch, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+        for per_call in plan.per_sample.values():
+            for window, per in zip(plan.windows, per_call, strict=True):
+                squared[window] += per.sq_norms().to(squared)
+        weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
+        sums = {p: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in targets}
+        for owner, per_call in plan.per_sample.items():
+            for window, per in zip(plan.windows, per_call, strict=True):
+                for name, total in per.weighted_sum(weights[window]).items():
+                    owned = owner._parameters[name] if isinstance(owner, nn.Module) else plan.shared[name]
+                    assert owned is not None
+                    sums[owned] += total.to(sums[owned])
         data_parallel = self.data_parallel_group
         if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks, so replicas stay identical
@@ -131,43 +142,12 @@ class _PerSampleClipping(InputAwareOptimizer):
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
 
-    def _per_sample_sq_norms(self, plan: _Plan, like: Tensor) -> Tensor:
-        """Each sample's squared gradient norm over every parameter (before scaling)."""
-        squared = torch.zeros(plan.batch, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
-        for module in plan.modules:
-            kind = layer_kind(module) or GENERIC
-            names = plan.single_owner[module]
-            for window, call in zip(plan.windows, plan.calls_of[module] if names else [], strict=False):
-                squared[window] += kind.per_sample_sq_norms(module, call, names).to(squared)
-        for per_call in plan.tied_grads.values():
-            for window, grads in zip(plan.windows, per_call, strict=True):
-                squared[window] += grads.reshape(grads.shape[0], -1).pow(2).sum(1).to(squared)
-        return squared
-
-    def _weighted_sums(self, plan: _Plan, targets: list[Tensor], weights: Tensor) -> dict[Tensor, Tensor]:
-        """``sum_i weights[i] * (sample i's gradient)`` for every parameter."""
-        sums = {p: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in targets}
-        for module in plan.modules:
-            kind = layer_kind(module) or GENERIC
-            names = plan.single_owner[module]
-            for window, call in zip(plan.windows, plan.calls_of[module] if names else [], strict=False):
-                for name, total in kind.weighted_grad_sum(module, call, names, weights[window]).items():
-                    owned = module._parameters[name]
-                    assert owned is not None
-                    sums[owned] += total.to(sums[owned])
-        for param, per_call in plan.tied_grads.items():
-            for window, grads in zip(plan.windows, per_call, strict=True):
-                sums[param] += torch.tensordot(weights[window].to(grads), grads, dims=1).to(sums[param])
-        return sums
-
-    def _owned_grads(self, module: nn.Module, name: str, call: Call) -> Tensor:
-        kind = layer_kind(module) or GENERIC
-        return kind.per_sample_grads(module, call, [name])[name]
-
     def _plan(self, targets: list[Tensor], inputs: Inputs) -> _Plan:
-        """Which module computes which parameter's per-sample gradients; raises before any change."""
-        plan = _Plan()
+        """Each call's per-sample gradients, for every parameter; raises before any change."""
         capture = self.capture
+        calls_of: dict[nn.Module, list[Call]] = {}
+        single: dict[nn.Module, list[str]] = {}  # parameters only this module uses
+        shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules use
         for param in targets:
             owners = capture.owners(param)
             uncalled = [capture.name(m) for m in owners if inputs.get(m) is None]
@@ -179,49 +159,55 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "without calling its module, as nn.MultiheadAttention does with out_proj, is not "
                     "supported). No parameter was changed"
                 )
-            pairs = [(m, n) for m in owners for n, p in m._parameters.items() if p is param]
-            for module, _ in pairs:
-                if module not in plan.calls_of:
-                    plan.modules.append(module)
-                    plan.calls_of[module] = inputs[module].calls
-                    plan.single_owner[module] = []
-            if len(pairs) == 1:
-                plan.single_owner[pairs[0][0]].append(pairs[0][1])
-            else:
-                plan.tied[param] = pairs
-        counts = {capture.name(m): len(calls) for m, calls in plan.calls_of.items()}
+            uses = [(m, n) for m in owners for n, p in m._parameters.items() if p is param]
+            for module, name in uses:
+                calls_of.setdefault(module, inputs[module].calls)
+                if len(uses) == 1:
+                    single.setdefault(module, []).append(name)
+            if len(uses) > 1:
+                shared[param] = uses
+        counts = {capture.name(m): len(calls) for m, calls in calls_of.items()}
         if len(set(counts.values())) != 1:
             raise RuntimeError(
                 f"{type(self).__name__} needs each module called once per micro-batch, but the captured calls "
                 f"per module differ ({counts}); a module called twice in one forward is not supported. "
                 "No parameter was changed"
             )
-        sizes = {capture.name(m): [_batch_of(c) for c in calls] for m, calls in plan.calls_of.items()}
+        sizes = {capture.name(m): [_batch_of(c) for c in calls] for m, calls in calls_of.items()}
         if len({tuple(v) for v in sizes.values()}) != 1:
             raise RuntimeError(f"the captured calls disagree on the batch size of each micro-batch: {sizes}")
+        plan = _Plan()
         batch_sizes = next(iter(sizes.values()))
         starts = [sum(batch_sizes[:k]) for k in range(len(batch_sizes))]
         plan.windows = [slice(start, start + size) for start, size in zip(starts, batch_sizes, strict=True)]
         plan.batch = sum(batch_sizes)
-        for param, uses in plan.tied.items():  # a shared weight: materialize and add its owners' shares
-            plan.tied_grads[param] = [
-                torch.stack([self._owned_grads(owner, name, plan.calls_of[owner][k]) for owner, name in uses]).sum(0)
-                for k in range(len(batch_sizes))
+        for module, names in single.items():
+            kind = layer_kind(module) or GENERIC
+            plan.per_sample[module] = [kind.per_sample(module, call, names) for call in calls_of[module]]
+        for index, (param, uses) in enumerate(shared.items()):  # a shared weight: add its owners' shares
+            key = f"shared{index}"
+            plan.shared[key] = param
+            plan.per_sample[key] = [
+                Materialized({key: _shared_grads(uses, calls_of, k)}) for k in range(len(batch_sizes))
             ]
         return plan
 
 
 class _Plan:
-    """Which module computes which parameter's per-sample gradients, and where each call's samples sit."""
+    """Each call's per-sample gradients: under the module for the parameters only it uses, under a
+    key of ``shared`` for a weight several modules use; and where each call's samples sit."""
 
     def __init__(self) -> None:
-        self.modules: list[nn.Module] = []
-        self.calls_of: dict[nn.Module, list[Call]] = {}
-        self.single_owner: dict[nn.Module, list[str]] = {}  # parameters only this module uses
-        self.tied: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules use
-        self.tied_grads: dict[Tensor, list[Tensor]] = {}  # their per-sample gradients, per call
-        self.windows: list[slice] = []  # each call's samples in the step's batch
+        self.per_sample: dict[nn.Module | str, list[PerSample]] = {}
+        self.shared: dict[str, Tensor] = {}
+        self.windows: list[slice] = []
         self.batch = 0
+
+
+def _shared_grads(uses: list[tuple[nn.Module, str]], calls_of: dict[nn.Module, list[Call]], k: int) -> Tensor:
+    """The per-sample gradient of a weight several modules use, summed over their call ``k``."""
+    shares = [(layer_kind(m) or GENERIC).per_sample(m, calls_of[m][k], [n]).grads()[n] for m, n in uses]
+    return torch.stack(shares).sum(0)
 
 
 def _seeded_generator() -> torch.Generator:

@@ -14,7 +14,7 @@ __all__ = ["FOOF"]
 class FOOF(KroneckerRule):
     r"""FOOF (Benzing 2022): gradient descent on neurons, a one-sided Kronecker preconditioner.
 
-    ``FOOF(model, lr, momentum=0.9, damping=1e-3, stat_decay=0.95, update_every=10, *,
+    ``FOOF(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
     params=None, **sgd_kwargs)``
 
     For each ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``, through its unfolded input
@@ -40,7 +40,9 @@ class FOOF(KroneckerRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum factor.
-        damping: :math:`\lambda`, added to the diagonal before inverting (>= 0).
+        damping: :math:`\lambda`, added to the diagonal before inverting (>= 0). It is absolute,
+            so it scales with the inputs' variance; the default suits standardized inputs, and
+            values much smaller let rarely excited directions take very large steps.
         stat_decay: :math:`\beta`, the decay of the running second moment, in [0, 1).
         update_every: Refresh the inverse every this many steps (>= 1).
         params: Parameters or param groups of ``model`` (default: all that require grad).

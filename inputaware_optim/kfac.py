@@ -17,7 +17,7 @@ __all__ = ["KFAC"]
 class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
-    ``KFAC(model, lr, momentum=0.9, damping=1e-3, stat_decay=0.95, update_every=10, *,
+    ``KFAC(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
     batch_averaged=True, params=None, **sgd_kwargs)``
 
     For each ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``), with :math:`\tilde x` the input
@@ -46,7 +46,8 @@ class KFAC(KroneckerRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum factor.
-        damping: :math:`\lambda`; each factor is damped by :math:`\sqrt\lambda` (>= 0).
+        damping: :math:`\lambda`; each factor is damped by :math:`\sqrt\lambda` (>= 0). Without an
+            adaptive trust region (KL clipping), small values let the update blow up.
         stat_decay: Decay of the running factors, in [0, 1).
         update_every: Refresh the inverses every this many steps (>= 1).
         batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).

@@ -44,7 +44,7 @@ class KroneckerRule(InputAwareSGD):
         model: nn.Module,
         lr: float,
         momentum: float = 0.9,
-        damping: float = 1e-3,
+        damping: float = 0.1,
         stat_decay: float = 0.95,
         update_every: int = 10,
         *,

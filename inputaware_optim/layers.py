@@ -23,7 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .inputs import Call, Captured
 
-__all__ = ["GENERIC", "Layer", "LayerKind", "bias_of", "layer_kind", "register_layer", "weight_of"]
+__all__ = ["GENERIC", "Layer", "LayerKind", "PerSample", "bias_of", "layer_kind", "register_layer", "weight_of"]
 
 _REGISTRY: dict[type[nn.Module], LayerKind] = {}
 
@@ -90,26 +90,43 @@ class LayerKind:
         raise NotImplementedError(f"{type(module).__name__} has no rows to touch")
 
     # -- per-sample gradients ------------------------------------------------------------------
-    # Each sample's share of the gradient of the loss that was backpropagated, from one call.
-    # The generic versions work for any module whose output for a sample depends only on
-    # that sample's input: they run torch.func's vmap(grad(...)) over the module's forward
-    # and materialize (batch, *parameter shape) tensors. Layer kinds override them with
-    # cheaper closed forms where one exists.
-    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
-        """Each sample's gradient of the parameters ``names`` (direct parameters of ``module``)."""
-        return _functional_per_sample_grads(module, call, names)
+    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
+        """Each sample's gradient of the parameters ``names`` (direct parameters of ``module``) from
+        one call: its share of the gradient of the loss that was backpropagated.
 
-    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
-        """Each sample's squared gradient norm over the parameters ``names``: shape ``(batch,)``."""
-        grads = self.per_sample_grads(module, call, names)
-        return sum((g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()), torch.zeros(()))
+        The generic version works for any module whose output for a sample depends only on that
+        sample's input: it runs torch.func's ``vmap(grad(...))`` over the module's forward and
+        materializes ``(batch, *parameter shape)`` tensors. Layer kinds override it with a
+        closed form that never forms them where one exists.
+        """
+        return Materialized(_functional_per_sample_grads(module, call, names))
 
-    def weighted_grad_sum(
-        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
-    ) -> dict[str, Tensor]:
-        """``sum_i weights[i] * (sample i's gradient)`` for each parameter in ``names``."""
-        grads = self.per_sample_grads(module, call, names)
-        return {n: torch.tensordot(weights.to(g.dtype), g, dims=1) for n, g in grads.items()}
+
+class PerSample:
+    """One call's per-sample gradients, in whichever form is cheapest to reduce."""
+
+    def sq_norms(self) -> Tensor:
+        """Each sample's squared gradient norm over the parameters: shape ``(batch,)``."""
+        grads = self.grads()
+        return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
+
+    def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
+        """``sum_i weights[i] * (sample i's gradient)`` for each parameter."""
+        return {n: torch.tensordot(weights.to(g), g, dims=1) for n, g in self.grads().items()}
+
+    def grads(self) -> dict[str, Tensor]:
+        """The per-sample gradients themselves, ``(batch, *parameter shape)`` per parameter."""
+        raise NotImplementedError
+
+
+class Materialized(PerSample):
+    """Per-sample gradients held as they are."""
+
+    def __init__(self, grads: dict[str, Tensor]) -> None:
+        self._grads = grads
+
+    def grads(self) -> dict[str, Tensor]:
+        return self._grads
 
 
 def weight_of(module: nn.Module) -> Tensor:
@@ -166,45 +183,56 @@ def _set_matrix_grad(weight: Tensor, bias: Tensor | None, matrix: Tensor, homoge
 
 
 class _MatrixPerSample(LayerKind):
-    """Per-sample gradients of a layer that is a matrix on rows: a sample's weight gradient is
-    ``sum_t g_t x_t^T`` over its positions ``t`` (its bias gradient ``sum_t g_t``)."""
+    """A layer that is a matrix on rows: inputs ``(batch, positions, in)`` and output gradients
+    ``(batch, positions, out)`` give every per-sample quantity (see ``MatrixRows``)."""
 
     def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
-        """Inputs ``(batch, positions, in)`` and output gradients ``(batch, positions, out)``."""
         raise NotImplementedError
 
-    def _per_sample_rows(self, module: nn.Module, call: Call, names: Sequence[str]) -> tuple[Tensor, Tensor]:
+    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         x, g = self._sample_rows(module, call)
-        if "weight" not in names:  # the bias alone: its input is the constant 1
-            x = x.new_ones(x.shape[0], x.shape[1], 1)
-        elif "bias" in names:
-            x = torch.cat([x, x.new_ones(x.shape[0], x.shape[1], 1)], dim=2)
-        return x, g
+        return MatrixRows(x, g, names, weight_of(module).shape)
 
-    def _split(self, module: nn.Module, matrix: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
-        parts = _split_matrix(matrix, names)
-        if "weight" in parts:
-            parts["weight"] = parts["weight"].reshape(*matrix.shape[:-2], *weight_of(module).shape)
-        return parts
 
-    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
-        x, g = self._per_sample_rows(module, call, names)
-        return self._split(module, torch.einsum("bto,bti->boi", g, x), names)
+class MatrixRows(PerSample):
+    """A sample's weight gradient is ``sum_t g_t x_t^T`` over its positions ``t``, its bias
+    gradient ``sum_t g_t``; norms and weighted sums follow without forming either."""
 
-    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
-        x, g = self._per_sample_rows(module, call, names)
+    def __init__(self, x: Tensor, g: Tensor, names: Sequence[str], weight_shape: torch.Size) -> None:
+        self.x, self.g = x, g
+        self.weight, self.bias = "weight" in names, "bias" in names
+        self.weight_shape = weight_shape
+
+    def sq_norms(self) -> Tensor:
+        x, g = self.x, self.g
         positions, inputs, outputs = x.shape[1], x.shape[2], g.shape[2]
-        if positions * (inputs + outputs) > inputs * outputs:  # forming the gradient is the cheaper way
-            return torch.einsum("bto,bti->boi", g, x).pow(2).sum((1, 2))
-        # Ghost norm: |sum_t g_t x_t^T|^2 = sum_{t,s} (g_t . g_s)(x_t . x_s), never forming the gradient.
-        return (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+        total = g.new_zeros(g.shape[0])
+        if self.weight and positions * (inputs + outputs) > inputs * outputs:  # forming it is cheaper
+            total = total + torch.einsum("bto,bti->boi", g, x).pow(2).sum((1, 2))
+            return total + g.sum(1).pow(2).sum(1) if self.bias else total
+        # The ghost norm: |sum_t g_t x_t^T|^2 = sum_{t,s} (g_t . g_s)(x_t . x_s), and the bias adds
+        # |sum_t g_t|^2 = sum_{t,s} (g_t . g_s): one Gram product covers both.
+        gram = torch.bmm(g, g.transpose(1, 2))
+        inner = torch.bmm(x, x.transpose(1, 2)) if self.weight else torch.zeros_like(gram)
+        return (gram * (inner + 1 if self.bias else inner)).sum((1, 2))
 
-    def weighted_grad_sum(
-        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
-    ) -> dict[str, Tensor]:
-        x, g = self._per_sample_rows(module, call, names)
-        weighted = g * weights.to(g.dtype)[:, None, None]
-        return self._split(module, weighted.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2]), names)
+    def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
+        weighted = (self.g * weights.to(self.g)[:, None, None]).reshape(-1, self.g.shape[2])
+        sums = {}
+        if self.weight:
+            sums["weight"] = (weighted.T @ self.x.reshape(-1, self.x.shape[2])).reshape(self.weight_shape)
+        if self.bias:
+            sums["bias"] = weighted.sum(0)
+        return sums
+
+    def grads(self) -> dict[str, Tensor]:
+        grads = {}
+        if self.weight:
+            matrix = torch.einsum("bto,bti->boi", self.g, self.x)
+            grads["weight"] = matrix.reshape(matrix.shape[0], *self.weight_shape)
+        if self.bias:
+            grads["bias"] = self.g.sum(1)
+        return grads
 
 
 @register_layer(nn.Linear)
@@ -273,15 +301,6 @@ class Conv2dKind(_MatrixPerSample):
         _set_matrix_grad(weight_of(module), bias_of(module), matrix, homogeneous)
 
 
-def _split_matrix(matrix: Tensor, names: Sequence[str]) -> dict[str, Tensor]:
-    """Split ``[W | b]`` (optionally batched) into the named parameters' tensors."""
-    if "weight" not in names:
-        return {"bias": matrix[..., 0]}
-    if "bias" not in names:
-        return {"weight": matrix}
-    return {"weight": matrix[..., :-1], "bias": matrix[..., -1]}
-
-
 def _grad_output(call: Call) -> Tensor:
     grad = call.grad_output
     if grad is None:
@@ -307,54 +326,46 @@ class EmbeddingKind(LayerKind):
         padding = getattr(module, "padding_idx", None)
         return rows[rows != padding] if padding is not None else rows
 
-    # A sample's gradient adds its output gradient g_t to the row of each index i_t it read.
-    def _indexed(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
-        """Indices ``(batch, positions)`` (-1 at padding) and output gradients ``(batch, positions, dim)``."""
+    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         index, g = call.input, _statistics_dtype(_grad_output(call))
         if index.dim() == 1:  # one index per sample
             index, g = index[:, None], g[:, None]
         padding = getattr(module, "padding_idx", None)
         if padding is not None:
             index = index.masked_fill(index == padding, -1)
-        return index.reshape(index.shape[0], -1), g.reshape(index.shape[0], -1, g.shape[-1])
+        index = index.reshape(index.shape[0], -1)
+        return IndexedRows(index, g.reshape(index.shape[0], -1, g.shape[-1]), weight_of(module).shape[0])
 
-    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
-        index, g = self._indexed(module, call)
-        weight = weight_of(module)
-        grads = g.new_zeros(index.shape[0], weight.shape[0] + 1, weight.shape[1])  # the last row takes padding
-        grads.scatter_add_(1, index.remainder(weight.shape[0] + 1)[..., None].expand_as(g), g)
+
+class IndexedRows(PerSample):
+    """A sample's gradient adds its output gradient ``g_t`` to the row of each index ``i_t`` it read
+    (``-1``: padding, no gradient)."""
+
+    def __init__(self, index: Tensor, g: Tensor, num_rows: int) -> None:
+        self.index, self.g, self.num_rows = index, g, num_rows
+
+    def sq_norms(self) -> Tensor:
+        same_row = (self.index[:, :, None] == self.index[:, None, :]) & (self.index[:, :, None] >= 0)
+        return (torch.bmm(self.g, self.g.transpose(1, 2)) * same_row).sum((1, 2))
+
+    def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
+        kept = self.index.reshape(-1) >= 0
+        rows = (self.g * weights.to(self.g)[:, None, None]).reshape(-1, self.g.shape[-1])[kept]
+        total = self.g.new_zeros(self.num_rows, self.g.shape[-1])
+        return {"weight": total.index_add_(0, self.index.reshape(-1)[kept], rows)}
+
+    def grads(self) -> dict[str, Tensor]:
+        grads = self.g.new_zeros(self.index.shape[0], self.num_rows + 1, self.g.shape[-1])  # last row: padding
+        grads.scatter_add_(1, self.index.remainder(self.num_rows + 1)[..., None].expand_as(self.g), self.g)
         return {"weight": grads[:, :-1]}
-
-    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
-        index, g = self._indexed(module, call)
-        same_row = (index[:, :, None] == index[:, None, :]) & (index[:, :, None] >= 0)
-        return (torch.bmm(g, g.transpose(1, 2)) * same_row).sum((1, 2))
-
-    def weighted_grad_sum(
-        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
-    ) -> dict[str, Tensor]:
-        index, g = self._indexed(module, call)
-        weight = weight_of(module)
-        kept = index.reshape(-1) >= 0
-        rows = (g * weights.to(g.dtype)[:, None, None]).reshape(-1, g.shape[-1])[kept]
-        total = g.new_zeros(weight.shape)
-        return {"weight": total.index_add_(0, index.reshape(-1)[kept], rows)}
 
 
 @register_layer(nn.EmbeddingBag)
 class EmbeddingBagKind(EmbeddingKind):
     """``nn.EmbeddingBag``: the indices of every bag (``padding_idx`` excluded); per-sample gradients generic."""
 
-    def per_sample_grads(self, module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
-        return _functional_per_sample_grads(module, call, names)
-
-    def per_sample_sq_norms(self, module: nn.Module, call: Call, names: Sequence[str]) -> Tensor:
-        return LayerKind.per_sample_sq_norms(self, module, call, names)
-
-    def weighted_grad_sum(
-        self, module: nn.Module, call: Call, names: Sequence[str], weights: Tensor
-    ) -> dict[str, Tensor]:
-        return LayerKind.weighted_grad_sum(self, module, call, names, weights)
+    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
+        return LayerKind.per_sample(self, module, call, names)
 
 
 GENERIC = LayerKind()

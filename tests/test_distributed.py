@@ -137,6 +137,7 @@ def _entry(rank: int, port: int, worker: Callable[[int], None]) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
     try:
         worker(rank)
+        dist.barrier()  # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 

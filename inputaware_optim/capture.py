@@ -44,7 +44,7 @@ _STORAGES = ("reference", "clone", "cpu")
 # The log is a linked list grown by rebinding one attribute: under torch.compile a
 # Python list would make Dynamo guard on its length and recompile for every new number
 # of calls per step (gradient accumulation), while rebinding an attribute does not.
-_Node = tuple[nn.Module, tuple[Any, ...], dict[str, Any], Any, "list[Any] | None", Any]
+_Node = tuple[nn.Module, tuple[Any, ...], "dict[str, Any] | None", Any, "list[Any] | None", Any]
 
 
 class _Log:
@@ -75,7 +75,8 @@ class _Log:
         else:
             args, kwargs, check = _copy_arguments(args, kwargs, self.storage, False)
         slot = _tap_outputs(output) if self.grad_outputs else None
-        self.head = (module, args, kwargs, check, slot, self.head)
+        # An empty kwargs dict is a fresh object per call: not keeping it spares the allocator.
+        self.head = (module, args, kwargs or None, check, slot, self.head)
         return None
 
     def _record_compiled(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -505,6 +506,7 @@ class Capture:
         nodes.reverse()
         calls = []
         for index, (module, args, kwargs, check, slot, _) in enumerate(nodes):
+            kwargs = kwargs or {}
             if self._log.storage == "reference":
                 if check is not None:
                     _check_versions(self.name(module), index, args, kwargs, check)

@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         "--repeats",
         type=int,
         default=None,
-        help="interleaved timing pairs per comparison (default: 11; 5 with --quick)",
+        help="interleaved timing pairs per comparison (default: 15; 5 with --quick)",
     )
     parser.add_argument(
         "--sample-ms", type=float, default=None, help="minimum length of one timed sample (default: 50; 5 with --quick)"
@@ -90,7 +90,7 @@ def _selected(spec: str) -> list[Section]:
 def _config(args: argparse.Namespace) -> Config:
     size: Size = "quick" if args.quick else args.size
     quick = size == "quick"
-    pairs = args.repeats if args.repeats is not None else (5 if quick else 11)
+    pairs = args.repeats if args.repeats is not None else (5 if quick else 15)
     if pairs < 5:
         raise SystemExit(f"--repeats must be at least 5 (the methodology's minimum of interleaved pairs), got {pairs}")
     sample_ms = args.sample_ms if args.sample_ms is not None else (5.0 if quick else 50.0)

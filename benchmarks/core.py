@@ -49,7 +49,7 @@ class Config:
     """
 
     size: Size = "default"
-    pairs: int = 11
+    pairs: int = 15
     sample_seconds: float = 0.05
     warmup_seconds: float = 0.1
     threads: int = 1

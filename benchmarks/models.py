@@ -139,6 +139,17 @@ class Workload:
     loss: Callable[[nn.Module, tuple[Tensor, Tensor]], Tensor]
 
 
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: Workload) -> Callable[[], None]:
+    """One full training step of ``workload`` (zero_grad, forward, backward, step), as a call to time."""
+
+    def step() -> None:
+        optimizer.zero_grad()
+        workload.loss(model, workload.batch).backward()
+        optimizer.step()
+
+    return step
+
+
 def _classification_loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     return F.cross_entropy(model(batch[0]), batch[1])
 

@@ -13,7 +13,7 @@ from torch import nn
 from inputaware_optim import InputAwareAdamW, InputAwareOptimizer, InputAwareSGD
 
 from ..core import Config, Progress, Result, Section, Table, Target, format_seconds
-from ..models import Workload, resnet18, workloads
+from ..models import resnet18, training_step, workloads
 from ..timing import Ratio, Timing, interleave
 
 IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
@@ -29,15 +29,6 @@ OPTIMIZERS: list[
     ("AdamW", torch.optim.AdamW, InputAwareAdamW, {"lr": 1e-4, "weight_decay": 0.01}),
     ("SGD", torch.optim.SGD, InputAwareSGD, {"lr": 1e-3, "momentum": 0.9}),
 ]
-
-
-def _training_step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: Workload) -> Callable[[], None]:
-    def step() -> None:
-        optimizer.zero_grad()
-        workload.loss(model, workload.batch).backward()
-        optimizer.step()
-
-    return step
 
 
 def _twins(build: Callable[[], nn.Module], seed: int) -> tuple[nn.Module, nn.Module]:
@@ -81,8 +72,8 @@ def run(config: Config, progress: Progress) -> Result:
                 ours = our_cls(our_model, **hyperparameters, **flags)
                 timing = interleave(
                     {
-                        "stock": _training_step(stock_model, stock, workload),
-                        "capture": _training_step(our_model, ours, workload),
+                        "stock": training_step(stock_model, stock, workload),
+                        "capture": training_step(our_model, ours, workload),
                     },
                     config,
                 )

@@ -7,7 +7,6 @@ import gc
 import os
 import statistics
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,7 +17,7 @@ from inputaware_optim import DPSGD
 
 from ..core import Config, Panel, Plot, Progress, Result, Section, Series, Table, Target, format_seconds
 from ..machine import allocated_bytes, has_allocation_probe
-from ..models import Workload, workloads
+from ..models import Workload, training_step, workloads
 from ..timing import Timing, interleave
 
 SGD, OURS, OPACUS = "SGD (no privacy)", "DPSGD", "Opacus"
@@ -130,15 +129,6 @@ def _cast(batch: tuple[Tensor, Tensor], dtype: torch.dtype) -> tuple[Tensor, Ten
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)  # type: ignore[return-value]
 
 
-def _training_step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: Workload) -> Callable[[], None]:
-    def step() -> None:
-        optimizer.zero_grad()
-        workload.loss(model, workload.batch).backward()
-        optimizer.step()
-
-    return step
-
-
 def _median_sample_norm(workload: Workload, seed: int) -> float:
     """The median over the batch of each sample's gradient norm at the initial weights (from Opacus)."""
     from opacus import GradSampleModule
@@ -157,7 +147,7 @@ def _equality(workload: Workload, clip: float, dtype: torch.dtype, seed: int) ->
     casted = Workload(workload.name, workload.description, workload.build, _cast(workload.batch, dtype), workload.loss)
     for _ in range(EQUALITY_STEPS):
         for name in (OURS, OPACUS):
-            _training_step(*trio[name], casted)()
+            training_step(*trio[name], casted)()
     ours = [p.detach() for p in trio[OURS][0].parameters()]
     theirs = [p.detach() for p in trio[OPACUS][0].parameters()]
     difference = max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True))
@@ -213,7 +203,7 @@ def _peak_in_step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: 
 def _measure(workload: Workload, clip: float, config: Config, memory_samples: int) -> dict[str, Any]:
     """Interleaved step times of the three, then their heap after backward and their peak during the step."""
     trio = _trio(workload, TIMING_LR, clip, NOISE_MULTIPLIER, config.seed)
-    steps = {name: _training_step(model, optimizer, workload) for name, (model, optimizer) in trio.items()}
+    steps = {name: training_step(model, optimizer, workload) for name, (model, optimizer) in trio.items()}
     timing = interleave(steps, config)
     out: dict[str, Any] = {"batch": _batch_size(workload), "timing": timing}
     if has_allocation_probe():

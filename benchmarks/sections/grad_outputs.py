@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from inputaware_optim import Capture, InputAwareAdamW
 
 from ..core import Config, Progress, Result, Section, Table, Target, format_seconds
-from ..models import Workload, workloads
+from ..models import Workload, training_step, workloads
 from ..timing import Ratio, Timing, interleave
 
 CALLS = 100  # forward + backward calls per timed function call, so the function call itself is negligible
@@ -97,15 +97,6 @@ def _in_place_check() -> dict[str, Any]:
     return outcome
 
 
-def _training_step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: Workload) -> Callable[[], None]:
-    def step() -> None:
-        optimizer.zero_grad()
-        workload.loss(model, workload.batch).backward()
-        optimizer.step()
-
-    return step
-
-
 def _end_to_end(workload: Workload, config: Config) -> tuple[Timing, int, int]:
     """A training step with stock AdamW, InputAwareAdamW, and InputAwareAdamW capturing output gradients.
 
@@ -119,7 +110,7 @@ def _end_to_end(workload: Workload, config: Config) -> tuple[Timing, int, int]:
         OURS: InputAwareAdamW(models[OURS], lr=1e-4),
         OURS_GRAD_OUTPUTS: InputAwareAdamW(models[OURS_GRAD_OUTPUTS], lr=1e-4, capture_grad_outputs=True),
     }
-    timing = interleave({name: _training_step(models[name], optimizers[name], workload) for name in models}, config)
+    timing = interleave({name: training_step(models[name], optimizers[name], workload) for name in models}, config)
     ours = optimizers[OURS_GRAD_OUTPUTS]
     assert isinstance(ours, InputAwareAdamW)
     ours.zero_grad()

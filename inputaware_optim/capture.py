@@ -485,9 +485,10 @@ class Capture:
 
     def remove(self) -> None:
         """Take the hooks off the model. What was captured stays readable until cleared."""
-        head = self._log.head
-        self._finalizer()
-        self._log.head = head
+        self._log.enabled = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def __enter__(self) -> Capture:
         return self

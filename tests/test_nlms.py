@@ -94,3 +94,21 @@ def test_normalizes_by_the_mean_power_over_every_call_with_the_bias_coordinate()
 def test_bad_eps() -> None:
     with pytest.raises(ValueError, match="Invalid eps"):
         NLMS(nn.Linear(2, 2), lr=0.1, eps=-1.0)
+
+
+def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
+    generator = torch.Generator().manual_seed(3)
+    micro = [[torch.randn(4, 5, 3, generator=generator, dtype=torch.float64) for _ in range(3)] for _ in range(3)]
+    models = []
+    for accumulate in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        optimizer = NLMS(model, lr=0.3, momentum=0.5)
+        for step in micro:
+            optimizer.zero_grad()
+            for x in step if accumulate else [torch.cat(step)]:
+                (model(x).pow(2).mean() * len(x) / sum(len(s) for s in step)).backward()
+            optimizer.step()
+        models.append(model)
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(p, q)

@@ -78,14 +78,21 @@ class LazyAdamW(InputAwareAdamW):
         self._warn_if_no_layers("touched_rows", "nn.Embedding or nn.EmbeddingBag")
 
     def _lazy_modules(self) -> list[nn.Module]:
-        """Captured embeddings whose weight is trained here and used by no other module."""
+        """Captured embeddings whose weight is trained here and used by no other module.
+
+        The model's structure is fixed, so the answer changes only with the param groups: it is
+        kept, not recomputed every step (walking a large model would not cost "rows touched")."""
+        key = tuple(len(group["params"]) for group in self.param_groups)
+        cached = self.__dict__.get("_lazy_cache")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         groups = self._param_groups_by_param()
         owners: dict[Tensor, int] = {}
         for module in unwrap_model(self.model).modules():
             for param in module._parameters.values():
                 if param is not None:
                     owners[param] = owners.get(param, 0) + 1
-        return [
+        lazy = [
             m
             for m in self.capture.modules
             if (kind := layer_kind(m)) is not None
@@ -93,6 +100,8 @@ class LazyAdamW(InputAwareAdamW):
             and weight_of(m) in groups
             and owners[weight_of(m)] == 1  # a tied weight (say, an output head) gets gradients on every row
         ]
+        self._lazy_cache = (key, lazy)
+        return lazy
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:

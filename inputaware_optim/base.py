@@ -34,6 +34,7 @@ from .capture import Capture, Storage, unwrap_model
 from .distributed import data_parallel_group
 from .inputs import Inputs
 from .layers import Layer, layer_kind
+from .reduction import Reduction
 
 __all__ = ["InputAwareOptimizer", "evaluate_closure"]
 
@@ -95,21 +96,28 @@ def _split_step_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 
 
 class InputAwareOptimizer(Optimizer):
-    """Base of the optimizers that see the inputs each module received in the forward pass.
+    r"""Base of the optimizers that see the inputs each module received in the forward pass.
 
     A subclass pairs this class with a stock optimizer (``_stock``), e.g.
     ``class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD)``. A rule overrides
     ``step(self, closure=None, inputs=None)`` and reads ``inputs.get(p)``.
 
+    What is captured is what is read. With no rule, nothing is: no hook is attached and the
+    optimizer is the stock one. A subclass that overrides ``step`` reads raw calls, so they
+    are kept (from each call's forward until the step that reads them); a rule that needs
+    only statistics sets ``reads_calls = False`` and adds ``Reduction``\ s to its capture.
+
     Class attributes a rule may set:
         captured_module_types: Capture only modules of these types (default: every module
             that directly owns a parameter of the optimizer).
         capture_grad_outputs: Also capture the gradient reaching each call's outputs.
+        reads_calls: Whether ``step`` reads raw calls (default: whether ``step`` is overridden).
     """
 
     _stock: ClassVar[type[Optimizer]]
     captured_module_types: ClassVar[tuple[type[nn.Module], ...] | None] = None
     capture_grad_outputs: ClassVar[bool] = False
+    reads_calls: ClassVar[bool | None] = None
 
     def __init__(
         self,
@@ -146,9 +154,15 @@ class InputAwareOptimizer(Optimizer):
         super().__init__(params, *args, **kwargs)
         self._check_param_groups()  # a rule's validation: before any hook is attached, so failing leaves none
         wanted_grad_outputs = type(self).capture_grad_outputs if capture_grad_outputs is None else capture_grad_outputs
+        reads_calls = self._has_rule() if type(self).reads_calls is None else bool(type(self).reads_calls)
         self._capture = Capture(
-            model, self._modules_to_capture(self._params()), storage=storage, grad_outputs=wanted_grad_outputs
+            model,
+            self._modules_to_capture(self._params()),
+            storage=storage,
+            grad_outputs=wanted_grad_outputs,
+            keep_calls=reads_calls,
         )
+        self._install_reductions()
         self._data_parallel_group = data_parallel_group(model)
         # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
         self._step_supports_amp_scaling = True
@@ -178,6 +192,19 @@ class InputAwareOptimizer(Optimizer):
         super().add_param_group({**param_group, "params": params})
         if self._capture is not None:
             self._capture.add_modules(self._modules_to_capture(params or ()))
+            self._install_reductions()  # the new group's layers join the rule's reductions
+
+    def _build_reductions(self) -> dict[str, Reduction]:
+        """The reductions a rule reads, by the attribute it keeps each under (default: none)."""
+        return {}
+
+    def _install_reductions(self) -> None:
+        for attribute, reduction in self._build_reductions().items():
+            old = self.__dict__.get(attribute)
+            if old is not None:
+                self.capture.remove_reduction(old)
+            setattr(self, attribute, reduction)
+            self.capture.add_reduction(reduction)
 
     def _params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
@@ -301,7 +328,9 @@ class InputAwareOptimizer(Optimizer):
                 self._step_inputs = None
                 if inputs is None:
                     view._expire(_EXPIRED)
-                self._release_captures()
+            # Released only once the step succeeded: a step that raised (and changed nothing)
+            # keeps its captures, so a retry (say, with more damping) reads the same ones.
+            self._release_captures()
             return out
 
     def _resolve_inputs(self, inputs: Any) -> Inputs:
@@ -332,9 +361,9 @@ class InputAwareOptimizer(Optimizer):
         """Perform one optimization step.
 
         Override this to write an input-aware rule: ``inputs.get(p)`` gives the calls of
-        the module(s) that own parameter ``p`` captured since the last ``step()`` or
-        ``zero_grad()`` (including the closure's forward, once the closure has run). End
-        with ``super().step(inputs=inputs)`` to apply the stock update.
+        the module(s) that own parameter ``p`` whose gradient is in ``p.grad`` (including the
+        closure's, once the closure has run). End with ``super().step(inputs=inputs)`` to
+        apply the stock update.
 
         Args:
             closure: A closure that reevaluates the model and returns the loss.
@@ -356,6 +385,8 @@ class InputAwareOptimizer(Optimizer):
         found_inf = getattr(self, "found_inf", None)
         if found_inf is None:
             return False
+        if self._capture is not None:
+            self._capture.refresh()  # before the unscaling below changes the gradients in place
         if not self._has_rule() and any(group.get("fused") for group in self.param_groups):
             return False  # the stock fused kernel unscales and skips by itself
         if found_inf.item():
@@ -364,6 +395,8 @@ class InputAwareOptimizer(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:
             self._unscale_grads(grad_scale)
+            if self._capture is not None:
+                self._capture._gradients_rescaled()
         # Keep the attributes (GradScaler deletes them) but hide them from the stock kernels.
         self.grad_scale = None
         self.found_inf = None

@@ -1,28 +1,50 @@
-"""Capture: records the forward calls of chosen modules until they are read or cleared.
+"""Capture: records the forward calls of chosen modules and follows their gradient.
 
-A ``Capture`` puts one forward hook on each module it watches (never a global hook, so
-every other module keeps PyTorch's fast call path) and two on the root model, which
-make a forward that raises part-way leave nothing behind. It is usable on its own::
+The rule: what a capture hands over for a parameter comes from exactly the forward calls
+whose gradient is in that parameter's ``.grad``. A call arrives when a backward pass
+carries a gradient through it into the parameter; it is dropped when that gradient is
+cleared (``zero_grad`` of any optimizer or module, ``set_to_none`` or not, ``p.grad =
+None``); a call whose output never reaches a backward (an evaluation forward, a forward
+that raised) never arrives. Order of the user's calls does not matter: Lightning's
+closure (forward, ``zero_grad``, backward) and the tutorial order work as the plain one.
+
+What is kept is what readers declared, and nothing when nothing reads:
+
+* ``keep_calls``: the raw calls (arguments by reference or copy), for a custom ``step``
+  or a user who reads ``capture.inputs()``.
+* ``Reduction``\\ s: statistics computed in the hooks (see ``reduction.py``); between
+  forward and ``step()`` only their results are held, summed per parameter.
+
+With neither, no hook is attached at all. ``Capture(model)`` on its own keeps calls::
 
     with Capture(model) as capture:
         model(x).sum().backward()
     inputs = capture.inputs()          # Inputs: inputs[model.fc].cat() is x as fc saw it
 
-Semantics:
-    * Calls made with grad enabled are recorded, in order; calls under ``torch.no_grad()``
-      or ``inference_mode()`` are not.
+Mechanism: the forward hook registers a pre-hook on the autograd node of each output
+(a tensor hook on a leaf output); it fires in backward with the output's gradient. At the
+first such call in a backward pass, a final callback is queued on that pass; it runs once
+the pass is complete (after DDP's and FSDP's own callbacks) and commits the pass's calls
+to each parameter whose ``.grad`` changed during the pass. A parameter's gradient is
+watched by identity and version: ``None``, another tensor, or an in-place change that left
+it all zeros means it was cleared, and what it held is dropped.
+
+Other semantics:
+    * Calls under ``torch.no_grad()``, ``inference_mode()`` or a ``torch.func`` transform
+      are not recorded; nor are calls whose outputs cannot carry a gradient.
     * Activation checkpointing: each real call arrives once. Non-reentrant checkpointing
       re-runs forwards during backward; those re-runs are skipped. Reentrant checkpointing
       runs the first forward under ``no_grad``; its re-run in backward is the one recorded.
     * ``storage="reference"`` keeps a reference to each argument (no copy: for an
-      ``nn.Linear`` autograd already holds it) and remembers its version counter; reading a
-      call whose tensor was modified in place since raises. ``"clone"`` stores a private
-      copy, ``"cpu"`` a copy in CPU memory (pinned and asynchronous from CUDA).
+      ``nn.Linear`` autograd already holds it) and its version counter; every read checks it
+      and raises if the tensor was modified in place since. ``"clone"`` stores a private copy,
+      ``"cpu"`` a copy in CPU memory (pinned and asynchronous from CUDA).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
@@ -34,17 +56,92 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from .inputs import Call, Inputs, UncapturedInputsWarning
+from .reduction import Reduction
 
 __all__ = ["Capture", "Storage", "unwrap_model"]
 
 Storage = Literal["reference", "clone", "cpu"]
 _STORAGES = ("reference", "clone", "cpu")
 
-# A node of the call log: (module, args, kwargs, check, grad_slot, previous node).
-# The log is a linked list grown by rebinding one attribute: under torch.compile a
-# Python list would make Dynamo guard on its length and recompile for every new number
-# of calls per step (gradient accumulation), while rebinding an attribute does not.
-_Node = tuple[nn.Module, tuple[Any, ...], "dict[str, Any] | None", Any, "list[Any] | None", Any]
+
+class _Record:
+    """One forward call on its way: what readers keep of it until its backward pass is complete."""
+
+    __slots__ = ("args", "check", "forward", "index", "kept", "kwargs", "module", "slot", "task", "waiting")
+
+    def __init__(self, module: nn.Module, index: int, forward: int) -> None:
+        self.module = module
+        self.index = index  # capture order
+        self.forward = forward  # which root forward
+        self.args: tuple[Any, ...] = ()
+        self.kwargs: dict[str, Any] | None = None
+        self.check: Any = None  # version counters (reference storage) or copy events (cpu)
+        self.slot: list[Any] | None = None  # output gradients, when a reader wants them
+        self.kept: list[Any] | None = None  # per reduction: forward() result, then backward()'s
+        self.task: int | None = None  # the backward pass that reached it
+        self.waiting = 0  # outputs whose gradient has not arrived yet
+
+    def view(self) -> Call:
+        return Call(self.module, _detached(self.args), _detached(self.kwargs or {}), self.slot, self.forward)
+
+
+class _Key:
+    """What one parameter's gradient holds: the calls (and reduced statistics) it came from.
+
+    ``param`` is ``None`` for a watched module that owns no parameter: its calls count
+    from their backward until the capture is read and released."""
+
+    __slots__ = ("calls", "grad", "param", "totals", "version")
+
+    def __init__(self, param: Tensor | None) -> None:
+        self.param = param
+        self.calls: list[_Record] = []
+        self.totals: dict[Reduction, Any] = {}
+        self.grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
+        self.version = 0
+
+    def state(self) -> Any:
+        grad = self.param.grad if self.param is not None else None
+        return None if grad is None else (grad, grad._version)
+
+    def holds(self) -> bool:
+        return bool(self.calls or self.totals)
+
+    def drop(self) -> None:
+        self.calls = []
+        self.totals = {}
+        self.grad = None
+
+    def refresh(self) -> None:
+        """Drop what the gradient no longer holds (it was cleared since the last commit)."""
+        if self.param is None or not self.holds():
+            return
+        grad = self.param.grad
+        if grad is None or self.grad is None or self.grad() is not grad:
+            self.drop()
+        elif grad._version != self.version:
+            # Changed in place: zeroed (zero_grad(set_to_none=False)) or rescaled (clipping,
+            # unscaling, data-parallel averaging). Only zeroing clears it.
+            values = grad._values() if grad.is_sparse else grad
+            if values.numel() and not bool(values.any()):
+                self.drop()
+            else:
+                self.version = grad._version
+
+    def commit(self) -> None:
+        grad = self.param.grad if self.param is not None else None
+        if grad is not None:
+            self.grad, self.version = weakref.ref(grad), grad._version
+
+
+class _Task:
+    """The calls one backward pass reached, and each parameter's gradient before it."""
+
+    __slots__ = ("before", "records")
+
+    def __init__(self) -> None:
+        self.records: list[_Record] = []
+        self.before: dict[_Key, Any] = {}
 
 
 class _Log:
@@ -52,65 +149,222 @@ class _Log:
     the Capture (or the optimizer that owns it) can always run its finalizer."""
 
     def __init__(self, storage: Storage, grad_outputs: bool) -> None:
-        self.head: _Node | None = None
         self.enabled = True
         self.storage = storage
-        self.grad_outputs = grad_outputs
-        self.forwards: list[list[Any]] = []  # [head at start, finished] per open root forward
+        self.grad_outputs = grad_outputs  # raw output gradients (Call.grad_outputs)
+        self.keep_calls = False
+        self.reductions: list[Reduction] = []
+        self.readers: dict[nn.Module, tuple[Reduction, ...]] = {}  # module -> reductions that read it
+        self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}
+        self.keys: dict[Tensor, _Key] = {}
+        self.tasks: dict[int, _Task] = {}
+        self.counter = itertools.count()
+        self.forwards = 0
+        self.generation = 0  # bumped whenever what the keys hold changes
+        self.error: str | None = None
+        # Calls recorded by compiled code: (module, args, kwargs, key, previous) as a linked list
+        # grown by rebinding one attribute (a Python list would make Dynamo guard on its length
+        # and recompile for every number of calls per step), and their records by key.
+        self.head: Any = None
+        self.compiled: dict[int, _Record] = {}
+
+    # -- forward --------------------------------------------------------------------------
+    def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.forwards += 1
 
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        # The hot path: every call of every watched module runs this, so the common case
-        # (eager, zero-copy, one tensor argument, no output gradients) is kept short.
+        # The hot path: every call of every watched module runs this.
         if not (self.enabled and _grad_enabled()):
             return None
         if _compiling():
             return self._record_compiled(module, args, kwargs, output)
+        if _functorch_level() is not None:
+            return None  # inside vmap/grad: not a call of the training step
         if _graph_task_id() != -1 and _recomputing_checkpointed_forward():
             return None
-        if self.storage == "reference":
-            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-                check: Any = args[0]._version
-            else:
-                check = _versions(args, kwargs)
+        if type(output) is Tensor:  # the common case, without the pytree machinery
+            outputs: list[Any] = [output]
         else:
-            args, kwargs, check = _copy_arguments(args, kwargs, self.storage, False)
-        slot = _tap_outputs(output) if self.grad_outputs else None
-        # An empty kwargs dict is a fresh object per call: not keeping it spares the allocator.
-        self.head = (module, args, kwargs or None, check, slot, self.head)
+            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        if not any(t.requires_grad for t in outputs):
+            return None  # no gradient can come back through this call
+        record = _Record(module, next(self.counter), self.forwards)
+        if self.keep_calls:
+            self._keep_arguments(record, args, kwargs)
+        readers = self.readers.get(module)
+        if readers:
+            if self.grad_outputs or any(r.grad_outputs for r in readers):
+                record.slot = [None] * len(outputs)
+            call = Call(module, _detached(args), _detached(kwargs), None, record.forward)
+            record.kept = _plain_math(lambda: [r.forward(call) for r in readers])
+        elif self.grad_outputs:
+            record.slot = [None] * len(outputs)
+        for position, t in enumerate(outputs):
+            if not t.requires_grad:
+                continue
+            record.waiting += 1
+            node = t.grad_fn
+            if node is None:  # a leaf returned as output
+                t.register_hook(functools.partial(self._leaf_gradient, record, position))
+            else:
+                node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
         return None
 
+    def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.storage == "reference":
+            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+                record.check = args[0]._version
+            else:
+                record.check = _versions(args, kwargs)
+        else:
+            args, kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
+        record.args, record.kwargs = args, kwargs or None
+
+    # -- backward -------------------------------------------------------------------------
+    def _node_gradient(self, record: _Record, position: int, output_nr: int, grads: Sequence[Any]) -> None:
+        self.arrive(record, position, grads[output_nr])
+
+    def _leaf_gradient(self, record: _Record, position: int, grad: Tensor) -> None:
+        self.arrive(record, position, grad)
+
+    def arrive(self, record: _Record, position: int, grad: Tensor | None) -> None:
+        """A gradient reached output ``position`` of a recorded call, in the current backward pass."""
+        task_id = _graph_task_id()
+        task = self.tasks.get(task_id)
+        if task is None:
+            task = self.tasks[task_id] = _Task()
+            _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
+        if record.slot is not None and grad is not None:
+            previous = record.slot[position]  # reached twice (an output used twice): the total flowed back
+            record.slot[position] = grad if previous is None else previous + grad
+        if record.task is None:
+            record.task = task_id
+            task.records.append(record)
+            for key in self.keys_of.get(record.module, ()):
+                if key not in task.before:
+                    key.refresh()
+                    task.before[key] = key.state()
+        elif record.task != task_id:
+            self.error = (
+                f"backward ran twice through one forward call (of {type(record.module).__name__}), for example "
+                "with retain_graph=True; what it contributed cannot be told apart. Run one backward per forward"
+            )
+            return
+        record.waiting -= 1
+        if record.waiting == 0:
+            self._reduce_backward(record)
+
+    def _reduce_backward(self, record: _Record) -> None:
+        readers = self.readers.get(record.module)
+        if readers and record.kept is not None:
+            call = Call(record.module, (), {}, record.slot, record.forward)
+            kept = record.kept
+            record.kept = _plain_math(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
+            record.waiting = -1  # reduced
+
+    def end_backward(self, task_id: int, deferred: bool) -> None:
+        if not deferred:  # run once more at the very end, after callbacks queued later (DDP, FSDP)
+            _queue_end_of_backward(functools.partial(self.end_backward, task_id, True))
+            return
+        task = self.tasks.pop(task_id, None)
+        if task is None:
+            return
+        for record in task.records:
+            if record.waiting > 0:  # some output never got a gradient: reduce with what came
+                self._reduce_backward(record)
+        finished: list[tuple[Reduction, dict[Tensor, Any]]] = []
+        for reduction in self.reductions:
+            entries = []
+            for record in task.records:
+                readers = self.readers.get(record.module, ())
+                if reduction in readers and record.kept is not None:
+                    call = Call(record.module, (), {}, record.slot, record.forward)
+                    entries.append((call, record.kept[readers.index(reduction)]))
+            if entries:
+                finished.append((reduction, _plain_math(functools.partial(reduction.finish, entries))))
+        for record in task.records:
+            record.kept = None  # free what the reductions kept (inputs, output gradients)
+            if not self.keep_calls:
+                record.slot = None
+                record.args, record.kwargs = (), None
+            self.compiled.pop(record.index, None)
+        changed = {key for key, before in task.before.items() if key.param is None or _changed(key.state(), before)}
+        for key in changed:
+            key.commit()
+            if self.keep_calls:
+                new = [r for r in task.records if key in self.keys_of.get(r.module, ())]
+                key.calls = sorted([*key.calls, *new], key=lambda r: r.index)
+            for reduction, totals in finished:
+                if key.param is not None and key.param in totals:
+                    key.totals[reduction] = reduction.combine(key.totals.get(reduction), totals[key.param])
+        if changed:
+            self.generation += 1
+
+    # -- compiled code ----------------------------------------------------------------------
     def _record_compiled(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        # Traced by Dynamo: no version counters, and output gradients through _GradTap.
+        # Traced by Dynamo: a custom op opens a record at run time, the arguments are kept by
+        # rebinding ``head``, and each output passes through _GradTap, whose backward files the
+        # gradient (so reductions run at backward time, from the kept arguments).
         if self.storage != "reference":
             args, kwargs, _ = _copy_arguments(args, kwargs, self.storage, True)
-        slot: Any = None
-        if self.grad_outputs:
-            slot = torch.ops.inputaware_optim.open_grad_slot(_first_tensor(output), id(self), _count_tensors(output))
-            output = _tap_compiled_outputs(output, slot, id(self))
-        self.head = (module, args, kwargs, None, slot, self.head)
-        return output if self.grad_outputs else None
+        leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+        if not leaves:
+            return None
+        key = torch.ops.inputaware_optim.open_call(leaves[0], id(self), len(leaves))
+        self.head = (module, args, kwargs, key, self.head)
+        return _tap_compiled_outputs(output, key, id(self))
 
-    # The root model's forward is a transaction: a forward that raises part-way must not
-    # leave the calls it recorded behind for the next step.
-    def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.forwards.append([self.head, False])
+    def open_compiled(self, outputs: int) -> int:
+        key = next(self.counter)
+        record = _Record(_PENDING, key, self.forwards)
+        record.waiting = outputs
+        self.compiled[key] = record
+        return key
 
-    def close_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not torch.compiler.is_compiling() and self.forwards:
-            self.forwards[-1][1] = True
+    def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
+        self._bind_compiled()
+        record = self.compiled.get(key)
+        if record is None:
+            self.error = (
+                "a call recorded by compiled code reached backward after the capture had released it "
+                "(its step() or clear() came between the forward and the backward)"
+            )
+            return
+        if record.module is _PENDING:
+            return
+        if record.task is None and record.kept is None and self.readers.get(record.module):
+            # First gradient of the call: the reductions' forward side, from the kept arguments.
+            call = Call(record.module, _detached(record.args), _detached(record.kwargs or {}), None, record.forward)
+            readers = self.readers[record.module]
+            if self.grad_outputs or any(r.grad_outputs for r in readers):
+                record.slot = record.slot or [None] * record.waiting
+            record.kept = _plain_math(lambda: [r.forward(call) for r in readers])
+        elif record.slot is None and self.grad_outputs:
+            record.slot = [None] * record.waiting
+        if record.slot is not None and position >= len(record.slot):
+            record.slot.extend([None] * (position + 1 - len(record.slot)))
+        self.arrive(record, position, grad)
 
-    def end_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        # Registered with always_call=True after close_forward, so it also runs when the
-        # forward raised; then close_forward did not, and the calls since the start go.
-        if not torch.compiler.is_compiling() and self.forwards:
-            start, closed = self.forwards.pop()
-            if not closed:
-                self.head = start
+    def _bind_compiled(self) -> None:
+        """Give the records opened by compiled code their module and arguments (the linked list)."""
+        node, self.head = self.head, None
+        while node is not None:
+            module, args, kwargs, key, node = node
+            record = self.compiled.get(int(key))
+            if record is not None:
+                record.module, record.args, record.kwargs = module, args, kwargs or None
 
     def clear(self) -> None:
+        for key in self.keys.values():
+            key.drop()
+        for key_set in self.keys_of.values():
+            for key in key_set:
+                key.drop()
         self.head = None
-        _COMPILED_SLOTS.pop(id(self), None)
+        self.compiled.clear()
+        self.error = None
+        self.generation += 1
 
     # A model copied (copy.deepcopy) or pickled with its hooks must not carry the captured
     # tensors along, nor keep recording into a log no optimizer reads: the copy is inert.
@@ -122,9 +376,36 @@ class _Log:
         self.enabled = False
 
 
+class _Pending(nn.Module):
+    """Stands for the module of a compiled call until its arguments are bound."""
+
+
+_PENDING = _Pending()
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
 _graph_task_id = torch._C._current_graph_task_id
+_functorch_level = torch._C._functorch.peek_interpreter_stack
+
+
+def _plain_math(compute: Any) -> Any:
+    """``compute()`` with no autograd graph and no autocast: reductions keep the dtypes they choose
+    (statistics in float32 under a bfloat16 autocast), and build no graph from the inputs."""
+    with torch.no_grad():
+        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+            with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+                return compute()
+        return compute()
+
+
+def _queue_end_of_backward(callback: Any) -> None:
+    """Run ``callback`` when the current backward pass is complete (the one private engine call we make)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def _changed(now: Any, before: Any) -> bool:
+    if now is None or before is None:
+        return now is not before
+    return now[0] is not before[0] or now[1] != before[1]
 
 
 def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -155,43 +436,22 @@ def _copy_arguments(
     return args, kwargs, tuple(events) or None
 
 
-def _tap_outputs(output: Any) -> list[Any] | None:
-    if type(output) is Tensor:  # the common case, without the pytree machinery
-        slot: list[Any] = [None]
-        if output.requires_grad:
-            output.register_hook(functools.partial(_store_grad, slot, 0))
-        return slot
-    leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-    slot = [None] * len(leaves)
-    for i, t in enumerate(leaves):
-        if t.requires_grad:
-            t.register_hook(functools.partial(_store_grad, slot, i))
-    return slot
+# Gradients under torch.compile. A tensor hook's body is traced into the backward graph,
+# where Python side effects are not allowed, and Dynamo (2.13) drops side effects traced
+# after a ``register_hook`` in the same frame. So compiled code instead routes each output
+# through ``_GradTap``, whose backward calls a custom op (``store_grad``) that runs at run
+# time and files the gradient under a key made by another (``open_call``).
+_LOGS: weakref.WeakValueDictionary[int, _Log] = weakref.WeakValueDictionary()
 
 
-def _store_grad(slot: list[Any], index: int, grad: Tensor) -> None:
-    # Backward may reach one output several times (it is used twice); the total is what
-    # flowed back into the module.
-    slot[index] = grad if slot[index] is None else slot[index] + grad
-
-
-# Output gradients under torch.compile. A tensor hook's body is traced into the backward
-# graph, where Python side effects are not allowed, and Dynamo (2.13) drops side effects
-# traced after a ``register_hook`` in the same frame. So compiled code instead routes each
-# output through ``_GradTap``, whose backward calls a custom op (``store_grad``) that runs
-# at run time and files the gradient under a key made by another (``open_grad_slot``).
-_COMPILED_SLOTS: dict[int, dict[int, list[Any]]] = {}  # id(_Log) -> key -> gradients per output
-_KEYS = iter(range(1, 1 << 62))
-
-
-@torch.library.custom_op("inputaware_optim::open_grad_slot", mutates_args=())
-def _open_grad_slot(like: Tensor, log_id: int, outputs: int) -> Tensor:
-    key = next(_KEYS)
-    _COMPILED_SLOTS.setdefault(log_id, {})[key] = [None] * outputs
+@torch.library.custom_op("inputaware_optim::open_call", mutates_args=())
+def _open_call(like: Tensor, log_id: int, outputs: int) -> Tensor:
+    log = _LOGS.get(log_id)
+    key = log.open_compiled(outputs) if log is not None else -1
     return torch.tensor(key, dtype=torch.int64)
 
 
-@_open_grad_slot.register_fake
+@_open_call.register_fake
 def _(like: Tensor, log_id: int, outputs: int) -> Tensor:
     return torch.empty((), dtype=torch.int64)
 
@@ -200,9 +460,9 @@ def _(like: Tensor, log_id: int, outputs: int) -> Tensor:
 # copy, since the compiler may reuse the gradient's buffer once the graph is done with it.
 @torch.library.custom_op("inputaware_optim::store_grad", mutates_args=("grad",))
 def _store_grad_op(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
-    slot = _COMPILED_SLOTS.get(log_id, {}).get(int(key))
-    if slot is not None:
-        _store_grad(slot, index, grad.clone())
+    log = _LOGS.get(log_id)
+    if log is not None and log.enabled:
+        log.arrive_compiled(int(key), index, grad.clone())
 
 
 @_store_grad_op.register_fake
@@ -224,14 +484,6 @@ class _GradTap(torch.autograd.Function):
         (key,) = ctx.saved_tensors
         torch.ops.inputaware_optim.store_grad(grad, key, ctx.log_id, ctx.index)
         return grad, None, None, None
-
-
-def _first_tensor(output: Any) -> Tensor:
-    return next(t for t in tree_flatten(output)[0] if isinstance(t, Tensor))
-
-
-def _count_tensors(output: Any) -> int:
-    return sum(isinstance(t, Tensor) for t in tree_flatten(output)[0])
 
 
 def _tap_compiled_outputs(output: Any, key: Tensor, log_id: int) -> Any:
@@ -326,7 +578,7 @@ def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
 
 
 class Capture:
-    """Records the forward calls of modules of ``model`` for rules to read later.
+    """Records the forward calls of modules of ``model`` and follows their gradient.
 
     Args:
         model: The model (``torch.compile`` and data-parallel wrappers are unwrapped).
@@ -334,6 +586,8 @@ class Capture:
         storage: ``"reference"`` (default, zero-copy), ``"clone"`` or ``"cpu"``.
         grad_outputs: Also record, on each call, the gradient that reached its outputs in
             backward (``Call.grad_outputs``).
+        keep_calls: Keep the raw calls for ``inputs()`` / ``calls()`` (default ``True``; an
+            optimizer turns it on only when its rule reads raw calls).
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module``.
@@ -347,34 +601,33 @@ class Capture:
         *,
         storage: Storage = "reference",
         grad_outputs: bool = False,
+        keep_calls: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Capture watches an nn.Module, got {type(model).__name__}")
         if storage not in _STORAGES:
             raise ValueError(f"Invalid storage: {storage!r}; choose one of {', '.join(map(repr, _STORAGES))}")
         root = unwrap_model(model)
+        self._model = model
         self._root = root
         self._names: dict[nn.Module, str] = {}
         for name, module in root.named_modules(remove_duplicate=False):
             self._names.setdefault(module, name or type(root).__name__)
         self._log = _Log(storage, grad_outputs)
+        _LOGS[id(self._log)] = self._log
         self._handles: list[RemovableHandle] = []
         self._owners: dict[Tensor, tuple[nn.Module, ...]] = {}
         self._modules: list[nn.Module] = []
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
         self._warned: set[int] = set()  # ids of modules already reported as uncaptured
-        self._cache: tuple[Any, list[Call]] = (None, [])
+        self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
+        self._removed = False
+        self._hooked: set[int] = set()  # ids of the modules that carry our forward hook
         if modules is None:
             modules = [m for m in root.modules() if any(p is not None for p in m._parameters.values())]
         self.add_modules(modules)
-        log = self._log
-        self._handles += [
-            root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True),
-            root.register_forward_hook(log.close_forward, with_kwargs=True),
-            root.register_forward_hook(log.end_forward, with_kwargs=True, always_call=True),
-        ]
-        _drop_code_compiled_without_hooks(model, root)
-        self._finalizer = weakref.finalize(self, _shutdown, log, self._handles)
+        self._finalizer = weakref.finalize(self, _shutdown, self._log, self._handles)
+        self.keep_calls = keep_calls
 
     # -- watching ---------------------------------------------------------------------
     def add_modules(self, modules: Iterable[nn.Module]) -> None:
@@ -390,15 +643,21 @@ class Capture:
                     f"{type(module).__name__} is not a submodule of the captured model; "
                     "capture only modules reachable from model.modules()"
                 )
+        log = self._log
         for module in modules:
             if any(m is module for m in self._modules):
                 continue
             self._modules.append(module)
             self._watched[module] = self.name(module)
-            self._handles.append(module.register_forward_hook(self._log.record, with_kwargs=True))
-            for param in module._parameters.values():
-                if param is not None:
-                    self._owners[param] = (*self._owners.get(param, ()), module)
+            params = [p for p in module._parameters.values() if p is not None]
+            for param in params:
+                self._owners[param] = (*self._owners.get(param, ()), module)
+            keys = [log.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(params)] or [_Key(None)]
+            log.keys_of[module] = tuple(keys)
+            for reduction in log.reductions:
+                if reduction.wants(module):
+                    log.readers[module] = (*log.readers.get(module, ()), reduction)
+        self._sync_hooks()
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
@@ -412,12 +671,82 @@ class Capture:
 
     @property
     def grad_outputs(self) -> bool:
-        """Whether output gradients are recorded too."""
+        """Whether output gradients are recorded with the raw calls."""
         return self._log.grad_outputs
 
     @grad_outputs.setter
     def grad_outputs(self, value: bool) -> None:
         self._log.grad_outputs = bool(value)
+
+    @property
+    def keep_calls(self) -> bool:
+        """Whether raw calls are kept (for ``inputs()``, ``calls()`` and rules that read calls)."""
+        return self._log.keep_calls
+
+    @keep_calls.setter
+    def keep_calls(self, value: bool) -> None:
+        if bool(value) != self._log.keep_calls:
+            self._log.keep_calls = bool(value)
+            self.clear()
+            self._sync_hooks()
+
+    @property
+    def reductions(self) -> tuple[Reduction, ...]:
+        """The reductions computed in the hooks."""
+        return tuple(self._log.reductions)
+
+    def add_reduction(self, reduction: Reduction) -> None:
+        """Compute ``reduction`` in the hooks from now on, for the watched modules it wants."""
+        if not isinstance(reduction, Reduction):
+            raise TypeError(f"add_reduction expects a Reduction, got {type(reduction).__name__}")
+        log = self._log
+        if reduction in log.reductions:
+            return
+        log.reductions.append(reduction)
+        for module in self._modules:
+            if reduction.wants(module):
+                log.readers[module] = (*log.readers.get(module, ()), reduction)
+        self._sync_hooks()
+
+    def remove_reduction(self, reduction: Reduction) -> None:
+        """Stop computing ``reduction`` and drop what it holds."""
+        log = self._log
+        if reduction not in log.reductions:
+            return
+        log.reductions.remove(reduction)
+        for module, readers in list(log.readers.items()):
+            kept = tuple(r for r in readers if r is not reduction)
+            if kept:
+                log.readers[module] = kept
+            else:
+                del log.readers[module]
+        for key in log.keys.values():
+            key.totals.pop(reduction, None)
+        self._sync_hooks()
+
+    @property
+    def active(self) -> bool:
+        """Whether anything reads this capture (raw calls or a reduction): only then are hooks attached."""
+        return self._log.keep_calls or bool(self._log.reductions)
+
+    def _sync_hooks(self) -> None:
+        """Attach the hooks while something reads, take them off when nothing does."""
+        log = self._log
+        if self._removed:
+            return
+        if not self.active:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._hooked.clear()
+            return
+        if not self._handles:
+            self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
+            _drop_code_compiled_without_hooks(self._model, self._root)
+        for module in self._modules:
+            if id(module) not in self._hooked:
+                self._hooked.add(id(module))
+                self._handles.append(module.register_forward_hook(log.record, with_kwargs=True))
 
     def owners(self, param: Tensor) -> tuple[nn.Module, ...]:
         """The watched modules that directly own ``param`` (empty if none)."""
@@ -428,37 +757,88 @@ class Capture:
         return self._names.get(module, type(module).__name__)
 
     # -- reading ----------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Drop what cleared gradients no longer hold (reads do this themselves).
+
+        Raises:
+            RuntimeError: If the gradient could not be followed (for example backward ran
+                twice through one call); the captures are then dropped.
+        """
+        log = self._log
+        error = log.error
+        if error is not None:
+            self.clear()
+            raise RuntimeError(f"{error}. The captures of this step were dropped")
+        before = [key.holds() for key in log.keys.values()]
+        for key in log.keys.values():
+            key.refresh()
+        if before != [key.holds() for key in log.keys.values()]:
+            log.generation += 1
+
+    def _gradients_rescaled(self) -> None:
+        """The optimizer rescaled the gradients in place (unscaling): they still hold the same calls."""
+        for key in self._log.keys.values():
+            grad = key.param.grad if key.param is not None else None
+            if key.holds() and grad is not None and key.grad is not None and key.grad() is grad:
+                key.version = grad._version
+
     def calls(self) -> list[Call]:
-        """Every call captured so far, in order (tensors detached).
+        """The calls whose gradient the parameters hold now, in capture order (tensors detached).
 
         Raises:
             RuntimeError: If a captured tensor was modified in place after capture.
         """
-        head = self._log.head
-        if head is not self._cache[0] or head is None:
-            self._cache = (head, self._materialize(head))
+        return self._committed()[0]
+
+    def _committed(self) -> tuple[list[Call], dict[Tensor, list[Call]]]:
+        """The committed calls in order and by parameter (one tuple object per generation)."""
+        self.refresh()
+        log = self._log
+        if self._cache[0] != log.generation:
+            records: dict[int, _Record] = {}
+            for key_set in log.keys_of.values():
+                for key in key_set:
+                    for record in key.calls:
+                        records[id(record)] = record
+            ordered = sorted(records.values(), key=lambda r: r.index)
+            calls = {id(r): c for r, c in zip(ordered, self._materialize(ordered), strict=True)}
+            by_param = {param: [calls[id(r)] for r in key.calls] for param, key in log.keys.items() if key.calls}
+            self._cache = (log.generation, (list(calls.values()), by_param))
+        else:
+            self._check()
         return self._cache[1]
+
+    def reduced(self, reduction: Reduction) -> dict[Tensor, Any]:
+        """What ``reduction`` holds now, per parameter (statistics of the calls in its gradient)."""
+        self.refresh()
+        return {param: key.totals[reduction] for param, key in self._log.keys.items() if reduction in key.totals}
 
     def inputs(self) -> Inputs:
         """A snapshot of what is captured now, as ``Inputs``."""
-        return Inputs(self.calls(), self._owners, self._watched)
+        committed = self._committed()
+        return Inputs(lambda: committed, self._owners, self._watched, reduced=self._snapshot_reduced())
+
+    def _snapshot_reduced(self) -> dict[Reduction, dict[Tensor, Any]]:
+        return {r: self.reduced(r) for r in self._log.reductions}
 
     def _live_inputs(self) -> Inputs:
-        """``Inputs`` that read the log at each access (used for the duration of one step)."""
-        return Inputs(self.calls, self._owners, self._watched, on_missing=self._warn_missing)
+        """``Inputs`` that read the capture at each access (used for the duration of one step)."""
+        return Inputs(self._committed, self._owners, self._watched, on_missing=self._warn_missing, reduced=self)
 
     def uncaptured(self) -> dict[str, nn.Module]:
-        """The watched modules that own a parameter with a gradient but have no captured call.
+        """The watched modules that own a parameter with a gradient but no call in it.
 
         Typical causes: the module's weight is used without calling the module (as
-        ``nn.MultiheadAttention`` does with ``out_proj``), the forward ran before
-        ``zero_grad()`` or under ``no_grad``, or compiled code runs without the hooks.
+        ``nn.MultiheadAttention`` does with ``out_proj``), the forward ran under ``no_grad``,
+        or compiled code runs without the hooks.
         """
-        called = {id(c.module) for c in self.calls()}
+        self.refresh()
+        log = self._log
         return {
             self.name(m): m
             for m in self._modules
-            if id(m) not in called and any(p is not None and p.grad is not None for p in m._parameters.values())
+            if not any(k.holds() for k in log.keys_of[m])
+            and any(p is not None and p.grad is not None for p in m._parameters.values())
         }
 
     def _warn_missing(self, param: Tensor) -> None:
@@ -468,24 +848,25 @@ class Capture:
         self._warned.update(id(m) for m in modules)
         names = ", ".join(self.name(m) for m in modules)
         warnings.warn(
-            f"a rule asked for the inputs of {names}, whose parameter has a gradient, but no forward "
-            "call of it was captured; the rule gets None and treats it as it treats uncaptured "
+            f"a rule asked for the inputs of {names}, whose parameter has a gradient, but that gradient "
+            "holds no captured call; the rule gets None and treats it as it treats uncaptured "
             "parameters. Typical causes: the weight is used without calling the module (as "
-            "nn.MultiheadAttention does with out_proj), the forward ran before zero_grad() or under "
-            "no_grad(), or compiled code (torch.compile of a function that calls the model before "
-            "the optimizer existed) runs without the hooks. Capture.uncaptured() lists them all.",
+            "nn.MultiheadAttention does with out_proj), the forward ran under no_grad(), or compiled "
+            "code (torch.compile of a function that calls the model before the optimizer existed) "
+            "runs without the hooks. Capture.uncaptured() lists them all.",
             UncapturedInputsWarning,
             stacklevel=4,
         )
 
     def clear(self) -> None:
-        """Forget every captured call (releasing every captured tensor)."""
+        """Forget everything captured (releasing every captured tensor)."""
         self._log.clear()
-        self._cache = (None, [])
+        self._cache = (None, ([], {}))
 
     def remove(self) -> None:
         """Take the hooks off the model. What was captured stays readable until cleared."""
         self._log.enabled = False
+        self._removed = True
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -499,26 +880,33 @@ class Capture:
     def __repr__(self) -> str:
         return f"Capture({len(self._modules)} modules, storage={self.storage!r})"
 
-    def _materialize(self, head: _Node | None) -> list[Call]:
-        nodes: list[_Node] = []
-        while head is not None:
-            nodes.append(head)
-            head = head[5]
-        nodes.reverse()
+    def _materialize(self, records: list[_Record]) -> list[Call]:
         calls = []
-        for index, (module, args, kwargs, check, slot, _) in enumerate(nodes):
-            kwargs = kwargs or {}
-            if self._log.storage == "reference":
-                if check is not None:
-                    _check_versions(self.name(module), index, args, kwargs, check)
-                args, kwargs = _detached(args), _detached(kwargs)
-            elif check is not None:  # copies still on their way from an accelerator
-                for event in check:
-                    event.synchronize()
-            if isinstance(slot, Tensor):  # recorded by compiled code: the gradients are filed by key
-                slot = _COMPILED_SLOTS.get(id(self._log), {}).get(int(slot), [])
-            calls.append(Call(module, args, kwargs, slot))
+        for index, record in enumerate(records):
+            self._check_record(record, index)
+            calls.append(record.view())
         return calls
+
+    def _check(self) -> None:
+        if self._log.storage != "reference":
+            return
+        records: dict[int, _Record] = {}
+        for key_set in self._log.keys_of.values():
+            for key in key_set:
+                for record in key.calls:
+                    records[id(record)] = record
+        for index, record in enumerate(sorted(records.values(), key=lambda r: r.index)):
+            self._check_record(record, index)
+
+    def _check_record(self, record: _Record, index: int) -> None:
+        check = record.check
+        if check is None:
+            return
+        if self._log.storage == "reference":
+            _check_versions(self.name(record.module), index, record.args, record.kwargs or {}, check)
+        else:  # copies still on their way from an accelerator
+            for event in check:
+                event.synchronize()
 
 
 def _detached(tree: Any) -> Any:

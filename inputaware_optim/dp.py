@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -11,7 +12,8 @@ from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .distributed import all_reduce_sum_
 from .inputs import Call, Inputs
-from .layers import GENERIC, Materialized, PerSample, _batch_of, layer_kind
+from .layers import GENERIC, Materialized, MatrixRows, PerSample, _batch_of, layer_kind
+from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
 
 __all__ = ["DPSGD", "DPAdamW"]
@@ -60,7 +62,8 @@ _DOC = r"""
 class _PerSampleClipping(InputAwareOptimizer):
     """The privatization shared by DPSGD and DPAdamW."""
 
-    capture_grad_outputs = True
+    reads_calls = False
+    _clipped: ClippedSums
 
     def __init__(
         self,
@@ -70,12 +73,18 @@ class _PerSampleClipping(InputAwareOptimizer):
         noise_multiplier: float = 1.0,
         *,
         loss_reduction: str = "mean",
+        expected_batch_size: int | None = None,
         generator: torch.Generator | None = None,
         params: Any = None,
         **kwargs: Any,
     ) -> None:
         _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
+        if expected_batch_size is not None and (
+            isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1
+        ):
+            raise ValueError(f"Invalid expected_batch_size: {expected_batch_size!r} (must be None or an integer >= 1)")
         self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
+        self._expected_batch_size = expected_batch_size
         self._generator = generator or _seeded_generator()
         super().__init__(model, params, lr=lr, **kwargs)
 
@@ -97,6 +106,11 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
 
+    def _build_reductions(self) -> dict[str, Reduction]:
+        clip, _, reduction = self._privacy
+        trained = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        return {"_clipped": ClippedSums(self.capture, trained, clip, reduction, self._expected_batch_size)}
+
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Replace every gradient by its clipped, noised estimate, then take the stock step."""
@@ -115,99 +129,157 @@ class _PerSampleClipping(InputAwareOptimizer):
             return {}
         group = self.param_groups[0]
         clip, sigma = float(group["max_grad_norm"]), float(group["noise_multiplier"])
-        plan = self._plan(targets, inputs)
-        # The captured gradient holds each sample's share of the loss; its own loss's gradient
-        # is that share times the batch size when the loss was a mean.
-        scale = float(plan.batch) if self._privacy[2] == "mean" else 1.0
-        like = targets[0]
-        squared = torch.zeros(plan.batch, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
-        for per_call in plan.per_sample.values():
-            for window, per in zip(plan.windows, per_call, strict=True):
-                squared[window] += per.sq_norms().to(squared)
-        weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
-        sums = {p: torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32)) for p in targets}
-        for owner, per_call in plan.per_sample.items():
-            for window, per in zip(plan.windows, per_call, strict=True):
-                for name, total in per.weighted_sum(weights[window]).items():
-                    owned = owner._parameters[name] if isinstance(owner, nn.Module) else plan.shared[name]
-                    assert owned is not None
-                    sums[owned] += total.to(sums[owned])
+        totals = inputs.reduced(self._clipped)
+        missing = [p for p in targets if p not in totals]
+        if missing:
+            capture = self.capture
+            where = ", ".join(dict.fromkeys(capture.name(m) for p in missing for m in capture.owners(p))) or (
+                "a module the optimizer does not capture"
+            )
+            raise RuntimeError(
+                f"{type(self).__name__} cannot compute per-sample gradients of {len(missing)} parameter(s) with a "
+                f"gradient: no forward call of {where} is in that gradient (a weight used without calling its "
+                "module, as nn.MultiheadAttention does with out_proj, is not supported). No parameter was changed"
+            )
+        first = totals[targets[0]]
+        if any(totals[p]["overlap"] for p in targets):
+            raise RuntimeError(
+                f"{type(self).__name__}: the calls of one forward reached several backward passes (for example two "
+                "losses backpropagated separately), so no pass holds a sample's whole gradient to clip. Sum the "
+                "losses and call backward once per forward. No parameter was changed"
+            )
+        if self._privacy[2] == "mean" and self._expected_batch_size is None and first["passes"] > 1:
+            raise RuntimeError(
+                f"{type(self).__name__} got {first['passes']} backward passes in one step (gradient accumulation) "
+                "with loss_reduction='mean': to clip each sample's own gradient it must know the batch the loss "
+                "is a mean over. Pass expected_batch_size=<samples per step> (the loss of each micro-batch then "
+                "being its sum divided by that), or use loss_reduction='sum'. No parameter was changed"
+            )
+        sums = {p: totals[p]["sum"].clone() for p in targets}
         data_parallel = self.data_parallel_group
         if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks, so replicas stay identical
                 noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
                 total += (noise * (sigma * clip)).to(total.device, total.dtype)
-        count = torch.tensor(float(plan.batch), dtype=torch.float64)
+        batch = self._expected_batch_size or first["samples"]
+        count = torch.tensor(float(batch), dtype=torch.float64)
         all_reduce_sum_([*sums.values(), count], data_parallel)
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
 
-    def _plan(self, targets: list[Tensor], inputs: Inputs) -> _Plan:
-        """Each call's per-sample gradients, for every parameter; raises before any change."""
-        capture = self.capture
-        calls_of: dict[nn.Module, list[Call]] = {}
-        single: dict[nn.Module, list[str]] = {}  # parameters only this module uses
-        shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules use
-        for param in targets:
-            owners = capture.owners(param)
-            uncalled = [capture.name(m) for m in owners if inputs.get(m) is None]
-            if not owners or uncalled:
-                where = ", ".join(uncalled) or "a module the optimizer does not capture"
-                raise RuntimeError(
-                    f"{type(self).__name__} cannot compute per-sample gradients of a parameter of shape "
-                    f"{tuple(param.shape)}: no forward call of {where} was captured this step (a weight used "
-                    "without calling its module, as nn.MultiheadAttention does with out_proj, is not "
-                    "supported). No parameter was changed"
-                )
-            uses = [(m, n) for m in owners for n, p in m._parameters.items() if p is param]
-            for module, name in uses:
-                calls_of.setdefault(module, inputs[module].calls)
-                if len(uses) == 1:
-                    single.setdefault(module, []).append(name)
-            if len(uses) > 1:
-                shared[param] = uses
-        counts = {capture.name(m): len(calls) for m, calls in calls_of.items()}
-        if len(set(counts.values())) != 1:
-            raise RuntimeError(
-                f"{type(self).__name__} needs each module called once per micro-batch, but the captured calls "
-                f"per module differ ({counts}); a module called twice in one forward is not supported. "
-                "No parameter was changed"
-            )
-        sizes = {capture.name(m): [_batch_of(c) for c in calls] for m, calls in calls_of.items()}
-        if len({tuple(v) for v in sizes.values()}) != 1:
-            raise RuntimeError(f"the captured calls disagree on the batch size of each micro-batch: {sizes}")
-        plan = _Plan()
-        batch_sizes = next(iter(sizes.values()))
-        starts = [sum(batch_sizes[:k]) for k in range(len(batch_sizes))]
-        plan.windows = [slice(start, start + size) for start, size in zip(starts, batch_sizes, strict=True)]
-        plan.batch = sum(batch_sizes)
-        for module, names in single.items():
-            kind = layer_kind(module) or GENERIC
-            plan.per_sample[module] = [kind.per_sample(module, call, names) for call in calls_of[module]]
-        for index, (param, uses) in enumerate(shared.items()):  # a shared weight: add its owners' shares
-            key = f"shared{index}"
-            plan.shared[key] = param
-            plan.per_sample[key] = [
-                Materialized({key: _shared_grads(uses, calls_of, k)}) for k in range(len(batch_sizes))
+
+class ClippedSums(Reduction):
+    """DP's reduction: each sample's gradient clipped, summed, once each backward pass is complete.
+
+    Per call it keeps the inputs (forward) and forms the per-sample view of the call from them
+    and its output gradient (backward). When the pass is complete, the calls of each forward of
+    the root model are one set of samples: each sample's squared gradient norm is summed over
+    every parameter (all calls of a module in that forward add to its gradient), the clip
+    factors follow, and what is kept is the clipped sum per parameter, never an input.
+    """
+
+    grad_outputs = True
+
+    def __init__(
+        self, capture: Any, trained: set[Tensor], clip: float, reduction: str, expected_batch_size: int | None
+    ) -> None:
+        self.clip, self.reduction, self.expected = clip, reduction, expected_batch_size
+        self.names: dict[nn.Module, list[str]] = {}  # parameters only this module owns
+        self.shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules own
+        for module in capture.modules:
+            for name, param in module._parameters.items():
+                if param is None or param not in trained:
+                    continue
+                owners = [(m, n) for m in capture.owners(param) for n, q in m._parameters.items() if q is param]
+                if len(owners) == 1:
+                    self.names.setdefault(module, []).append(name)
+                else:
+                    self.shared[param] = owners
+        self.modules = {*self.names, *(m for uses in self.shared.values() for m, _ in uses)}
+
+    def wants(self, module: nn.Module) -> bool:
+        return module in self.modules
+
+    def forward(self, call: Call) -> Any:
+        return call  # its inputs, until its output gradient arrives
+
+    def backward(self, call: Call, kept: Any) -> Any:
+        return Call(call.module, kept.args, kept.kwargs, call._grad_slot, call.forward)
+
+    def finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
+        by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
+        for _, call in entries:
+            by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
+        samples = {f: _samples(calls) for f, calls in by_forward.items()}
+        scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
+        out: dict[Tensor, Any] = {}
+        for calls in by_forward.values():
+            for param, total in self._clipped_sums(calls, scale).items():
+                out[param] = add_statistics(out.get(param), total)
+        return {
+            p: {"sum": total, "samples": float(sum(samples.values())), "passes": 1,
+                "forwards": frozenset(by_forward), "overlap": False}
+            for p, total in out.items()
+        }
+
+    def combine(self, a: Any, b: Any) -> Any:
+        if a is None:
+            return b
+        return {
+            "sum": a["sum"] + b["sum"],
+            "samples": a["samples"] + b["samples"],
+            "passes": a["passes"] + b["passes"],
+            "forwards": a["forwards"] | b["forwards"],
+            "overlap": a["overlap"] or b["overlap"] or bool(a["forwards"] & b["forwards"]),
+        }
+
+    def _clipped_sums(self, calls: dict[nn.Module, list[Call]], scale: float) -> dict[Tensor, Tensor]:
+        """One forward's samples: their gradients clipped (each over every parameter) and summed."""
+        pieces: list[tuple[PerSample, dict[str, Tensor]]] = []
+        for module, module_calls in calls.items():
+            names = self.names.get(module)
+            if names:
+                per = _merged([(layer_kind(module) or GENERIC).per_sample(module, c, names) for c in module_calls])
+                pieces.append((per, {n: module._parameters[n] for n in names}))  # type: ignore[misc]
+        for param, uses in self.shared.items():  # a weight several modules use: add their shares
+            shares = [
+                (layer_kind(m) or GENERIC).per_sample(m, c, [n]).grads()[n] for m, n in uses for c in calls.get(m, ())
             ]
-        return plan
+            if shares:
+                pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))
+        squared = sum(per.sq_norms() for per, _ in pieces)
+        assert isinstance(squared, Tensor)
+        weights = scale * (self.clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
+        sums: dict[Tensor, Tensor] = {}
+        for per, params in pieces:
+            for name, total in per.weighted_sum(weights).items():
+                param = params[name]
+                total = total.to(torch.promote_types(param.dtype, torch.float32))
+                sums[param] = sums[param] + total if param in sums else total
+        return sums
 
 
-class _Plan:
-    """Each call's per-sample gradients: under the module for the parameters only it uses, under a
-    key of ``shared`` for a weight several modules use; and where each call's samples sit."""
-
-    def __init__(self) -> None:
-        self.per_sample: dict[nn.Module | str, list[PerSample]] = {}
-        self.shared: dict[str, Tensor] = {}
-        self.windows: list[slice] = []
-        self.batch = 0
+def _samples(calls: dict[nn.Module, list[Call]]) -> int:
+    sizes = {type(m).__name__ + f"#{i}": {_batch_of(c) for c in cs} for i, (m, cs) in enumerate(calls.items())}
+    found = set().union(*sizes.values())
+    if len(found) != 1:
+        raise RuntimeError(f"the calls of one forward disagree on its batch size: {sizes}")
+    return found.pop()
 
 
-def _shared_grads(uses: list[tuple[nn.Module, str]], calls_of: dict[nn.Module, list[Call]], k: int) -> Tensor:
-    """The per-sample gradient of a weight several modules use, summed over their call ``k``."""
-    shares = [(layer_kind(m) or GENERIC).per_sample(m, calls_of[m][k], [n]).grads()[n] for m, n in uses]
-    return torch.stack(shares).sum(0)
+def _merged(per_call: list[PerSample]) -> PerSample:
+    """The per-sample gradients of several calls of one module in one forward: their sum."""
+    if len(per_call) == 1:
+        return per_call[0]
+    if all(isinstance(p, MatrixRows) for p in per_call):
+        first = per_call[0]
+        assert isinstance(first, MatrixRows)
+        x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[attr-defined]
+        g = torch.cat([p.g for p in per_call], dim=1)  # type: ignore[attr-defined]
+        names = [n for n, on in (("weight", first.weight), ("bias", first.bias)) if on]
+        return MatrixRows(x, g, names, first.weight_shape)
+    grads = [p.grads() for p in per_call]
+    return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
 
 
 def _seeded_generator() -> torch.Generator:

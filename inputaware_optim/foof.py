@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import Tensor
 
-from .inputs import Captured
-from .kronecker import KroneckerRule
+from .inputs import Call, Captured
+from .kronecker import FactorSums, KroneckerRule
 from .layers import Layer
 
 __all__ = ["FOOF"]
+
+
+class InputSecondMoment(FactorSums):
+    """Per call, in the forward hook: the sum of ``x̃ x̃ᵀ`` over its input rows, and their number."""
+
+    def forward(self, call: Call) -> Any:
+        layer = self.layers[call.module]
+        rows = layer.kind.input_rows(layer.module, Captured([call]), layer.homogeneous)
+        return {"input": (rows.T @ rows, rows.new_tensor(float(rows.shape[0])))}
 
 
 class FOOF(KroneckerRule):
@@ -55,10 +66,7 @@ class FOOF(KroneckerRule):
     """
 
     factors = ("input",)
-
-    def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:
-        rows = layer.kind.input_rows(layer.module, entry, layer.homogeneous)
-        return {"input": (rows.T @ rows, rows.new_tensor(float(rows.shape[0])))}
+    statistics = InputSecondMoment
 
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
         return matrix @ inverses["input"].to(matrix.dtype)

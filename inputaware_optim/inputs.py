@@ -27,9 +27,11 @@ class Call:
         module: The module that was called.
         args: Every positional argument of the call (tensors detached).
         kwargs: Every keyword argument of the call (tensors detached).
+        forward: Which forward of the root model the call was made in (a counter; ``None``
+            for calls built by hand). Calls of one forward see the same samples.
     """
 
-    __slots__ = ("_grad_slot", "args", "kwargs", "module")
+    __slots__ = ("_grad_slot", "args", "forward", "kwargs", "module")
 
     def __init__(
         self,
@@ -37,11 +39,13 @@ class Call:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         grad_slot: list[Any] | None = None,
+        forward: int | None = None,
     ) -> None:
         self.module = module
         self.args = args
         self.kwargs = kwargs
         self._grad_slot = grad_slot
+        self.forward = forward
 
     @property
     def input(self) -> Any:
@@ -174,20 +178,29 @@ class Inputs(Mapping[nn.Module, Captured]):
 
     def __init__(
         self,
-        calls: Callable[[], Sequence[Call]] | Sequence[Call],
+        calls: Callable[[], Any] | Sequence[Call],
         owners: Mapping[Tensor, tuple[nn.Module, ...]] | None = None,
         names: Mapping[nn.Module, str] | None = None,
-        direct: Mapping[Tensor, Captured] | None = None,
+        direct: Mapping[Tensor, Captured | Sequence[Call]] | None = None,
         on_missing: Callable[[Tensor], None] | None = None,
+        reduced: Any = None,
     ) -> None:
-        self._source = calls if callable(calls) else (lambda fixed=list(calls): fixed)
+        # ``calls`` is the calls, or a function returning them (or ``(calls, calls by parameter)``)
+        # read at each access while a step runs.
+        fixed = None if callable(calls) else list(calls)
+        self._source: Callable[[], Any] = calls if callable(calls) else (lambda: fixed)
         self._owners: Mapping[Tensor, tuple[nn.Module, ...]] = owners or {}
         self._names: Mapping[nn.Module, str] = names or {}
-        self._direct: Mapping[Tensor, Captured] = direct or {}
-        self._seen: Sequence[Call] | None = None
+        self._direct: dict[Tensor, Captured] = {
+            p: c if isinstance(c, Captured) else Captured(c) for p, c in (direct or {}).items()
+        }
+        self._by_param: Mapping[Tensor, Sequence[Call]] | None = None
+        self._seen: Any = None
+        self._calls: Sequence[Call] = []
         self._by_module: dict[nn.Module, list[Call]] = {}
         self._expired: str | None = None
         self._on_missing = on_missing
+        self._reduced = reduced  # a Capture (live), a dict of reduction -> totals, or None
 
     # -- construction -----------------------------------------------------------------
     @classmethod
@@ -252,13 +265,15 @@ class Inputs(Mapping[nn.Module, Captured]):
             if key in self._direct:
                 return self._direct[key]
             modules = self._owners.get(key, ())
-            if len(modules) == 1:
-                calls = self._by_module.get(modules[0])
+            if self._by_param is not None:  # from a capture: exactly the calls in this gradient
+                found = self._by_param.get(key)
+            elif len(modules) == 1:
+                found = self._by_module.get(modules[0])
             else:
                 wanted = {id(m) for m in modules}
-                calls = [c for c in self._current() if id(c.module) in wanted]
-            if calls:
-                return Captured(calls)
+                found = [c for c in self._current() if id(c.module) in wanted]
+            if found:
+                return Captured(found)
             if modules and key.grad is not None and self._on_missing is not None:
                 self._on_missing(key)
         return default
@@ -281,29 +296,46 @@ class Inputs(Mapping[nn.Module, Captured]):
         parts = ", ".join(f"{self._name(m)}: {len(c)}" for m, c in self._by_module.items())
         return f"Inputs({{{parts}}})"
 
+    def reduced(self, reduction: Any) -> dict[Tensor, Any]:
+        """What ``reduction`` (a ``Reduction``) gives for this step, per parameter.
+
+        From the capture, where it ran the reduction in its hooks; otherwise computed from
+        the calls held here (``Reduction.reduce_calls``), with the same result.
+        """
+        self._current()
+        source = self._reduced
+        if isinstance(source, dict) and reduction in source:
+            return source[reduction]
+        if source is not None and not isinstance(source, dict) and reduction in source.reductions:
+            return source.reduced(reduction)
+        return reduction.reduce_calls(self.calls)
+
     # -- internals --------------------------------------------------------------------
     def _current(self) -> Sequence[Call]:
         if self._expired is not None:
             raise RuntimeError(self._expired)
-        calls = self._source()
-        if calls is not self._seen:
+        got = self._source()
+        if got is not self._seen:
+            calls, by_param = got if isinstance(got, tuple) else (got, None)
             by_module: dict[nn.Module, list[Call]] = {}
             for call in calls:
                 by_module.setdefault(call.module, []).append(call)
             self._by_module = by_module
-            self._seen = calls
-        return calls
+            self._calls, self._by_param = calls, by_param
+            self._seen = got
+        return self._calls
 
     def _expire(self, message: str) -> None:
         self._expired = message
         self._seen = None
+        self._calls, self._by_param, self._reduced = [], None, None
         self._by_module = {}
 
     def _name(self, module: nn.Module) -> str:
         return self._names.get(module) or type(module).__name__
 
     def _why_missing(self, key: object) -> str:
-        since = "since the last step() or zero_grad()"
+        since = "in the gradient this step reads"
         if isinstance(key, nn.Module):
             if self._names and key not in self._names:
                 return (
@@ -312,8 +344,8 @@ class Inputs(Mapping[nn.Module, Captured]):
                 )
             return (
                 f"no forward call of {self._name(key)} was captured {since}. Calls made under "
-                "torch.no_grad() or inference_mode() are not captured, and zero_grad() discards "
-                "the calls before it: run the forward after zero_grad()"
+                "torch.no_grad() or inference_mode() are not captured, a call counts once a backward "
+                "carried its gradient into the parameters, and clearing the gradient (zero_grad) drops it"
             )
         if isinstance(key, Tensor):
             modules = self._owners.get(key)

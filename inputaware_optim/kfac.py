@@ -7,11 +7,31 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .inputs import Captured
-from .kronecker import KroneckerRule
+from .inputs import Call, Captured
+from .kronecker import FactorSums, KroneckerRule
 from .layers import Layer
 
 __all__ = ["KFAC"]
+
+
+class KroneckerFactors(FactorSums):
+    """Per call: the input factor's sums in the forward hook, the output-gradient factor's when
+    the call's output gradient arrives in backward."""
+
+    grad_outputs = True
+
+    def forward(self, call: Call) -> Any:
+        layer = self.layers[call.module]
+        entry = Captured([call])
+        rows = layer.kind.input_rows(layer.module, entry, layer.homogeneous)
+        batch = float(layer.kind.batch_size(layer.module, entry))
+        return (rows.T @ rows, rows.new_tensor(float(rows.shape[0]))), batch
+
+    def backward(self, call: Call, kept: Any) -> Any:
+        layer = self.layers[call.module]
+        (input_sum, rows), batch = kept
+        grads = layer.kind.output_grad_rows(layer.module, Captured([call]))
+        return {"input": (input_sum, rows), "output_grad": (grads.T @ grads, grads.new_tensor(batch))}
 
 
 class KFAC(KroneckerRule):
@@ -60,8 +80,8 @@ class KFAC(KroneckerRule):
         approximate Fisher matrix for convolution layers", ICML 2016.
     """
 
-    capture_grad_outputs = True
     factors = ("input", "output_grad")
+    statistics = KroneckerFactors
 
     def __init__(self, model: nn.Module, lr: float, *args: Any, batch_averaged: bool = True, **kwargs: Any) -> None:
         self._batch_averaged = bool(batch_averaged)
@@ -71,18 +91,14 @@ class KFAC(KroneckerRule):
         super()._check_param_groups()
         self._set_group_defaults(batch_averaged=self._batch_averaged)
 
-    def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:
-        module, kind = layer.module, layer.kind
-        rows = kind.input_rows(module, entry, layer.homogeneous)
-        grads = kind.output_grad_rows(module, entry)
-        batch = float(kind.batch_size(module, entry))
-        scale = batch * batch if layer.group["batch_averaged"] else 1.0
-        return {
-            "input": (rows.T @ rows, rows.new_tensor(float(rows.shape[0]))),
-            # Summing (B^2 sum g g^T) and B over micro-batches and ranks, then dividing, gives
-            # G = E[sum over positions of Ds Ds^T] whatever the split.
-            "output_grad": ((grads.T @ grads) * scale, grads.new_tensor(batch)),
-        }
+    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+        # A mean-reduced loss divides each output gradient by this rank's batch B (all its
+        # micro-batches together), so Ds = B g. Summing (B^2 sum g g^T) and B over ranks, then
+        # dividing, gives G = E[sum over positions of Ds Ds^T] whatever the split.
+        grads, batch = sums["output_grad"]
+        if layer.group["batch_averaged"]:
+            grads = grads * (batch * batch)
+        return {**sums, "output_grad": (grads, batch)}
 
     def _damping(self, group: dict[str, Any], factor: str) -> float:
         return math.sqrt(float(group["damping"]))

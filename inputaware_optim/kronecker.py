@@ -6,6 +6,10 @@ for both rules, the output gradients too for K-FAC), keeps their running average
 refreshes their damped inverses every ``update_every`` steps and replaces ``G̃`` by a
 preconditioned one before the stock SGD update. Each factor is a ratio of sums
 (numerator, denominator) so that micro-batches and data-parallel ranks combine exactly.
+
+The sums are a ``Reduction``: computed in the hooks from each call (the input side in the
+forward hook, the output-gradient side when the gradient arrives), so between forward and
+step only the factor sums are held, never an input.
 """
 
 from __future__ import annotations
@@ -17,19 +21,34 @@ from torch import Tensor, nn
 
 from .base import evaluate_closure
 from .distributed import all_reduce_sum_
-from .inputs import Captured, Inputs
+from .inputs import Inputs
 from .layers import Layer, bias_of, weight_of
+from .reduction import Reduction
 from .sgd import InputAwareSGD
 
-__all__ = ["KroneckerRule", "damped_inverse"]
+__all__ = ["FactorSums", "KroneckerRule", "damped_inverse"]
+
+
+class FactorSums(Reduction):
+    """A Kronecker rule's factor sums per layer (``{factor: (numerator, denominator)}``), computed
+    in the hooks and kept under the layer's weight. Subclasses compute them from one call."""
+
+    def __init__(self, layers: list[Layer]) -> None:
+        self.layers = {layer.module: layer for layer in layers}
+
+    def wants(self, module: nn.Module) -> bool:
+        return module in self.layers
+
+    def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
+        return (weight_of(module),)
 
 
 class KroneckerRule(InputAwareSGD):
     """Base of the Kronecker-factored rules; subclasses name their factors and how to apply them.
 
-    Subclasses set ``factors`` (the names of their Kronecker factors), implement
-    ``_factor_sums`` (this step's numerator and denominator per factor) and
-    ``_precondition`` (the new gradient matrix from the old one and the damped inverses),
+    Subclasses set ``factors`` (the names of their Kronecker factors) and ``statistics`` (the
+    ``FactorSums`` reduction that computes each call's numerator and denominator per factor
+    in the hooks), implement ``_precondition`` (the new gradient matrix from the old one and the damped inverses),
     and may override ``_damping`` (the damping added to each factor before inverting).
 
     State per preconditioned weight: ``<factor>_second_moment`` (running average),
@@ -37,7 +56,9 @@ class KroneckerRule(InputAwareSGD):
     """
 
     captured_module_types = (nn.Linear, nn.Conv2d)
+    reads_calls = False
     factors: tuple[str, ...] = ()
+    _statistics: FactorSums
 
     def __init__(
         self,
@@ -56,6 +77,9 @@ class KroneckerRule(InputAwareSGD):
         super().__init__(model, params, lr=lr, momentum=momentum, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "nn.Linear or nn.Conv2d (groups=1)")
 
+    def _build_reductions(self) -> dict[str, Reduction]:
+        return {"_statistics": self.statistics(self._layers("input_rows"))}
+
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)
         for group in self.param_groups:
@@ -63,11 +87,14 @@ class KroneckerRule(InputAwareSGD):
         self._refuse_sharded_parameters("its preconditioner needs whole weight matrices")
 
     # -- what subclasses provide ----------------------------------------------------------
-    def _factor_sums(self, layer: Layer, entry: Captured) -> dict[str, tuple[Tensor, Tensor]]:
-        raise NotImplementedError
+    statistics: type[FactorSums] = FactorSums
 
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
         raise NotImplementedError
+
+    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+        """This rank's factor sums of the step, before they are summed over ranks (default: as reduced)."""
+        return sums
 
     def _damping(self, group: dict[str, Any], factor: str) -> float:
         return float(group["damping"])
@@ -94,15 +121,18 @@ class KroneckerRule(InputAwareSGD):
     def _step_statistics(self, inputs: Inputs) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
         """This step's factor sums for every layer with gradients and captured calls, summed over ranks."""
         layers, sums = [], []
+        totals = inputs.reduced(self._statistics)
         for layer in self._layers("input_rows"):
             weight, bias = weight_of(layer.module), bias_of(layer.module)
             if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
                 continue
-            entry = inputs.get(weight)
-            if entry is None:  # nothing captured (Inputs warns): plain SGD for this layer
+            factor_sums = totals.get(weight)
+            if factor_sums is None:  # nothing captured: plain SGD for this layer (Inputs warns)
+                inputs.get(weight)
                 continue
             layers.append(layer)
-            sums.append(self._factor_sums(layer, entry))
+            # Copies: the capture's totals must stay as they are if this step fails and is retried.
+            sums.append(self._local_sums(layer, {f: (n.clone(), d.clone()) for f, (n, d) in factor_sums.items()}))
         all_reduce_sum_(
             [t for factor_sums in sums for pair in factor_sums.values() for t in pair], self.data_parallel_group
         )
@@ -116,7 +146,7 @@ class KroneckerRule(InputAwareSGD):
         refresh = state.get("statistics_steps", 0) % group["update_every"] == 0
         moments, inverses = {}, {}
         for factor, (numerator, denominator) in factor_sums.items():
-            moment = numerator.div_(denominator)  # this step's sums are ours to overwrite
+            moment = numerator.div_(denominator)  # this step's copies are ours to overwrite
             previous = state.get(f"{factor}_second_moment")
             if previous is not None:  # beta * previous + (1 - beta) * moment; the first step takes its own
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])

@@ -13,10 +13,30 @@ from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import unwrap_model
 from .distributed import local_tensor
-from .inputs import Inputs
-from .layers import layer_kind, weight_of
+from .inputs import Call, Captured, Inputs
+from .layers import LayerKind, layer_kind, weight_of
+from .reduction import Reduction
 
 __all__ = ["LazyAdamW"]
+
+
+class TouchedRows(Reduction):
+    """Per call, in the forward hook: the rows of the embedding table it read (sorted, unique)."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.kinds: dict[nn.Module, LayerKind] = {m: kind for m in modules if (kind := layer_kind(m)) is not None}
+
+    def wants(self, module: nn.Module) -> bool:
+        return module in self.kinds
+
+    def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
+        return (weight_of(module),)
+
+    def forward(self, call: Call) -> Any:
+        return self.kinds[call.module].touched_rows(call.module, Captured([call]))
+
+    def combine(self, a: Any, b: Any) -> Any:
+        return b if a is None else torch.unique(torch.cat([a, b]))
 
 
 class LazyAdamW(InputAwareAdamW):
@@ -56,6 +76,8 @@ class LazyAdamW(InputAwareAdamW):
     """
 
     captured_module_types = (nn.Embedding, nn.EmbeddingBag)
+    reads_calls = False
+    _rows: TouchedRows
 
     def __init__(
         self,
@@ -76,6 +98,9 @@ class LazyAdamW(InputAwareAdamW):
             model, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **adamw_kwargs
         )
         self._warn_if_no_layers("touched_rows", "nn.Embedding or nn.EmbeddingBag")
+
+    def _build_reductions(self) -> dict[str, Reduction]:
+        return {"_rows": TouchedRows(self._lazy_modules())}
 
     def _lazy_modules(self) -> list[nn.Module]:
         """Captured embeddings whose weight is trained here and used by no other module.
@@ -109,6 +134,7 @@ class LazyAdamW(InputAwareAdamW):
         loss = evaluate_closure(closure)
         assert inputs is not None
         lazy = []
+        touched = inputs.reduced(self._rows)
         for module in self._lazy_modules():
             weight = weight_of(module)
             if weight.grad is None:
@@ -117,12 +143,11 @@ class LazyAdamW(InputAwareAdamW):
                 weight.grad = weight.grad.coalesce()
                 lazy.append((weight, weight.grad.indices()[0]))
                 continue
-            entry = inputs.get(weight)
-            if entry is None:
-                continue  # no inputs were captured (Inputs warns): stock AdamW updates it densely
-            kind = layer_kind(module)
-            assert kind is not None
-            lazy.append((weight, self._union_over_ranks(kind.touched_rows(module, entry), weight.shape[0])))
+            rows = touched.get(weight)
+            if rows is None:  # no inputs were captured: stock AdamW updates it densely (Inputs warns)
+                inputs.get(weight)
+                continue
+            lazy.append((weight, self._union_over_ranks(rows, weight.shape[0])))
         groups = self._param_groups_by_param()
         with _hidden_grads([weight for weight, _ in lazy]):
             super().step(inputs=inputs)

@@ -9,11 +9,30 @@ from torch import nn
 
 from .base import evaluate_closure
 from .distributed import all_reduce_sum_, local_tensor
-from .inputs import Inputs
-from .layers import bias_of, weight_of
+from .inputs import Call, Captured, Inputs
+from .layers import Layer, bias_of, weight_of
+from .reduction import Reduction
 from .sgd import InputAwareSGD
 
 __all__ = ["NLMS"]
+
+
+class InputPower(Reduction):
+    """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number."""
+
+    def __init__(self, layers: list[Layer]) -> None:
+        self.layers = {layer.module: layer for layer in layers}
+
+    def wants(self, module: nn.Module) -> bool:
+        return module in self.layers
+
+    def keys(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
+        return (weight_of(module),)
+
+    def forward(self, call: Call) -> Any:
+        layer = self.layers[call.module]
+        rows = layer.kind.input_rows(layer.module, Captured([call]), layer.homogeneous)
+        return rows.pow(2).sum(), rows.new_tensor(float(rows.shape[0]))
 
 
 class NLMS(InputAwareSGD):
@@ -44,6 +63,8 @@ class NLMS(InputAwareSGD):
     """
 
     captured_module_types = (nn.Linear,)
+    reads_calls = False
+    _power: InputPower
 
     def __init__(
         self, model: nn.Module, lr: float, eps: float = 1e-6, *, params: Any = None, **sgd_kwargs: Any
@@ -53,6 +74,12 @@ class NLMS(InputAwareSGD):
         self._eps = eps
         super().__init__(model, params, lr=lr, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "nn.Linear")
+
+    def _nlms_layers(self) -> list[Layer]:
+        return [layer for layer in self._layers("input_rows") if isinstance(layer.module, nn.Linear)]
+
+    def _build_reductions(self) -> dict[str, Reduction]:
+        return {"_power": InputPower(self._nlms_layers())}
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(eps=self._eps)
@@ -66,17 +93,18 @@ class NLMS(InputAwareSGD):
         loss = evaluate_closure(closure)
         assert inputs is not None
         layers, powers, counts = [], [], []
-        for layer in self._layers("input_rows"):
+        totals = inputs.reduced(self._power)
+        for layer in self._nlms_layers():
             weight = weight_of(layer.module)
-            if not isinstance(layer.module, nn.Linear) or weight.grad is None:
+            if weight.grad is None:
                 continue
-            entry = inputs.get(weight)
-            if entry is None:
+            if weight not in totals:  # nothing captured: plain SGD for this layer (Inputs warns)
+                inputs.get(weight)
                 continue
-            rows = layer.kind.input_rows(layer.module, entry, layer.homogeneous)
+            power, count = totals[weight]
             layers.append(layer)
-            powers.append(rows.pow(2).sum())
-            counts.append(rows.new_tensor(float(rows.shape[0])))
+            powers.append(power.clone())  # copies: the capture's totals stay for a retry
+            counts.append(count.clone())
         all_reduce_sum_(powers + counts, self.data_parallel_group)
         for layer, power, count in zip(layers, powers, counts, strict=True):
             scale = 1.0 / (layer.group["eps"] + power / count)

@@ -94,10 +94,17 @@ def test_rules_keep_float32_statistics_under_bfloat16_autocast() -> None:
     for cls in (FOOF, KFAC):
         model = mlp()
         optimizer = cls(model, lr=0.01)
+        seen = []
+        handle = model[2].register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(torch.randn(6, 4)).float().pow(2).mean()
         loss.backward()
-        assert optimizer.capture.inputs()[model[2]].calls[0].args[0].dtype == torch.bfloat16
+        handle.remove()
+        assert seen[0].dtype == torch.bfloat16  # what the module received under autocast
+        (sums, count) = optimizer.capture.reduced(optimizer._statistics)[model[2].weight]["input"]
+        rows = torch.cat([seen[0].float(), torch.ones(6, 1)], dim=1)
+        assert sums.dtype == torch.float32 and count == 6
+        torch.testing.assert_close(sums, rows.T @ rows)  # reduced in float32, not in bfloat16
         optimizer.step()
         for key, value in optimizer.state[model[2].weight].items():
             if isinstance(value, torch.Tensor) and key != "momentum_buffer":

@@ -33,6 +33,12 @@ class MLP(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+class CallReader(InputAwareSGD):
+    """A drop-in that reads raw calls (as a custom rule does), so that its capture keeps them."""
+
+    reads_calls = True
+
+
 Seen = dict[nn.Module, list[torch.Tensor]]
 
 
@@ -56,7 +62,7 @@ def test_compiled_after_the_optimizer(backend: str) -> None:
     x = torch.randn(5, 4)
     eager = Capture(eager_model)
     eager_model(x).sum().backward()
-    optimizer = InputAwareSGD(model, lr=0.1)
+    optimizer = CallReader(model, lr=0.1)
     compiled = torch.compile(model, backend=backend)
     compiled(x).sum().backward()
     assert_same_inputs(first_inputs(optimizer.capture), first_inputs(eager))
@@ -72,7 +78,7 @@ def test_compiled_and_run_before_the_optimizer(how: str) -> None:
         compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(3, 4)
     compiled(x).sum().backward()  # compiled code now exists, traced without our hooks
-    optimizer = InputAwareSGD(compiled, lr=0.1)
+    optimizer = CallReader(compiled, lr=0.1)
     compiled(x).sum().backward()
     calls = optimizer.capture.calls()
     assert [type(c.module) for c in calls] == [nn.Linear, nn.Linear]
@@ -81,7 +87,7 @@ def test_compiled_and_run_before_the_optimizer(how: str) -> None:
 
 def test_no_recompilation_when_the_number_of_calls_per_step_changes() -> None:
     model = MLP()
-    optimizer = InputAwareSGD(model, lr=0.1)
+    optimizer = CallReader(model, lr=0.1)
     compiled = torch.compile(model, backend="aot_eager")
     compiled(torch.randn(3, 4)).sum().backward()
     optimizer.step()
@@ -96,7 +102,7 @@ def test_no_recompilation_when_the_number_of_calls_per_step_changes() -> None:
 
 def test_zero_graph_breaks_with_capture_on() -> None:
     model = MLP()
-    InputAwareSGD(model, lr=0.1)
+    CallReader(model, lr=0.1)
     explanation = torch._dynamo.explain(model)(torch.randn(3, 4))
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
@@ -104,7 +110,7 @@ def test_zero_graph_breaks_with_capture_on() -> None:
 
 def test_compiled_code_stops_recording_once_the_optimizer_is_gone() -> None:
     model = MLP()
-    optimizer = InputAwareSGD(model, lr=0.1)
+    optimizer = CallReader(model, lr=0.1)
     compiled = torch.compile(model, backend="aot_eager")
     compiled(torch.randn(3, 4)).sum().backward()
     log = weakref.ref(optimizer.capture._log)
@@ -146,7 +152,7 @@ def test_transformer_block_has_zero_graph_breaks_and_captures_what_eager_does() 
     block(x).sum().backward()
     eager_seen = first_inputs(eager)
     eager.remove()
-    optimizer = InputAwareSGD(block, lr=0.1, capture_grad_outputs=True)
+    optimizer = CallReader(block, lr=0.1, capture_grad_outputs=True)
     explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     optimizer.zero_grad()

@@ -87,10 +87,15 @@ def test_dp_adamw_is_adamw_on_the_private_gradient() -> None:
 def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
     tokens, target = data(6, seed=2)
     a, b = Net().double(), Net().double()
-    oa = DPSGD(a, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    oa = DPSGD(a, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=6)
     ob = DPSGD(b, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    unsure = DPSGD(a, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)  # not told the step's batch
     for part in (slice(0, 2), slice(2, 6)):  # micro-batches of 2 and 4: each loss weighted by its share
         ((a(tokens[part]) - target[part]).pow(2).sum(1).mean() * (part.stop - part.start) / 6).backward()
+    before = [p.detach().clone() for p in a.parameters()]
+    with pytest.raises(RuntimeError, match="expected_batch_size"):
+        unsure.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before, strict=True))
     oa.step()
     (b(tokens) - target).pow(2).sum(1).mean().backward()
     ob.step()

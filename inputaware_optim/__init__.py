@@ -10,6 +10,7 @@ from .kfac import KFAC
 from .layers import Layer, LayerKind, layer_kind, register_layer
 from .lazy_adamw import LazyAdamW
 from .nlms import NLMS
+from .reduction import Reduction
 from .sgd import InputAwareSGD
 
 __version__ = "0.1.0"
@@ -30,6 +31,7 @@ __all__ = [
     "Layer",
     "LayerKind",
     "LazyAdamW",
+    "Reduction",
     "UncapturedInputsWarning",
     "__version__",
     "layer_kind",

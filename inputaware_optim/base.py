@@ -84,6 +84,10 @@ def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
         return closure()
 
 
+def _reads_output_gradients(capture: Capture) -> bool:
+    return (capture.keep_calls and capture.grad_outputs) or any(r.grad_outputs for r in capture.reductions)
+
+
 def _split_step_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
     kwargs = dict(kwargs)
     if len(args) > 2:
@@ -126,6 +130,7 @@ class InputAwareOptimizer(Optimizer):
         *args: Any,
         storage: Storage = "reference",
         capture_grad_outputs: bool | None = None,
+        grad_scaler: Any = None,
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
@@ -140,6 +145,7 @@ class InputAwareOptimizer(Optimizer):
         if storage not in ("reference", "clone", "cpu"):
             raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
         self._capture: Capture | None = None
+        self._unscaled_by: Tensor | None = None
         self._step_depth = 0
         self._step_inputs: Inputs | None = None
         self._model = model
@@ -162,6 +168,7 @@ class InputAwareOptimizer(Optimizer):
             grad_outputs=wanted_grad_outputs,
             keep_calls=reads_calls,
         )
+        self._capture.grad_scaler = grad_scaler
         self._install_reductions()
         self._data_parallel_group = data_parallel_group(model)
         # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
@@ -302,6 +309,15 @@ class InputAwareOptimizer(Optimizer):
                 break
 
     def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return self._run_step_unscaled(step, args, kwargs)
+        except BaseException:
+            self._undo_unscaling()  # nothing is lost: the gradients are as GradScaler left them
+            raise
+        finally:
+            self._unscaled_by = None
+
+    def _run_step_unscaled(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._amp_skips_step():
             return None
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
@@ -392,15 +408,38 @@ class InputAwareOptimizer(Optimizer):
         if found_inf.item():
             self._release_captures()  # GradScaler skips the step: so do the captures
             return True
+        capture = self._capture
+        if capture is not None and capture.grad_scaler is None and _reads_output_gradients(capture):
+            raise RuntimeError(
+                f"{type(self).__name__} reads the output gradients of its layers, and under a GradScaler they "
+                "carry the loss scale. Construct it with grad_scaler=scaler (the GradScaler you step with) so "
+                "that they are unscaled where they are read. No parameter was changed"
+            )
         grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:
             self._unscale_grads(grad_scale)
-            if self._capture is not None:
-                self._capture._gradients_rescaled()
+            self._unscaled_by = grad_scale
+            if capture is not None:
+                capture._gradients_rescaled()
         # Keep the attributes (GradScaler deletes them) but hide them from the stock kernels.
         self.grad_scale = None
         self.found_inf = None
         return False
+
+    @torch.no_grad()
+    def _undo_unscaling(self) -> None:
+        """After a step that raised: scale the gradients back and clear what GradScaler set, so
+        the gradients are as before and the next ``scaler.step`` starts afresh."""
+        scale = self.__dict__.get("_unscaled_by")
+        if scale is not None:
+            for param in self._params():
+                if param.grad is not None:
+                    grad = param.grad._values() if param.grad.is_sparse else param.grad
+                    grad.mul_(scale.to(grad.device, grad.dtype))
+            if self._capture is not None:
+                self._capture._gradients_rescaled()
+        for attribute in ("grad_scale", "found_inf"):  # GradScaler deletes them only after a step that returned
+            self.__dict__.pop(attribute, None)
 
     @torch.no_grad()
     def _unscale_grads(self, grad_scale: Tensor) -> None:
@@ -423,6 +462,7 @@ class InputAwareOptimizer(Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.setdefault("_capture", None)
         self.__dict__.setdefault("_step_depth", 0)
+        self.__dict__.setdefault("_unscaled_by", None)
         self.__dict__.setdefault("_step_inputs", None)
         self.__dict__.setdefault("_model_params", {})
         self.__dict__.setdefault("_model", None)

@@ -135,13 +135,15 @@ class _Key:
 
 
 class _Task:
-    """The calls one backward pass reached, and each parameter's gradient before it."""
+    """The calls one backward pass reached, each parameter's gradient before it, and the loss
+    scale its output gradients carry (``GradScaler``; ``None`` when unscaled)."""
 
-    __slots__ = ("before", "records")
+    __slots__ = ("before", "records", "scale")
 
-    def __init__(self) -> None:
+    def __init__(self, scale: float | None) -> None:
         self.records: list[_Record] = []
         self.before: dict[_Key, Any] = {}
+        self.scale = scale
 
 
 class _Log:
@@ -162,6 +164,7 @@ class _Log:
         self.forwards = 0
         self.generation = 0  # bumped whenever what the keys hold changes
         self.error: str | None = None
+        self.grad_scaler: Any = None  # a GradScaler whose scale the output gradients carry
         # Calls recorded by compiled code: (module, args, kwargs, key, previous) as a linked list
         # grown by rebinding one attribute (a Python list would make Dynamo guard on its length
         # and recompile for every number of calls per step), and their records by key.
@@ -233,7 +236,7 @@ class _Log:
         task_id = _graph_task_id()
         task = self.tasks.get(task_id)
         if task is None:
-            task = self.tasks[task_id] = _Task()
+            task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
             _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
         if record.slot is not None and grad is not None:
             previous = record.slot[position]  # reached twice (an output used twice): the total flowed back
@@ -253,9 +256,11 @@ class _Log:
             return
         record.waiting -= 1
         if record.waiting == 0:
-            self._reduce_backward(record)
+            self._reduce_backward(record, task.scale)
 
-    def _reduce_backward(self, record: _Record) -> None:
+    def _reduce_backward(self, record: _Record, scale: float | None) -> None:
+        if scale is not None and record.slot is not None:  # readers see the gradients of the unscaled loss
+            record.slot = [None if g is None else g / scale for g in record.slot]
         readers = self.readers.get(record.module)
         if readers and record.kept is not None:
             call = Call(record.module, (), {}, record.slot, record.forward)
@@ -272,7 +277,7 @@ class _Log:
             return
         for record in task.records:
             if record.waiting > 0:  # some output never got a gradient: reduce with what came
-                self._reduce_backward(record)
+                self._reduce_backward(record, task.scale)
         finished: list[tuple[Reduction, dict[Tensor, Any]]] = []
         for reduction in self.reductions:
             entries = []
@@ -395,6 +400,14 @@ def _plain_math(compute: Any) -> Any:
             with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
                 return compute()
         return compute()
+
+
+def _loss_scale(scaler: Any) -> float | None:
+    """The factor a ``GradScaler`` multiplies the loss by now (``None`` when there is none)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    scale = float(scaler.get_scale())
+    return None if scale == 1.0 else scale
 
 
 def _queue_end_of_backward(callback: Any) -> None:
@@ -689,6 +702,18 @@ class Capture:
             self._log.keep_calls = bool(value)
             self.clear()
             self._sync_hooks()
+
+    @property
+    def grad_scaler(self) -> Any:
+        """The ``torch.amp.GradScaler`` whose loss scale the output gradients carry, if any: output
+        gradients handed to readers are divided by its scale at each backward pass."""
+        return self._log.grad_scaler
+
+    @grad_scaler.setter
+    def grad_scaler(self, scaler: Any) -> None:
+        if scaler is not None and not callable(getattr(scaler, "get_scale", None)):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self._log.grad_scaler = scaler
 
     @property
     def reductions(self) -> tuple[Reduction, ...]:

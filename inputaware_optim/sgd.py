@@ -14,7 +14,7 @@ class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
 
     ``InputAwareSGD(model, params=None, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
     nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
-    storage="reference", capture_grad_outputs=None)``
+    storage="reference", capture_grad_outputs=None, grad_scaler=None)``
 
     Every hyperparameter is ``torch.optim.SGD``'s, with its name, default and validation,
     and the update is torch's own kernel: with no rule, every step is bitwise identical to
@@ -26,6 +26,8 @@ class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
         params: Parameters or param groups of ``model``; default: those requiring grad.
         storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
         capture_grad_outputs: Also capture each call's output gradients (default: the rule's choice).
+        grad_scaler: The ``torch.amp.GradScaler`` the loss is scaled by, for rules that read output
+            gradients (they are unscaled where they are read); such rules refuse a scaled step without it.
     """
 
     _stock = torch.optim.SGD

@@ -94,8 +94,8 @@ def test_rules_keep_float32_statistics_under_bfloat16_autocast() -> None:
     for cls in (FOOF, KFAC):
         model = mlp()
         optimizer = cls(model, lr=0.01)
-        seen = []
-        handle = model[2].register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+        seen: list[torch.Tensor] = []
+        handle = model[2].register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[0].detach().clone()))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = model(torch.randn(6, 4)).float().pow(2).mean()
         loss.backward()
@@ -110,3 +110,83 @@ def test_rules_keep_float32_statistics_under_bfloat16_autocast() -> None:
             if isinstance(value, torch.Tensor) and key != "momentum_buffer":
                 assert value.dtype == torch.float32, (cls.__name__, key)
         assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _scaled_training(rule: str, scaler: torch.amp.GradScaler | None, poisoned_step: int = 1) -> torch.Tensor:
+    """Three steps (one of them poisoned with inf, so a GradScaler skips it); the final parameters."""
+    from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, LazyAdamW
+
+    rules = {
+        "FOOF": lambda m: FOOF(m, lr=0.1, update_every=1, grad_scaler=scaler),
+        "KFAC": lambda m: KFAC(m, lr=0.1, update_every=1, grad_scaler=scaler),
+        "NLMS": lambda m: NLMS(m, lr=0.1, grad_scaler=scaler),
+        "LazyAdamW": lambda m: LazyAdamW(m, lr=0.1, grad_scaler=scaler),
+        "DPSGD": lambda m: DPSGD(m, lr=0.5, max_grad_norm=0.2, noise_multiplier=0.0, grad_scaler=scaler),
+    }
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3))
+    optimizer = rules[rule](model)
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        tokens, target = torch.randint(0, 10, (5, 2), generator=generator), torch.randn(5, 3, generator=generator)
+        optimizer.zero_grad()
+        loss = (model(tokens) - target).pow(2).sum(1).mean()
+        if step == poisoned_step:
+            loss = loss * float("inf")
+        if scaler is None:
+            if step != poisoned_step:  # what a skipped step amounts to
+                loss.backward()
+                optimizer.step()
+            continue
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "NLMS", "LazyAdamW", "DPSGD"])
+def test_every_rule_under_grad_scaler_equals_the_unscaled_step(rule: str) -> None:
+    expected = _scaled_training(rule, None)
+    for scale in (16.0, 1024.0):
+        got = _scaled_training(rule, torch.amp.GradScaler("cpu", init_scale=scale))
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7, msg=f"{rule} at scale {scale}")
+
+
+def test_output_gradient_rules_refuse_a_scaler_they_were_not_given_and_lose_nothing() -> None:
+    from inputaware_optim import KFAC
+
+    model = mlp()
+    optimizer = KFAC(model, lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    scaler.scale(model(torch.randn(4, 4)).pow(2).mean()).backward()
+    scaled = [p.grad.clone() for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="grad_scaler=scaler"):
+        scaler.step(optimizer)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), scaled, strict=True))
+    optimizer.capture.grad_scaler = scaler  # told now: the same scaler steps it
+    scaler.step(optimizer)
+    scaler.update()
+    assert not torch.equal(model[0].weight, before[0])
+
+
+def test_a_rule_error_inside_scaler_step_leaves_the_gradients_and_the_scaler_usable() -> None:
+    from inputaware_optim import FOOF
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 2, bias=False)
+    optimizer = FOOF(layer, lr=0.1, damping=0.0, update_every=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    x = torch.randn(3, 4)
+    x[:, 3] = 0  # singular without damping
+    scaler.scale(layer(x).pow(2).sum()).backward()
+    scaled = layer.weight.grad.clone()
+    with pytest.raises(RuntimeError, match="increase damping"):
+        scaler.step(optimizer)
+    assert torch.equal(layer.weight.grad, scaled)  # scaled back, as GradScaler left it
+    assert not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf")
+    optimizer.param_groups[0]["damping"] = 0.1
+    scaler.step(optimizer)  # used to raise "unsupported operand type(s) for *: 'Tensor' and 'NoneType'"
+    scaler.update()
+    torch.testing.assert_close(optimizer.state[layer.weight]["input_second_moment"], x.T @ x / 3)

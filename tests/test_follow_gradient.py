@@ -311,3 +311,19 @@ def test_a_failed_step_keeps_its_captures_for_a_retry() -> None:
     optimizer.step()  # the retry reads the same statistics
     moment = optimizer.state[layer.weight]["input_second_moment"]
     torch.testing.assert_close(moment, x.T @ x / 3)
+
+
+def test_calls_inside_torch_func_transforms_are_not_recorded() -> None:
+    from torch.func import functional_call, grad, vmap
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = Recorder(model, lr=0.1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of_one(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x[None],)).sum()
+
+    vmap(grad(loss_of_one), in_dims=(None, 0))(params, torch.randn(6, 3))  # a user's per-sample pass
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()  # used to raise "tensor escaped the vmap"
+    assert sizes(optimizer, model[0]) == [2]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
@@ -153,11 +154,16 @@ class InputAwareOptimizer(Optimizer):
         self._model_params: dict[Tensor, None] = dict.fromkeys(root.parameters())
         if params is None:
             params = [p for p in self._model_params if p.requires_grad]
-            if not params:
-                raise ValueError(f"{name}: the model has no parameter that requires grad, so there is nothing to train")
         if capture_grad_outputs is False and type(self).capture_grad_outputs:
             raise ValueError(f"{name} needs the output gradients of its layers; leave capture_grad_outputs unset")
-        super().__init__(params, *args, **kwargs)
+        try:
+            super().__init__(params, *args, **kwargs)  # torch validates the hyperparameters first
+        except ValueError as error:
+            if "empty parameter list" in str(error) and not any(p.requires_grad for p in self._model_params):
+                raise ValueError(
+                    f"{name}: the model has no parameter that requires grad, so there is nothing to train"
+                ) from error
+            raise
         self._check_param_groups()  # a rule's validation: before any hook is attached, so failing leaves none
         wanted_grad_outputs = type(self).capture_grad_outputs if capture_grad_outputs is None else capture_grad_outputs
         reads_calls = self._has_rule() if type(self).reads_calls is None else bool(type(self).reads_calls)
@@ -169,6 +175,8 @@ class InputAwareOptimizer(Optimizer):
             keep_calls=reads_calls,
         )
         self._capture.grad_scaler = grad_scaler
+        # The capture lives and dies with its optimizer, even if someone still holds the capture.
+        weakref.finalize(self, self._capture.remove)
         self._install_reductions()
         self._data_parallel_group = data_parallel_group(model)
         # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
@@ -181,25 +189,48 @@ class InputAwareOptimizer(Optimizer):
         Raises:
             ValueError: If a parameter does not belong to the model.
         """
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
-        params = param_group.get("params")
+        if not isinstance(param_group, dict) or "params" not in param_group:
+            super().add_param_group(param_group)  # torch's own TypeError / KeyError
+            return
+        params = param_group["params"]
         if isinstance(params, Tensor):
             params = [params]
-        elif params is not None and not isinstance(params, set):  # torch explains why sets are refused
+        elif not isinstance(params, set):  # torch explains why sets are refused
             params = list(params)
-        for index, param in enumerate(params or ()):
-            if isinstance(param, Tensor) and param not in self._model_params:
-                raise ValueError(
-                    f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) "
-                    f"is not a parameter of the model given to {type(self).__name__}. Every parameter must "
-                    "belong to the model so that the inputs of its module can be captured; give other "
-                    "tensors to a separate optimizer"
-                )
-        super().add_param_group({**param_group, "params": params})
+        param_group["params"] = params  # the caller's dict is the group, as in torch
+        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # (name, tensor) pairs
+        if self._model is not None:  # None when copied or unpickled without the model
+            root = unwrap_model(self._model)
+            if any(isinstance(t, Tensor) and t not in self._model_params for t in tensors):
+                self._model_params = dict.fromkeys(root.parameters())  # modules added since construction
+            for index, param in enumerate(tensors):
+                if isinstance(param, Tensor) and param not in self._model_params:
+                    raise ValueError(
+                        f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) "
+                        f"is not a parameter of the model given to {type(self).__name__}. Every parameter must "
+                        "belong to the model so that the inputs of its module can be captured; give other "
+                        "tensors to a separate optimizer"
+                    )
+        super().add_param_group(param_group)
+        if self._capture is None:  # copied or unpickled: no capture, the stock optimizer
+            return
+        try:
+            self._check_param_groups()  # the rule's own validation of the new group
+        except Exception:
+            self.param_groups.pop()
+            raise
+        self._capture.add_modules(self._modules_to_capture([t for t in tensors if isinstance(t, Tensor)]))
+        self._install_reductions()  # the new group's layers join the rule's reductions
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, as torch does; groups saved by another optimizer (say, a stock
+        ``torch.optim.SGD``) get this rule's hyperparameters from its defaults."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
         if self._capture is not None:
-            self._capture.add_modules(self._modules_to_capture(params or ()))
-            self._install_reductions()  # the new group's layers join the rule's reductions
+            self._check_param_groups()
 
     def _build_reductions(self) -> dict[str, Reduction]:
         """The reductions a rule reads, by the attribute it keeps each under (default: none)."""
@@ -256,14 +287,22 @@ class InputAwareOptimizer(Optimizer):
     def _layers(self, capability: str) -> list[Layer]:
         """The captured layers whose weight this optimizer trains and whose kind provides ``capability``."""
         groups = self._param_groups_by_param()
-        layers = []
+        owners: dict[Tensor, list[nn.Module]] = {}
         for module in self.capture.modules:
             kind = layer_kind(module)
             weight = getattr(module, "weight", None)
-            if kind is None or not kind.provides(capability) or weight not in groups:
-                continue
-            bias = getattr(module, "bias", None)
-            layers.append(Layer(module, kind, isinstance(bias, Tensor) and bias in groups, groups[weight]))
+            if kind is not None and kind.provides(capability) and isinstance(weight, Tensor) and weight in groups:
+                owners.setdefault(weight, []).append(module)
+        layers = []
+        for weight, modules in owners.items():  # one layer per weight, however many modules share it
+            kinds = {type(layer_kind(m)) for m in modules}
+            biases = {id(getattr(m, "bias", None)) for m in modules}
+            bias = getattr(modules[0], "bias", None)
+            homogeneous = isinstance(bias, Tensor) and bias in groups and len(biases) == 1
+            if len(kinds) == 1:
+                kind = layer_kind(modules[0])
+                assert kind is not None
+                layers.append(Layer(modules[0], kind, homogeneous, groups[weight], tuple(modules)))
         return layers
 
     def _warn_if_no_layers(self, capability: str, wanted: str) -> None:

@@ -217,7 +217,7 @@ class _Log:
     def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.storage == "reference":
             if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-                record.check = args[0]._version
+                record.check = None if args[0].is_inference() else args[0]._version
             else:
                 record.check = _versions(args, kwargs)
         else:
@@ -423,7 +423,12 @@ def _changed(now: Any, before: Any) -> bool:
 
 def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     leaves = tree_flatten((args, kwargs))[0]
-    return tuple(t._version if isinstance(t, Tensor) else None for t in leaves)
+    return tuple(_version(t) for t in leaves)
+
+
+def _version(t: Any) -> int | None:
+    """A tensor's version counter (inference tensors have none: they cannot change outside inference mode)."""
+    return t._version if isinstance(t, Tensor) and not t.is_inference() else None
 
 
 def _copy_arguments(
@@ -624,8 +629,7 @@ class Capture:
         self._model = model
         self._root = root
         self._names: dict[nn.Module, str] = {}
-        for name, module in root.named_modules(remove_duplicate=False):
-            self._names.setdefault(module, name or type(root).__name__)
+        self._name_modules()
         self._log = _Log(storage, grad_outputs)
         _LOGS[id(self._log)] = self._log
         self._handles: list[RemovableHandle] = []
@@ -650,6 +654,8 @@ class Capture:
             ValueError: If a module is not part of the model.
         """
         modules = list(modules)
+        if any(module not in self._names for module in modules):
+            self._name_modules()  # modules added to the model since
         for module in modules:
             if module not in self._names:
                 raise ValueError(
@@ -671,6 +677,11 @@ class Capture:
                 if reduction.wants(module):
                     log.readers[module] = (*log.readers.get(module, ()), reduction)
         self._sync_hooks()
+
+    def _name_modules(self) -> None:
+        root = self._root
+        for name, module in root.named_modules(remove_duplicate=False):
+            self._names.setdefault(module, name or type(root).__name__)
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
@@ -950,7 +961,7 @@ def _check_versions(name: str, index: int, args: Sequence[Any], kwargs: dict[str
     if isinstance(check, int):
         now: Any = args[0]._version
     else:
-        now = tuple(t._version if isinstance(t, Tensor) else None for t in tree_flatten((args, kwargs))[0])
+        now = tuple(_version(t) for t in tree_flatten((args, kwargs))[0])
     if now != check:
         raise RuntimeError(
             f"an input of {name} (call {index} of this step) was modified in place after the "

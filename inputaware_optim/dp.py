@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
+from .capture import unwrap_model
 from .distributed import all_reduce_sum_
 from .inputs import Call, Inputs
-from .layers import GENERIC, Materialized, MatrixRows, PerSample, _batch_of, layer_kind
+from .layers import GENERIC, IndexedRows, Materialized, MatrixRows, PerSample, _batch_of, layer_kind
 from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
 
@@ -83,10 +86,27 @@ class _PerSampleClipping(InputAwareOptimizer):
             isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1
         ):
             raise ValueError(f"Invalid expected_batch_size: {expected_batch_size!r} (must be None or an integer >= 1)")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"Invalid generator: {generator!r} (must be a torch.Generator, or None)")
         self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
         self._expected_batch_size = expected_batch_size
         self._generator = generator or _seeded_generator()
         super().__init__(model, params, lr=lr, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stock state dict, and the noise generator's state: a resumed run draws the noise
+        an uninterrupted one would have (never the same noise twice, which would cancel when
+        updates are differenced)."""
+        state = super().state_dict()
+        state["noise_generator"] = self._generator.get_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; the noise generator resumes where it was when saved (if it was saved)."""
+        generator_state = state_dict.get("noise_generator")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "noise_generator"})
+        if generator_state is not None:
+            self._generator.set_state(generator_state)
 
     def _check_param_groups(self) -> None:
         clip, sigma, reduction = self._privacy
@@ -100,7 +120,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 )
         self._refuse_sharded_parameters("per-sample gradients need each layer's whole parameters")
         for module in self._modules_to_capture(self._params()):
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            if isinstance(module, _BatchNorm):
                 raise ValueError(
                     f"{type(self).__name__} cannot clip per-sample gradients through {type(module).__name__} "
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
@@ -116,10 +136,21 @@ class _PerSampleClipping(InputAwareOptimizer):
         """Replace every gradient by its clipped, noised estimate, then take the stock step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
+        root = unwrap_model(self.model)
+        mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BatchNorm) and m.training]
+        if mixing:  # even without parameters, a batch norm in training mode mixes the samples
+            raise RuntimeError(
+                f"{type(self).__name__} cannot clip per-sample gradients: {', '.join(mixing)} normalizes over the "
+                "batch in training mode, so each sample's gradient depends on the others. Use GroupNorm or "
+                "LayerNorm, or put the batch norms in eval mode. No parameter was changed"
+            )
         private = self._private_gradients(inputs)
         for param, grad in private.items():
             assert param.grad is not None
-            param.grad.copy_(grad)
+            if param.grad.is_sparse:  # the noised estimate is dense: every row moves
+                param.grad = grad.to(param.dtype)
+            else:
+                param.grad.copy_(grad)
         super().step(inputs=inputs)
         return loss
 
@@ -247,7 +278,7 @@ class ClippedSums(Reduction):
             ]
             if shares:
                 pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))
-        squared = sum(per.sq_norms() for per, _ in pieces)
+        squared = sum(_robust_sq_norms(per) for per, _ in pieces)
         assert isinstance(squared, Tensor)
         weights = scale * (self.clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
         sums: dict[Tensor, Tensor] = {}
@@ -257,6 +288,25 @@ class ClippedSums(Reduction):
                 total = total.to(torch.promote_types(param.dtype, torch.float32))
                 sums[param] = sums[param] + total if param in sums else total
         return sums
+
+
+def _robust_sq_norms(per: PerSample) -> Tensor:
+    """Each sample's squared gradient norm, in float64 where float32 would overflow (gradients near
+    1e19 square past float32's range, and an infinite norm would clip the sample to nothing)."""
+    squared = per.sq_norms()
+    if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
+        return squared.double()
+    if isinstance(per, MatrixRows):
+        wide: PerSample = MatrixRows(per.x.double(), per.g.double(), _names(per), per.weight_shape)
+    elif isinstance(per, IndexedRows):
+        wide = IndexedRows(per.index, per.g.double(), per.num_rows)
+    else:
+        wide = Materialized({n: g.double() for n, g in per.grads().items()})
+    return wide.sq_norms()
+
+
+def _names(per: MatrixRows) -> list[str]:
+    return [n for n, on in (("weight", per.weight), ("bias", per.bias)) if on]
 
 
 def _samples(calls: dict[nn.Module, list[Call]]) -> int:
@@ -276,8 +326,7 @@ def _merged(per_call: list[PerSample]) -> PerSample:
         assert isinstance(first, MatrixRows)
         x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[attr-defined]
         g = torch.cat([p.g for p in per_call], dim=1)  # type: ignore[attr-defined]
-        names = [n for n, on in (("weight", first.weight), ("bias", first.bias)) if on]
-        return MatrixRows(x, g, names, first.weight_shape)
+        return MatrixRows(x, g, _names(first), first.weight_shape)
     grads = [p.grads() for p in per_call]
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
 
@@ -289,10 +338,10 @@ def _seeded_generator() -> torch.Generator:
 
 
 def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:
-    if not max_grad_norm > 0.0:
-        raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be > 0)")
-    if not noise_multiplier >= 0.0:
-        raise ValueError(f"Invalid noise_multiplier: {noise_multiplier} (must be >= 0)")
+    if not 0.0 < max_grad_norm < math.inf:
+        raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be finite and > 0)")
+    if not 0.0 <= noise_multiplier < math.inf:
+        raise ValueError(f"Invalid noise_multiplier: {noise_multiplier} (must be finite and >= 0)")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
 

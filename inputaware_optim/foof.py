@@ -18,7 +18,7 @@ class InputSecondMoment(FactorSums):
 
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
-        rows = layer.kind.input_rows(layer.module, Captured([call]), layer.homogeneous)
+        rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
         return {"input": (rows.T @ rows, rows.new_tensor(float(rows.shape[0])))}
 
 

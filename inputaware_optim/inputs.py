@@ -327,6 +327,7 @@ class Inputs(Mapping[nn.Module, Captured]):
 
     def _expire(self, message: str) -> None:
         self._expired = message
+        self._source, self._on_missing = lambda: [], None  # an expired view keeps no capture alive
         self._seen = None
         self._calls, self._by_param, self._reduced = [], None, None
         self._by_module = {}

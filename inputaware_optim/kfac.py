@@ -23,14 +23,14 @@ class KroneckerFactors(FactorSums):
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         entry = Captured([call])
-        rows = layer.kind.input_rows(layer.module, entry, layer.homogeneous)
-        batch = float(layer.kind.batch_size(layer.module, entry))
+        rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
+        batch = float(layer.kind.batch_size(call.module, entry))
         return (rows.T @ rows, rows.new_tensor(float(rows.shape[0]))), batch
 
     def backward(self, call: Call, kept: Any) -> Any:
         layer = self.layers[call.module]
         (input_sum, rows), batch = kept
-        grads = layer.kind.output_grad_rows(layer.module, Captured([call]))
+        grads = layer.kind.output_grad_rows(call.module, Captured([call]))
         return {"input": (input_sum, rows), "output_grad": (grads.T @ grads, grads.new_tensor(batch))}
 
 
@@ -84,7 +84,9 @@ class KFAC(KroneckerRule):
     statistics = KroneckerFactors
 
     def __init__(self, model: nn.Module, lr: float, *args: Any, batch_averaged: bool = True, **kwargs: Any) -> None:
-        self._batch_averaged = bool(batch_averaged)
+        if not isinstance(batch_averaged, bool):
+            raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
+        self._batch_averaged = batch_averaged
         super().__init__(model, lr, *args, **kwargs)
 
     def _check_param_groups(self) -> None:

@@ -14,6 +14,8 @@ step only the factor sums are held, never an input.
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ class FactorSums(Reduction):
     in the hooks and kept under the layer's weight. Subclasses compute them from one call."""
 
     def __init__(self, layers: list[Layer]) -> None:
-        self.layers = {layer.module: layer for layer in layers}
+        self.layers = {module: layer for layer in layers for module in layer.modules()}
 
     def wants(self, module: nn.Module) -> bool:
         return module in self.layers
@@ -106,6 +108,11 @@ class KroneckerRule(InputAwareSGD):
         loss = evaluate_closure(closure)
         assert inputs is not None
         layers, sums = self._step_statistics(inputs)
+        # A layer that saw no row this step (an expert no token was routed to) has no statistics
+        # to average: it takes the plain step (its gradient is zero) and keeps its running moments.
+        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
+        layers = [layer for layer, ok in zip(layers, seen, strict=True) if ok]
+        sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
         updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
         for layer, (state, moments, inverses) in zip(layers, updates, strict=True):
@@ -148,6 +155,8 @@ class KroneckerRule(InputAwareSGD):
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator.div_(denominator)  # this step's copies are ours to overwrite
             previous = state.get(f"{factor}_second_moment")
+            if previous is not None and previous.dtype != moment.dtype:  # the model changed dtype (model.double())
+                previous = previous.to(moment.dtype)
             if previous is not None:  # beta * previous + (1 - beta) * moment; the first step takes its own
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             inverse = state.get(f"{factor}_inverse")
@@ -180,9 +189,9 @@ def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
 
 
 def _check_hyperparameters(damping: float, stat_decay: float, update_every: int) -> None:
-    if not damping >= 0.0:
-        raise ValueError(f"Invalid damping: {damping} (must be >= 0)")
+    if not 0.0 <= damping < math.inf:
+        raise ValueError(f"Invalid damping: {damping} (must be finite and >= 0)")
     if not 0.0 <= stat_decay < 1.0:
         raise ValueError(f"Invalid stat_decay: {stat_decay} (must be in [0, 1))")
-    if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+    if isinstance(update_every, bool) or not isinstance(update_every, numbers.Integral) or update_every < 1:
         raise ValueError(f"Invalid update_every: {update_every!r} (must be an integer >= 1)")

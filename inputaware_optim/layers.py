@@ -144,13 +144,19 @@ def bias_of(module: nn.Module) -> Tensor | None:
 
 class Layer(NamedTuple):
     """A layer a rule preconditions: its module, kind, whether the bias joins the weight
-    matrix (``homogeneous``: the bias exists and is trained by the optimizer), and the
-    param group of its weight (where the rule reads its hyperparameters)."""
+    matrix (``homogeneous``: the bias exists and is trained by the optimizer), the param
+    group of its weight (where the rule reads its hyperparameters), and every module that
+    owns the weight (a weight shared by several modules is one layer, with all their calls)."""
 
     module: nn.Module
     kind: LayerKind
     homogeneous: bool
     group: dict[str, Any]
+    owners: tuple[nn.Module, ...] = ()
+
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The modules whose calls make up this layer's statistics."""
+        return self.owners or (self.module,)
 
 
 def _statistics_dtype(x: Tensor) -> Tensor:

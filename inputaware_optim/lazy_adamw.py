@@ -147,6 +147,12 @@ class LazyAdamW(InputAwareAdamW):
             if rows is None:  # no inputs were captured: stock AdamW updates it densely (Inputs warns)
                 inputs.get(weight)
                 continue
+            if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < weight.shape[0]:
+                bad = int(rows.max()) if int(rows.max()) >= weight.shape[0] else int(rows.min())
+                raise ValueError(  # before any parameter or step counter changes
+                    f"the inputs of {self.capture.name(module)} index row {bad} of a table of {weight.shape[0]} "
+                    "rows; check the inputs handed to step(inputs=...). No parameter was changed"
+                )
             lazy.append((weight, self._union_over_ranks(rows, weight.shape[0])))
         groups = self._param_groups_by_param()
         with _hidden_grads([weight for weight, _ in lazy]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ class InputPower(Reduction):
     """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number."""
 
     def __init__(self, layers: list[Layer]) -> None:
-        self.layers = {layer.module: layer for layer in layers}
+        self.layers = {module: layer for layer in layers for module in layer.modules()}
 
     def wants(self, module: nn.Module) -> bool:
         return module in self.layers
@@ -31,7 +32,7 @@ class InputPower(Reduction):
 
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
-        rows = layer.kind.input_rows(layer.module, Captured([call]), layer.homogeneous)
+        rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
         return rows.pow(2).sum(), rows.new_tensor(float(rows.shape[0]))
 
 
@@ -69,8 +70,8 @@ class NLMS(InputAwareSGD):
     def __init__(
         self, model: nn.Module, lr: float, eps: float = 1e-6, *, params: Any = None, **sgd_kwargs: Any
     ) -> None:
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid eps: {eps} (must be >= 0)")
+        if not 0.0 <= eps < math.inf:
+            raise ValueError(f"Invalid eps: {eps} (must be finite and >= 0)")
         self._eps = eps
         super().__init__(model, params, lr=lr, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "nn.Linear")
@@ -84,8 +85,8 @@ class NLMS(InputAwareSGD):
     def _check_param_groups(self) -> None:
         self._set_group_defaults(eps=self._eps)
         for group in self.param_groups:
-            if not group["eps"] >= 0.0:
-                raise ValueError(f"Invalid eps: {group['eps']} (must be >= 0)")
+            if not 0.0 <= group["eps"] < math.inf:
+                raise ValueError(f"Invalid eps: {group['eps']} (must be finite and >= 0)")
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
@@ -107,6 +108,8 @@ class NLMS(InputAwareSGD):
             counts.append(count.clone())
         all_reduce_sum_(powers + counts, self.data_parallel_group)
         for layer, power, count in zip(layers, powers, counts, strict=True):
+            if float(count) == 0:  # no row this step (an expert no token reached): nothing to normalize by
+                continue
             scale = 1.0 / (layer.group["eps"] + power / count)
             for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
                 if param is not None and param.grad is not None:

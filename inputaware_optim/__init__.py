@@ -3,6 +3,7 @@
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer
 from .capture import Capture, unwrap_model
+from .coverage import Coverage, CoverageWarning, Treatment
 from .dp import DPSGD, DPAdamW
 from .foof import FOOF
 from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
@@ -23,6 +24,8 @@ __all__ = [
     "Call",
     "Capture",
     "Captured",
+    "Coverage",
+    "CoverageWarning",
     "DPAdamW",
     "InputAwareAdamW",
     "InputAwareOptimizer",
@@ -32,6 +35,7 @@ __all__ = [
     "LayerKind",
     "LazyAdamW",
     "Reduction",
+    "Treatment",
     "UncapturedInputsWarning",
     "__version__",
     "layer_kind",

@@ -32,9 +32,10 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .capture import Capture, Storage, unwrap_model
+from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
 from .inputs import Inputs
-from .layers import Layer, layer_kind
+from .layers import Layer, bias_of, layer_kind, weight_of, why_no_kind
 from .reduction import Reduction
 
 __all__ = ["InputAwareOptimizer", "evaluate_closure"]
@@ -85,6 +86,10 @@ def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
         return closure()
 
 
+def _param_name(module: nn.Module, param: Tensor) -> str:
+    return next((n for n, p in module._parameters.items() if p is param), "?")
+
+
 def _reads_output_gradients(capture: Capture) -> bool:
     return (capture.keep_calls and capture.grad_outputs) or any(r.grad_outputs for r in capture.reductions)
 
@@ -117,12 +122,16 @@ class InputAwareOptimizer(Optimizer):
             that directly owns a parameter of the optimizer).
         capture_grad_outputs: Also capture the gradient reaching each call's outputs.
         reads_calls: Whether ``step`` reads raw calls (default: whether ``step`` is overridden).
+        reads_capability: Capture only modules whose registered ``LayerKind`` provides this
+            capability (a method of ``LayerKind``, say ``"input_rows"``): coverage then follows the
+            registry, and registering a kind for a new layer makes the rule use it.
     """
 
     _stock: ClassVar[type[Optimizer]]
     captured_module_types: ClassVar[tuple[type[nn.Module], ...] | None] = None
     capture_grad_outputs: ClassVar[bool] = False
     reads_calls: ClassVar[bool | None] = None
+    reads_capability: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -132,6 +141,7 @@ class InputAwareOptimizer(Optimizer):
         storage: Storage = "reference",
         capture_grad_outputs: bool | None = None,
         grad_scaler: Any = None,
+        strict: bool = False,
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
@@ -146,6 +156,8 @@ class InputAwareOptimizer(Optimizer):
         if storage not in ("reference", "clone", "cpu"):
             raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
         self._capture: Capture | None = None
+        self._strict = bool(strict)
+        self._coverage_checked = False
         self._unscaled_by: Tensor | None = None
         self._step_depth = 0
         self._step_inputs: Inputs | None = None
@@ -249,11 +261,12 @@ class InputAwareOptimizer(Optimizer):
 
     def _modules_to_capture(self, params: Iterable[Tensor]) -> list[nn.Module]:
         wanted = {id(p) for p in params}
-        types = self.captured_module_types
+        types, capability = self.captured_module_types, self.reads_capability
         return [
             module
             for module in unwrap_model(self._model).modules()
             if (types is None or isinstance(module, types))
+            and (capability is None or ((kind := layer_kind(module)) is not None and kind.provides(capability)))
             and any(id(p) in wanted for p in module._parameters.values() if p is not None)
         ]
 
@@ -284,8 +297,9 @@ class InputAwareOptimizer(Optimizer):
     def _param_groups_by_param(self) -> dict[Tensor, dict[str, Any]]:
         return {p: group for group in self.param_groups for p in group["params"]}
 
-    def _layers(self, capability: str) -> list[Layer]:
-        """The captured layers whose weight this optimizer trains and whose kind provides ``capability``."""
+    def _layers(self, capability: str, *, with_excluded: bool = False) -> list[Layer]:
+        """The captured layers whose weight this optimizer trains and whose kind provides ``capability``
+        (without those the rule excludes, unless ``with_excluded``)."""
         groups = self._param_groups_by_param()
         owners: dict[Tensor, list[nn.Module]] = {}
         for module in self.capture.modules:
@@ -295,6 +309,8 @@ class InputAwareOptimizer(Optimizer):
                 owners.setdefault(weight, []).append(module)
         layers = []
         for weight, modules in owners.items():  # one layer per weight, however many modules share it
+            if len(self._owners_in_model(weight)) != len(modules):
+                continue  # shared with a module whose calls give no statistics: see _layer_treatment
             kinds = {type(layer_kind(m)) for m in modules}
             biases = {id(getattr(m, "bias", None)) for m in modules}
             bias = getattr(modules[0], "bias", None)
@@ -302,8 +318,112 @@ class InputAwareOptimizer(Optimizer):
             if len(kinds) == 1:
                 kind = layer_kind(modules[0])
                 assert kind is not None
-                layers.append(Layer(modules[0], kind, homogeneous, groups[weight], tuple(modules)))
+                layer = Layer(modules[0], kind, homogeneous, groups[weight], tuple(modules))
+                if with_excluded or self._excluded(layer) is None:
+                    layers.append(layer)
         return layers
+
+    def _owners_in_model(self, param: Tensor) -> list[nn.Module]:
+        """Every module of the model that owns ``param`` directly (tied weights: several)."""
+        if self._model is None:
+            return []
+        return [m for m in unwrap_model(self._model).modules() if any(p is param for p in m._parameters.values())]
+
+    def _excluded(self, layer: Layer) -> str | None:
+        """Why a rule leaves this layer to the stock update (say, over a size limit), or ``None``."""
+        return None
+
+    # -- coverage ---------------------------------------------------------------------------
+    def coverage(self) -> Coverage:
+        """How each trainable parameter is updated, with the reason wherever it is the stock update.
+
+        ``print(opt.coverage())`` shows it as a table; ``.fallbacks()`` lists the weight matrices
+        the rule could be expected to cover but leaves to the stock update.
+        """
+        root = unwrap_model(self._model) if self._model is not None else None
+        names: dict[Tensor, str] = {}
+        owners: dict[Tensor, nn.Module] = {}
+        if root is not None:
+            for module_name, module in root.named_modules():
+                for param_name, param in module._parameters.items():
+                    if param is not None and param not in names:
+                        names[param] = f"{module_name}.{param_name}" if module_name else param_name
+                        owners[param] = module
+        rows = Coverage()
+        for param in self._params():
+            if not param.requires_grad:
+                continue
+            module = owners.get(param)
+            treatment, reason, fallback = self._treatment(param, module)
+            rows.append(
+                Treatment(
+                    names.get(param, f"<unnamed {tuple(param.shape)}>"),
+                    tuple(param.shape),
+                    type(module).__name__ if module is not None else "",
+                    treatment,
+                    reason,
+                    fallback,
+                )
+            )
+        return rows
+
+    def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+        """``(what is done, why stock or None, whether that is a fallback)`` for one parameter."""
+        stock = f"stock {self._stock.__name__}"
+        if self._has_rule() and module is not None and module in self.capture.modules:
+            return f"{type(self).__name__} (reads the calls of {type(module).__name__})", None, False
+        return stock, None, False
+
+    def _layer_treatment(
+        self, param: Tensor, module: nn.Module | None, layers: list[Layer], capability: str, what: str
+    ) -> tuple[str, str | None, bool]:
+        """The treatment by a rule that acts on the layers it was given (``what`` names the action)."""
+        stock = f"stock {self._stock.__name__}"
+        for layer in layers:
+            if weight_of(layer.module) is param:
+                return f"{what} ({type(layer.module).__name__})", None, False
+            if layer.homogeneous and bias_of(layer.module) is param:
+                return f"{what} (bias column of {type(layer.module).__name__})", None, False
+        matrix = param.dim() >= 2  # a weight matrix is what such a rule is for; a scale or bias alone is not
+        if module is None:
+            return stock, "not a parameter of any module (used functionally)", matrix
+        if param is not getattr(module, "weight", None):
+            if param is getattr(module, "bias", None) and layer_kind(module) is not None:
+                return stock, "its layer is not covered, or the bias is trained apart from the weight", False
+            return stock, f"{type(module).__name__}.{_param_name(module, param)} is not a weight matrix", matrix
+        kind = layer_kind(module)
+        if kind is None:
+            return stock, why_no_kind(module), matrix
+        if not kind.provides(capability):
+            return stock, f"{type(module).__name__} has no {capability.replace('_', ' ')} (its LayerKind)", matrix
+        if not any(p is param for p in self._params() if p.requires_grad):
+            return stock, "not trained by this optimizer", False
+        others = [m for m in self._owners_in_model(param) if (k := layer_kind(m)) is None or not k.provides(capability)]
+        if others:
+            names = ", ".join(f"{self.capture.name(m)} ({type(m).__name__})" for m in others)
+            return stock, f"the weight is shared with {names}, whose calls give no {capability.replace('_', ' ')}", True
+        for candidate in self._layers(capability, with_excluded=True):
+            if weight_of(candidate.module) is param:
+                reason = self._excluded(candidate)
+                if reason is not None:
+                    return stock, reason, True
+        return stock, "its module is not captured (a weight shared with a module of another kind?)", matrix
+
+    def _check_coverage(self) -> None:
+        """At the first step: warn once about every fallback, or refuse them under ``strict=True``."""
+        self._coverage_checked = True
+        fallbacks = self.coverage()
+        if not fallbacks.fallbacks():
+            return
+        message = (
+            f"{type(self).__name__} updates {len(fallbacks.fallbacks())} weight matrices with the stock update "
+            f"instead of its rule: {fallbacks.describe_fallbacks()}. print(optimizer.coverage()) shows every "
+            "parameter"
+        )
+        if self._strict:
+            self._coverage_checked = False
+            raise RuntimeError(f"{message}. strict=True refuses this; no parameter was changed")
+        warnings.warn(message, CoverageWarning, stacklevel=5)
 
     def _warn_if_no_layers(self, capability: str, wanted: str) -> None:
         if self._layers(capability):
@@ -357,6 +477,8 @@ class InputAwareOptimizer(Optimizer):
             self._unscaled_by = None
 
     def _run_step_unscaled(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self._coverage_checked and self._capture is not None:
+            self._check_coverage()
         if self._amp_skips_step():
             return None
         with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
@@ -502,6 +624,8 @@ class InputAwareOptimizer(Optimizer):
         self.__dict__.setdefault("_capture", None)
         self.__dict__.setdefault("_step_depth", 0)
         self.__dict__.setdefault("_unscaled_by", None)
+        self.__dict__.setdefault("_strict", False)
+        self.__dict__.setdefault("_coverage_checked", True)
         self.__dict__.setdefault("_step_inputs", None)
         self.__dict__.setdefault("_model_params", {})
         self.__dict__.setdefault("_model", None)

@@ -200,7 +200,7 @@ class _Log:
             if self.grad_outputs or any(r.grad_outputs for r in readers):
                 record.slot = [None] * len(outputs)
             call = Call(module, _detached(args), _detached(kwargs), None, record.forward)
-            record.kept = _plain_math(lambda: [r.forward(call) for r in readers])
+            record.kept = self.reduce(lambda: [r.forward(call) for r in readers])
         elif self.grad_outputs:
             record.slot = [None] * len(outputs)
         for position, t in enumerate(outputs):
@@ -265,7 +265,7 @@ class _Log:
         if readers and record.kept is not None:
             call = Call(record.module, (), {}, record.slot, record.forward)
             kept = record.kept
-            record.kept = _plain_math(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
+            record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
             record.waiting = -1  # reduced
 
     def end_backward(self, task_id: int, deferred: bool) -> None:
@@ -286,8 +286,9 @@ class _Log:
                 if reduction in readers and record.kept is not None:
                     call = Call(record.module, (), {}, record.slot, record.forward)
                     entries.append((call, record.kept[readers.index(reduction)]))
-            if entries:
-                finished.append((reduction, _plain_math(functools.partial(reduction.finish, entries))))
+            totals = self.reduce(functools.partial(reduction.finish, entries)) if entries else None
+            if totals is not None:
+                finished.append((reduction, totals))
         for record in task.records:
             record.kept = None  # free what the reductions kept (inputs, output gradients)
             if not self.keep_calls:
@@ -305,6 +306,16 @@ class _Log:
                     key.totals[reduction] = reduction.combine(key.totals.get(reduction), totals[key.param])
         if changed:
             self.generation += 1
+
+    def reduce(self, compute: Any) -> Any:
+        """Run reductions' code from a hook. An error there is kept and raised at the next read
+        (the step), not in the middle of the user's forward or backward; ``None`` is returned."""
+        try:
+            return _plain_math(compute)
+        except Exception as error:
+            if self.error is None:
+                self.error = f"{error}"
+            return None
 
     # -- compiled code ----------------------------------------------------------------------
     def _record_compiled(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
@@ -344,7 +355,7 @@ class _Log:
             readers = self.readers[record.module]
             if self.grad_outputs or any(r.grad_outputs for r in readers):
                 record.slot = record.slot or [None] * record.waiting
-            record.kept = _plain_math(lambda: [r.forward(call) for r in readers])
+            record.kept = self.reduce(lambda: [r.forward(call) for r in readers])
         elif record.slot is None and self.grad_outputs:
             record.slot = [None] * record.waiting
         if record.slot is not None and position >= len(record.slot):

@@ -126,6 +126,13 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
 
+    def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+        if module is None:
+            return "refused at step", "not a parameter of any module: its per-sample gradient is unknown", True
+        kind = layer_kind(module)
+        how = f"closed form for {type(module).__name__}" if kind is not None else "torch.func vmap(grad) of its forward"
+        return f"{type(self).__name__}: per-sample clipping ({how})", None, False
+
     def _build_reductions(self) -> dict[str, Reduction]:
         clip, _, reduction = self._privacy
         trained = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
@@ -215,13 +222,17 @@ class ClippedSums(Reduction):
         self, capture: Any, trained: set[Tensor], clip: float, reduction: str, expected_batch_size: int | None
     ) -> None:
         self.clip, self.reduction, self.expected = clip, reduction, expected_batch_size
+        self.name = capture.name
         self.names: dict[nn.Module, list[str]] = {}  # parameters only this module owns
         self.shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules own
         for module in capture.modules:
             for name, param in module._parameters.items():
                 if param is None or param not in trained:
                     continue
-                owners = [(m, n) for m in capture.owners(param) for n, q in m._parameters.items() if q is param]
+                innermost = _innermost(capture.owners(param))
+                owners = [(m, n) for m in innermost for n, q in m._parameters.items() if q is param]
+                if module not in [m for m, _ in owners]:
+                    continue  # a parent that reaches it only through a child owner (BERT's MLM bias)
                 if len(owners) == 1:
                     self.names.setdefault(module, []).append(name)
                 else:
@@ -241,7 +252,7 @@ class ClippedSums(Reduction):
         by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
         for _, call in entries:
             by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
-        samples = {f: _samples(calls) for f, calls in by_forward.items()}
+        samples = {f: _samples(calls, self.name) for f, calls in by_forward.items()}
         scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         out: dict[Tensor, Any] = {}
         for calls in by_forward.values():
@@ -290,6 +301,12 @@ class ClippedSums(Reduction):
         return sums
 
 
+def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:
+    """The owners of a parameter that are not parents of another owner: a parent whose child owns
+    the same parameter uses it through the child, so its gradient arrives once, through the child."""
+    return [m for m in owners if not any(o is not m and any(o is d for d in m.modules()) for o in owners)]
+
+
 def _robust_sq_norms(per: PerSample) -> Tensor:
     """Each sample's squared gradient norm, in float64 where float32 would overflow (gradients near
     1e19 square past float32's range, and an infinite norm would clip the sample to nothing)."""
@@ -297,7 +314,7 @@ def _robust_sq_norms(per: PerSample) -> Tensor:
     if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
         return squared.double()
     if isinstance(per, MatrixRows):
-        wide: PerSample = MatrixRows(per.x.double(), per.g.double(), _names(per), per.weight_shape)
+        wide: PerSample = MatrixRows(per.x.double(), per.g.double(), _names(per), per.weight_shape, per.transposed)
     elif isinstance(per, IndexedRows):
         wide = IndexedRows(per.index, per.g.double(), per.num_rows)
     else:
@@ -309,12 +326,23 @@ def _names(per: MatrixRows) -> list[str]:
     return [n for n, on in (("weight", per.weight), ("bias", per.bias)) if on]
 
 
-def _samples(calls: dict[nn.Module, list[Call]]) -> int:
-    sizes = {type(m).__name__ + f"#{i}": {_batch_of(c) for c in cs} for i, (m, cs) in enumerate(calls.items())}
+def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
+    """The batch size of one forward, which every call in it must share."""
+    sizes = {m: {_batch_of(c) for c in cs} for m, cs in calls.items()}
     found = set().union(*sizes.values())
-    if len(found) != 1:
-        raise RuntimeError(f"the calls of one forward disagree on its batch size: {sizes}")
-    return found.pop()
+    if len(found) == 1:
+        return found.pop()
+    batch = max(found)
+    if found == {1, batch}:
+        shared = ", ".join(names(m) for m, s in sizes.items() if 1 in s)
+        raise RuntimeError(
+            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: it is "
+            "broadcast over the samples (like position ids of shape (1, T)), so its output gradient sums over "
+            "them and no sample's own gradient can be told apart. Pass that input expanded to the batch (for "
+            "Hugging Face models: position_ids=torch.arange(T).expand(B, T)). No parameter was changed"
+        )
+    described = {names(m): sorted(s) for m, s in sizes.items()}
+    raise RuntimeError(f"the calls of one forward disagree on its batch size: {described}. No parameter was changed")
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:
@@ -326,7 +354,7 @@ def _merged(per_call: list[PerSample]) -> PerSample:
         assert isinstance(first, MatrixRows)
         x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[attr-defined]
         g = torch.cat([p.g for p in per_call], dim=1)  # type: ignore[attr-defined]
-        return MatrixRows(x, g, _names(first), first.weight_shape)
+        return MatrixRows(x, g, _names(first), first.weight_shape, first.transposed)
     grads = [p.grads() for p in per_call]
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
 

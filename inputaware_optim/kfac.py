@@ -83,7 +83,9 @@ class KFAC(KroneckerRule):
     factors = ("input", "output_grad")
     statistics = KroneckerFactors
 
-    def __init__(self, model: nn.Module, lr: float, *args: Any, batch_averaged: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, lr: float | None = None, *args: Any, batch_averaged: bool = True, **kwargs: Any
+    ) -> None:
         if not isinstance(batch_averaged, bool):
             raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
         self._batch_averaged = batch_averaged
@@ -101,6 +103,9 @@ class KFAC(KroneckerRule):
         if layer.group["batch_averaged"]:
             grads = grads * (batch * batch)
         return {**sums, "output_grad": (grads, batch)}
+
+    def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
+        return layer.kind.matrix_shape(layer.module, layer.homogeneous)  # both sides
 
     def _damping(self, group: dict[str, Any], factor: str) -> float:
         return math.sqrt(float(group["damping"]))

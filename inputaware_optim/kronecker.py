@@ -57,7 +57,7 @@ class KroneckerRule(InputAwareSGD):
     ``<factor>_inverse`` (damped inverse) for each factor, and ``statistics_steps``.
     """
 
-    captured_module_types = (nn.Linear, nn.Conv2d)
+    reads_capability = "input_rows"
     reads_calls = False
     factors: tuple[str, ...] = ()
     _statistics: FactorSums
@@ -65,22 +65,45 @@ class KroneckerRule(InputAwareSGD):
     def __init__(
         self,
         model: nn.Module,
-        lr: float,
+        lr: float | None = None,
         momentum: float = 0.9,
         damping: float = 0.1,
         stat_decay: float = 0.95,
         update_every: int = 10,
         *,
+        max_dim: int | None = None,
         params: Any = None,
         **sgd_kwargs: Any,
     ) -> None:
+        if lr is None:
+            raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
         _check_hyperparameters(damping, stat_decay, update_every)
+        integral = isinstance(max_dim, numbers.Integral) and not isinstance(max_dim, bool)
+        if max_dim is not None and (not integral or max_dim < 1):
+            raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
+        self._max_dim = max_dim
         self._rule_defaults = {"damping": damping, "stat_decay": stat_decay, "update_every": update_every}
         super().__init__(model, params, lr=lr, momentum=momentum, **sgd_kwargs)
-        self._warn_if_no_layers("input_rows", "nn.Linear or nn.Conv2d (groups=1)")
+        self._warn_if_no_layers("input_rows", "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)")
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_statistics": self.statistics(self._layers("input_rows"))}
+
+    def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
+        """The sizes of this rule's Kronecker factors for ``layer`` (default: the input side only)."""
+        return (layer.kind.matrix_shape(layer.module, layer.homogeneous)[1],)
+
+    def _excluded(self, layer: Layer) -> str | None:
+        if self._max_dim is None:
+            return None
+        dims = self._factor_dims(layer)
+        if max(dims) <= self._max_dim:
+            return None
+        return f"a Kronecker factor of size {max(dims)} exceeds max_dim={self._max_dim} (memory ~ size², time ~ size³)"
+
+    def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+        layers = self._layers("input_rows")
+        return self._layer_treatment(param, module, layers, "input_rows", f"{type(self).__name__}: Kronecker")
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)

@@ -13,6 +13,7 @@ capabilities they need:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -25,11 +26,17 @@ from .inputs import Call, Captured
 
 __all__ = ["GENERIC", "Layer", "LayerKind", "PerSample", "bias_of", "layer_kind", "register_layer", "weight_of"]
 
-_REGISTRY: dict[type[nn.Module], LayerKind] = {}
+_REGISTRY: dict[type[nn.Module] | str, LayerKind] = {}
 
 
-def register_layer(*module_types: type[nn.Module]) -> Any:
-    """Class decorator: register a ``LayerKind`` for ``module_types`` (and their subclasses)."""
+def register_layer(*module_types: type[nn.Module] | str) -> Any:
+    """Class decorator: register a ``LayerKind`` for ``module_types``.
+
+    A type may be given by its qualified name (``"transformers.pytorch_utils.Conv1D"``), so that
+    a kind for another package's layer is registered without importing that package. A kind
+    covers its types and their subclasses that do not override ``forward``; a subclass with its
+    own ``forward`` computes something else until a kind is registered for it.
+    """
 
     def register(cls: type[LayerKind]) -> type[LayerKind]:
         kind = cls()
@@ -40,13 +47,39 @@ def register_layer(*module_types: type[nn.Module]) -> Any:
     return register
 
 
-def layer_kind(module: nn.Module) -> LayerKind | None:
-    """The registered ``LayerKind`` for ``module``'s type (or its nearest registered base), if it applies."""
+def _registered(cls: type) -> LayerKind | None:
+    return _REGISTRY.get(cls) or _REGISTRY.get(f"{cls.__module__}.{cls.__qualname__}")
+
+
+def registered_base(module: nn.Module) -> type[nn.Module] | None:
+    """The nearest registered base class of ``module``'s type, if any (its own type included)."""
     for cls in type(module).__mro__:
-        kind = _REGISTRY.get(cls)
-        if kind is not None:
-            return kind if kind.supports(module) else None
+        if _registered(cls) is not None:
+            return cls
     return None
+
+
+def layer_kind(module: nn.Module) -> LayerKind | None:
+    """The ``LayerKind`` for ``module``: its type's, or that of a registered base whose ``forward``
+    it keeps; ``None`` if there is none or this module's configuration is not supported."""
+    base = registered_base(module)
+    if base is None or getattr(type(module), "forward", None) is not getattr(base, "forward", None):
+        return None  # unregistered, or a subclass with its own forward (timm's StdConv2d, Conv2dSame)
+    kind = _registered(base)
+    return kind if kind is not None and kind.supports(module) else None
+
+
+def why_no_kind(module: nn.Module) -> str:
+    """Why ``layer_kind(module)`` is ``None``, in words (for coverage reports)."""
+    base = registered_base(module)
+    name = type(module).__name__
+    if base is None:
+        return f"no LayerKind is registered for {name}"
+    if getattr(type(module), "forward", None) is not getattr(base, "forward", None):
+        return f"{name} subclasses {base.__name__} with its own forward (register a LayerKind for {name})"
+    kind = _registered(base)
+    assert kind is not None
+    return kind.unsupported(module)
 
 
 class LayerKind:
@@ -58,6 +91,15 @@ class LayerKind:
     def supports(self, module: nn.Module) -> bool:
         """Whether this particular module (its configuration) is handled."""
         return True
+
+    def unsupported(self, module: nn.Module) -> str:
+        """Why this module's configuration is not handled (when ``supports`` is False)."""
+        return f"this configuration of {type(module).__name__} is not supported"
+
+    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
+        """The shape of ``W̃``: ``(out_features, in_features [+1])`` (the sizes of K-FAC's factors)."""
+        weight = weight_of(module)
+        return int(weight.shape[0]), int(weight[0].numel()) + int(homogeneous)
 
     def provides(self, capability: str) -> bool:
         """Whether this kind implements ``capability`` (a method name of ``LayerKind``)."""
@@ -204,10 +246,13 @@ class MatrixRows(PerSample):
     """A sample's weight gradient is ``sum_t g_t x_t^T`` over its positions ``t``, its bias
     gradient ``sum_t g_t``; norms and weighted sums follow without forming either."""
 
-    def __init__(self, x: Tensor, g: Tensor, names: Sequence[str], weight_shape: torch.Size) -> None:
+    def __init__(
+        self, x: Tensor, g: Tensor, names: Sequence[str], weight_shape: torch.Size, transposed: bool = False
+    ) -> None:
         self.x, self.g = x, g
         self.weight, self.bias = "weight" in names, "bias" in names
         self.weight_shape = weight_shape
+        self.transposed = transposed  # the weight is stored (in, out), as Hugging Face's Conv1D
 
     def sq_norms(self) -> Tensor:
         x, g = self.x, self.g
@@ -226,7 +271,8 @@ class MatrixRows(PerSample):
         weighted = (self.g * weights.to(self.g)[:, None, None]).reshape(-1, self.g.shape[2])
         sums = {}
         if self.weight:
-            sums["weight"] = (weighted.T @ self.x.reshape(-1, self.x.shape[2])).reshape(self.weight_shape)
+            matrix = weighted.T @ self.x.reshape(-1, self.x.shape[2])
+            sums["weight"] = (matrix.T if self.transposed else matrix).reshape(self.weight_shape)
         if self.bias:
             sums["bias"] = weighted.sum(0)
         return sums
@@ -235,6 +281,8 @@ class MatrixRows(PerSample):
         grads = {}
         if self.weight:
             matrix = torch.einsum("bto,bti->boi", self.g, self.x)
+            if self.transposed:
+                matrix = matrix.transpose(1, 2)
             grads["weight"] = matrix.reshape(matrix.shape[0], *self.weight_shape)
         if self.bias:
             grads["bias"] = self.g.sum(1)
@@ -267,38 +315,56 @@ class LinearKind(_MatrixPerSample):
         return x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
 
 
-@register_layer(nn.Conv2d)
-class Conv2dKind(_MatrixPerSample):
-    """``nn.Conv2d`` (``groups=1``): a linear map on unfolded input patches, one row per output position."""
+@register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
+class ConvKind(_MatrixPerSample):
+    """``nn.Conv1d/2d/3d`` (``groups=1``): a linear map on unfolded input patches, one row per
+    output position; any padding mode, ``'same'`` included."""
 
     def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.Conv2d) and module.groups == 1
+        return isinstance(module, nn.modules.conv._ConvNd) and module.groups == 1
 
-    def _patches(self, module: nn.Conv2d, x: Tensor) -> Tensor:
-        # Pad as the layer does (any padding mode, 'same' included), then unfold unpadded.
+    def unsupported(self, module: nn.Module) -> str:
+        groups = getattr(module, "groups", 1)
+        return f"{type(module).__name__} with groups={groups} (grouped or depthwise) has no Kronecker form yet"
+
+    def _patches(self, module: nn.Module, x: Tensor) -> Tensor:
+        """``(batch, positions, C * prod(kernel))`` rows, in the weight's layout."""
+        assert isinstance(module, nn.modules.conv._ConvNd)
+        spatial = len(module.kernel_size)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        patches = F.unfold(x, module.kernel_size, dilation=module.dilation, stride=module.stride)
-        return patches.transpose(1, 2).reshape(-1, patches.shape[1])  # (batch * positions, C * kh * kw)
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)  # pad as the layer does
+        for d, (k, s, dil) in enumerate(zip(module.kernel_size, module.stride, module.dilation, strict=True)):
+            x = x.unfold(2 + d, dil * (k - 1) + 1, s)  # windows along spatial dim d, appended last
+            if dil > 1:
+                x = x[..., ::dil]
+        # (B, C, *out, *kernel) -> (B, *out, C, *kernel)
+        order = [0, *range(2, 2 + spatial), 1, *range(2 + spatial, 2 + 2 * spatial)]
+        x = x.permute(order)
+        return x.reshape(x.shape[0], -1, module.in_channels * math.prod(module.kernel_size))
+
+    def _spatial(self, module: nn.Module) -> int:
+        assert isinstance(module, nn.modules.conv._ConvNd)
+        return len(module.kernel_size)
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        assert isinstance(module, nn.Conv2d)
-        rows = torch.cat([self._patches(module, _statistics_dtype(_batched(x, 4))) for x in entry.inputs()])
-        return _with_ones(rows, homogeneous)
+        dims = self._spatial(module) + 2
+        rows = [self._patches(module, _statistics_dtype(_batched(x, dims))) for x in entry.inputs()]
+        return _with_ones(torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]), homogeneous)
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
-        grads = [_statistics_dtype(_batched(g, 4)) for g in entry.grad_outputs()]
-        return torch.cat([g.permute(0, 2, 3, 1).reshape(-1, g.shape[1]) for g in grads])
+        dims = self._spatial(module) + 2
+        grads = [_statistics_dtype(_batched(g, dims)) for g in entry.grad_outputs()]
+        return torch.cat([g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1]) for g in grads])
 
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
-        return sum(x.shape[0] if x.dim() == 4 else 1 for x in entry.inputs())
+        dims = self._spatial(module) + 2
+        return sum(x.shape[0] if x.dim() == dims else 1 for x in entry.inputs())
 
     def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
-        assert isinstance(module, nn.Conv2d)
-        x = _statistics_dtype(_batched(call.input, 4))
-        g = _statistics_dtype(_batched(_grad_output(call), 4))
-        patches = self._patches(module, x).reshape(x.shape[0], -1, module.in_channels * _area(module))
-        return patches, g.flatten(2).transpose(1, 2)
+        dims = self._spatial(module) + 2
+        x = _statistics_dtype(_batched(call.input, dims))
+        g = _statistics_dtype(_batched(_grad_output(call), dims))
+        return self._patches(module, x), g.flatten(2).transpose(1, 2)
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
         return _matrix_grad(weight_of(module), bias_of(module), homogeneous)
@@ -307,15 +373,43 @@ class Conv2dKind(_MatrixPerSample):
         _set_matrix_grad(weight_of(module), bias_of(module), matrix, homogeneous)
 
 
+@register_layer("transformers.pytorch_utils.Conv1D")
+class TransposedLinearKind(LinearKind):
+    """Hugging Face's ``Conv1D`` (GPT-2's attention and MLP): ``y = x W + b`` with ``W`` of shape
+    ``(in_features, out_features)``, a ``nn.Linear`` with its weight transposed. Registered by
+    name, so transformers need not be imported."""
+
+    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
+        weight = weight_of(module)
+        return int(weight.shape[1]), int(weight.shape[0]) + int(homogeneous)
+
+    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
+        weight, bias = weight_of(module), bias_of(module)
+        assert weight.grad is not None
+        matrix = weight.grad.T
+        if homogeneous:
+            assert bias is not None and bias.grad is not None
+            matrix = torch.cat([matrix, bias.grad.reshape(-1, 1)], dim=1)
+        return matrix
+
+    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
+        weight, bias = weight_of(module), bias_of(module)
+        assert weight.grad is not None
+        weight.grad.copy_(matrix[:, : weight.shape[0]].T)
+        if homogeneous:
+            assert bias is not None and bias.grad is not None
+            bias.grad.copy_(matrix[:, weight.shape[0]])
+
+    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
+        x, g = self._sample_rows(module, call)
+        return MatrixRows(x, g, names, weight_of(module).shape, transposed=True)
+
+
 def _grad_output(call: Call) -> Tensor:
     grad = call.grad_output
     if grad is None:
         raise RuntimeError(f"no output gradient was captured for {call!r}")
     return grad
-
-
-def _area(conv: nn.Conv2d) -> int:
-    return int(conv.kernel_size[0] * conv.kernel_size[1])
 
 
 def _batched(x: Tensor, dims: int) -> Tensor:

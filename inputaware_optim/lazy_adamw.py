@@ -75,7 +75,7 @@ class LazyAdamW(InputAwareAdamW):
             ``fused``) and ``storage``. ``capturable`` and ``differentiable`` are not supported.
     """
 
-    captured_module_types = (nn.Embedding, nn.EmbeddingBag)
+    reads_capability = "touched_rows"
     reads_calls = False
     _rows: TouchedRows
 
@@ -101,6 +101,14 @@ class LazyAdamW(InputAwareAdamW):
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_rows": TouchedRows(self._lazy_modules())}
+
+    def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+        if any(weight_of(m) is param for m in self._lazy_modules()):
+            return "LazyAdamW: touched rows only", None, False
+        kind = layer_kind(module) if module is not None else None
+        if kind is not None and kind.provides("touched_rows") and param is getattr(module, "weight", None):
+            return "stock AdamW (dense)", "the table is shared with another module, so every row gets gradient", True
+        return "stock AdamW", None, False
 
     def _lazy_modules(self) -> list[nn.Module]:
         """Captured embeddings whose weight is trained here and used by no other module.

@@ -37,7 +37,7 @@ class InputPower(Reduction):
 
 
 class NLMS(InputAwareSGD):
-    r"""Normalized least mean squares: each ``nn.Linear``'s step divided by its input power.
+    r"""Normalized least mean squares: each layer's step divided by its input power.
 
     With :math:`\tilde x` the input with a constant 1 appended when the layer's bias is
     trained, and :math:`N` the samples of the step (every row of every call):
@@ -45,7 +45,8 @@ class NLMS(InputAwareSGD):
     .. math::
         g \leftarrow \frac{g}{\varepsilon + \frac{1}{N}\sum_{n=1}^{N} \lVert \tilde x_n \rVert^2}
 
-    for the layer's weight and bias gradients, then the SGD update (torch's kernel). For a
+    for the weight and bias gradients of each layer with input rows (``nn.Linear``, Hugging Face's
+    ``Conv1D``, and convolutions through their input patches), then the SGD update (torch's kernel). For a
     single sample and loss :math:`\tfrac12 e^2` this is the textbook recursion
     :math:`w \leftarrow w + \mu\, e\, x / (\varepsilon + \lVert x\rVert^2)`: the step no
     longer depends on the scale of the inputs. Parameters of other modules take plain SGD.
@@ -63,7 +64,7 @@ class NLMS(InputAwareSGD):
         Simon Haykin, "Adaptive Filter Theory", chapter on normalized LMS.
     """
 
-    captured_module_types = (nn.Linear,)
+    reads_capability = "input_rows"
     reads_calls = False
     _power: InputPower
 
@@ -74,10 +75,13 @@ class NLMS(InputAwareSGD):
             raise ValueError(f"Invalid eps: {eps} (must be finite and >= 0)")
         self._eps = eps
         super().__init__(model, params, lr=lr, **sgd_kwargs)
-        self._warn_if_no_layers("input_rows", "nn.Linear")
+        self._warn_if_no_layers("input_rows", "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)")
 
     def _nlms_layers(self) -> list[Layer]:
-        return [layer for layer in self._layers("input_rows") if isinstance(layer.module, nn.Linear)]
+        return self._layers("input_rows")
+
+    def _treatment(self, param: torch.Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+        return self._layer_treatment(param, module, self._nlms_layers(), "input_rows", "NLMS: input-normalized")
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_power": InputPower(self._nlms_layers())}

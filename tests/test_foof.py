@@ -211,7 +211,7 @@ def test_bad_group_override() -> None:
 
 def test_no_supported_layer_warns_and_names_what_is_plain_sgd() -> None:
     model = nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4))
-    with pytest.warns(UserWarning, match=r"no nn\.Linear or nn\.Conv2d.*0, 1"):
+    with pytest.warns(UserWarning, match=r"found no layer with a registered Kronecker form.*0, 1"):
         FOOF(model, lr=0.1)
 
 

@@ -259,8 +259,13 @@ class ClippedSums(Reduction):
             for param, total in self._clipped_sums(calls, scale).items():
                 out[param] = add_statistics(out.get(param), total)
         return {
-            p: {"sum": total, "samples": float(sum(samples.values())), "passes": 1,
-                "forwards": frozenset(by_forward), "overlap": False}
+            p: {
+                "sum": total,
+                "samples": float(sum(samples.values())),
+                "passes": 1,
+                "forwards": frozenset(by_forward),
+                "overlap": False,
+            }
             for p, total in out.items()
         }
 

@@ -22,27 +22,51 @@ VOCAB, T, B = 40, 6, 3
 
 
 def gpt2() -> nn.Module:
-    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=16, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
 def bert() -> nn.Module:
-    config = transformers.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
-                                     intermediate_size=32, vocab_size=VOCAB, max_position_embeddings=16)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        hidden_size=16,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        max_position_embeddings=16,
+    )
     return transformers.BertForMaskedLM(config)
 
 
 def llama() -> nn.Module:
-    config = transformers.LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                      hidden_size=16, intermediate_size=32, vocab_size=VOCAB,
-                                      max_position_embeddings=16, bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        hidden_size=16,
+        intermediate_size=32,
+        vocab_size=VOCAB,
+        max_position_embeddings=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def t5() -> nn.Module:
-    config = transformers.T5Config(num_layers=2, num_heads=2, d_model=16, d_kv=8, d_ff=32, vocab_size=VOCAB,
-                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    config = transformers.T5Config(
+        num_layers=2,
+        num_heads=2,
+        d_model=16,
+        d_kv=8,
+        d_ff=32,
+        vocab_size=VOCAB,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     return transformers.T5ForConditionalGeneration(config)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +15,7 @@ from torch import Tensor, nn
 from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import unwrap_model
+from .coverage import CoverageWarning
 from .distributed import local_tensor
 from .inputs import Call, Captured, Inputs
 from .layers import LayerKind, layer_kind, weight_of
@@ -39,6 +43,57 @@ class TouchedRows(Reduction):
         return b if a is None else torch.unique(torch.cat([a, b]))
 
 
+class _RowAudit:
+    """Rows of a lazy table that got gradient from somewhere other than its captured calls.
+
+    A table's weight may also be used without calling its module (a tied output head written
+    as ``F.linear(h, embed.weight)``); those uses put gradient in rows no captured call read,
+    and those rows must move too. Proving there was no such use is cheap in the common case:
+    when one call is the table's only contribution in a backward pass, the gradient reaching
+    the weight is the very tensor that call's backward produced (same storage, same version).
+    Otherwise the pass's incoming gradient is read once to find its nonzero rows.
+    """
+
+    def __init__(self) -> None:
+        self.produced: dict[int, list[list[tuple[int, int]]]] = {}  # weight id -> per call: its gradients
+        self.extra: dict[int, Tensor] = {}  # weight id -> rows with gradient from elsewhere
+
+    def forward_hook(self, weight_id: int, module: nn.Module, args: Any, output: Any) -> None:
+        node = getattr(output, "grad_fn", None)
+        if node is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return  # no gradient comes back this way, or compiled code: the full check decides
+        node.register_hook(functools.partial(self._produced, weight_id))
+
+    def _produced(self, weight_id: int, grad_inputs: Any, grad_outputs: Any) -> None:
+        made = [(t.data_ptr(), t._version) for t in grad_inputs if isinstance(t, Tensor) and t.layout == torch.strided]
+        self.produced.setdefault(weight_id, []).append(made)
+
+    def gradient_hook(self, weight_id: int, incoming: Tensor) -> None:
+        produced = self.produced.pop(weight_id, [])
+        if incoming.is_sparse:
+            return  # sparse contributions list their own rows (the step reads the indices)
+        if len(produced) == 1 and (incoming.data_ptr(), incoming._version) in produced[0]:
+            return  # exactly the one captured call's gradient
+        with torch.no_grad():
+            rows = incoming.reshape(incoming.shape[0], -1).ne(0).any(1).nonzero().squeeze(1)
+        previous = self.extra.get(weight_id)
+        self.extra[weight_id] = rows if previous is None else torch.unique(torch.cat([previous, rows]))
+
+    def take(self, weight: Tensor) -> Tensor | None:
+        """The rows with gradient from elsewhere that still hold gradient now (stale ones drop out)."""
+        rows = self.extra.pop(id(weight), None)
+        grad = weight.grad
+        if rows is None or grad is None or rows.numel() == 0:
+            return None
+        rows = rows[grad.index_select(0, rows).reshape(rows.numel(), -1).ne(0).any(1)]
+        return rows if rows.numel() else None
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 class LazyAdamW(InputAwareAdamW):
     r"""AdamW whose embedding tables update only the rows the step's inputs touched.
 
@@ -54,7 +109,9 @@ class LazyAdamW(InputAwareAdamW):
         \theta_r &\leftarrow \theta_r - \frac{\gamma}{1-\beta_1^t}\,
             \frac{m_r}{\sqrt{v_r / (1-\beta_2^t)} + \epsilon}
 
-    (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum). The touched rows
+    (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum). A row that got
+    gradient without being read by a captured call (the table also used as
+    ``F.linear(h, embed.weight)``) moves too, and is warned about once. The touched rows
     are gathered and updated by torch's fused AdamW kernel, so each moves exactly as
     ``AdamW(fused=True)`` would move it. Every other row, and its moments, stays bitwise
     unchanged. The step costs in proportion to the rows touched, not the table size. It
@@ -98,6 +155,24 @@ class LazyAdamW(InputAwareAdamW):
             model, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **adamw_kwargs
         )
         self._warn_if_no_layers("touched_rows", "nn.Embedding or nn.EmbeddingBag")
+        self._audit = _RowAudit()
+        self._audit_handles: list[Any] = []
+        self._audited: set[int] = set()
+        self._warned_extra: set[int] = set()
+        weakref.finalize(self, _remove_handles, self._audit_handles)
+        self._attach_audit()
+
+    def _attach_audit(self) -> None:
+        """Hooks that find gradient rows no captured call explains (see ``_RowAudit``)."""
+        for module in self._lazy_modules():
+            weight = weight_of(module)
+            if id(weight) in self._audited or getattr(weight, "device_mesh", None) is not None:
+                continue  # FSDP2 shards: autograd never reaches the sharded weight (not audited)
+            self._audited.add(id(weight))
+            self._audit_handles.append(
+                module.register_forward_hook(functools.partial(self._audit.forward_hook, id(weight)))
+            )
+            self._audit_handles.append(weight.register_hook(functools.partial(self._audit.gradient_hook, id(weight))))
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_rows": TouchedRows(self._lazy_modules())}
@@ -134,6 +209,8 @@ class LazyAdamW(InputAwareAdamW):
             and owners[weight_of(m)] == 1  # a tied weight (say, an output head) gets gradients on every row
         ]
         self._lazy_cache = (key, lazy)
+        if "_audit" in self.__dict__:
+            self._attach_audit()  # a param group added since
         return lazy
 
     @torch.no_grad()
@@ -152,9 +229,16 @@ class LazyAdamW(InputAwareAdamW):
                 lazy.append((weight, weight.grad.indices()[0]))
                 continue
             rows = touched.get(weight)
+            extra = self._audit.take(weight)
             if rows is None:  # no inputs were captured: stock AdamW updates it densely (Inputs warns)
                 inputs.get(weight)
                 continue
+            if extra is not None:
+                extra = extra.to(rows.device)
+                outside = extra[~torch.isin(extra, rows)]
+                if outside.numel():
+                    self._warn_extra_rows(module, outside)
+                    rows = torch.unique(torch.cat([rows, outside]))
             if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < weight.shape[0]:
                 bad = int(rows.max()) if int(rows.max()) >= weight.shape[0] else int(rows.min())
                 raise ValueError(  # before any parameter or step counter changes
@@ -168,6 +252,20 @@ class LazyAdamW(InputAwareAdamW):
         for weight, rows in lazy:
             self._update_rows(weight, rows, groups[weight])
         return loss
+
+    def _warn_extra_rows(self, module: nn.Module, extra: Tensor) -> None:
+        if id(module) in self._warned_extra:
+            return
+        self._warned_extra.add(id(module))
+        name = self.capture.name(module)
+        warnings.warn(
+            f"LazyAdamW: {extra.numel()} rows of {name}.weight got gradient that no captured call of {name} "
+            f"explains (the table is used without calling {name}, for example F.linear(h, {name}.weight)); "
+            "those rows are updated too. Finding them reads the whole gradient each backward pass: call the "
+            "module instead, or train the table with a dense optimizer",
+            CoverageWarning,
+            stacklevel=3,
+        )
 
     def _union_over_ranks(self, rows: Tensor, num_rows: int) -> Tensor:
         group = self.data_parallel_group

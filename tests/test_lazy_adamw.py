@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from inputaware_optim import InputAwareAdamW, LazyAdamW
+from inputaware_optim import CoverageWarning, InputAwareAdamW, LazyAdamW
 
 VOCAB, DIM = 30, 4
 
@@ -221,3 +222,64 @@ def test_unsupported_flags_and_no_embedding() -> None:
         LazyAdamW(Bag(), capturable=True)
     with pytest.warns(UserWarning, match=r"no nn\.Embedding"):
         LazyAdamW(nn.Linear(2, 2))
+
+
+class _TiedFunctionalHead(nn.Module):
+    """A table read by its module and again, without calling it, as an output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(30, 4)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(self.embed(tokens).mean(1), self.embed.weight)
+
+
+def test_rows_with_gradient_from_a_functional_use_move_as_adamw_moves_them() -> None:
+    torch.manual_seed(0)
+    lazy_model = _TiedFunctionalHead()
+    stock_model = copy.deepcopy(lazy_model)
+    lazy = LazyAdamW(lazy_model, lr=0.05, weight_decay=0.0)
+    stock = torch.optim.AdamW(stock_model.parameters(), lr=0.05, weight_decay=0.0, fused=True)
+    for step in range(3):
+        tokens = torch.randint(0, 30, (2, 3))
+        for model, optimizer in ((lazy_model, lazy), (stock_model, stock)):
+            optimizer.zero_grad()
+            model(tokens).logsumexp(1).sum().backward()
+        assert int(lazy_model.embed.weight.grad.ne(0).any(1).sum()) == 30  # every row has gradient
+        if step == 0:
+            with pytest.warns(CoverageWarning, match=r"rows of embed.weight got gradient that no captured call"):
+                lazy.step()
+        else:
+            lazy.step()
+        stock.step()
+        torch.testing.assert_close(lazy_model.embed.weight, stock_model.embed.weight, rtol=0, atol=0)
+
+
+def test_a_table_only_its_module_uses_is_proven_without_reading_the_gradient() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 3), nn.Flatten(), nn.Linear(6, 1))
+    optimizer = LazyAdamW(model, lr=0.1)
+    tokens = torch.randint(0, 40, (5, 2))
+    for _ in range(2):  # accumulation: each pass is proven on its own
+        model(tokens).sum().backward()
+    assert optimizer._audit.extra == {}  # the identity proof held: no pass read the whole gradient
+    before = model[0].weight.detach().clone()
+    optimizer.step()
+    moved = (model[0].weight != before).any(1)
+    assert torch.equal(moved.nonzero().squeeze(1), torch.unique(tokens))
+
+
+def test_a_table_called_twice_in_one_pass_is_checked_and_needs_no_extra_rows() -> None:
+    torch.manual_seed(0)
+    embed = nn.Embedding(40, 3)
+    model = nn.ModuleDict({"embed": embed})
+    optimizer = LazyAdamW(model, lr=0.1)
+    a, b = torch.randint(0, 40, (4,)), torch.randint(0, 40, (4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CoverageWarning)
+        (embed(a).sum() + embed(b).pow(2).sum()).backward()
+        before = embed.weight.detach().clone()
+        optimizer.step()
+    moved = (embed.weight != before).any(1)
+    assert torch.equal(moved.nonzero().squeeze(1), torch.unique(torch.cat([a, b])))

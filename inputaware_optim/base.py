@@ -142,6 +142,7 @@ class InputAwareOptimizer(Optimizer):
         capture_grad_outputs: bool | None = None,
         grad_scaler: Any = None,
         strict: bool = False,
+        process_group: Any = "infer",
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
@@ -157,6 +158,7 @@ class InputAwareOptimizer(Optimizer):
             raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
         self._capture: Capture | None = None
         self._strict = bool(strict)
+        self._process_group = process_group
         self._coverage_checked = False
         self._unscaled_by: Tensor | None = None
         self._step_depth = 0
@@ -190,7 +192,6 @@ class InputAwareOptimizer(Optimizer):
         # The capture lives and dies with its optimizer, even if someone still holds the capture.
         weakref.finalize(self, self._capture.remove)
         self._install_reductions()
-        self._data_parallel_group = data_parallel_group(model)
         # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
         self._step_supports_amp_scaling = True
 
@@ -289,10 +290,27 @@ class InputAwareOptimizer(Optimizer):
     def data_parallel_group(self) -> Any:
         """The process group that rules average input statistics over (``None`` in one process).
 
-        Inferred from the model: a ``DistributedDataParallel`` wrapper's group, or the mesh an
-        FSDP2-sharded model is sharded over.
+        The ``process_group`` given at construction (``None``: statistics stay per rank), or
+        inferred from the model when it is read (so ``fully_shard`` applied after construction
+        counts): a ``DistributedDataParallel`` wrapper's group, or the mesh an FSDP2-sharded model
+        is sharded over. With ``torch.distributed`` running several ranks and nothing to infer it
+        from (the optimizer was built on the model before it was wrapped in DDP), reading it
+        raises: per-rank statistics would make the replicas drift apart silently.
         """
-        return self._data_parallel_group
+        if not (isinstance(self._process_group, str) and self._process_group == "infer"):
+            return self._process_group
+        group = data_parallel_group(self._model)
+        if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            ranks = torch.distributed.get_world_size()
+            if ranks > 1:
+                raise RuntimeError(
+                    f"{type(self).__name__} combines input statistics over the data-parallel ranks, but its model "
+                    f"is not wrapped in DistributedDataParallel or sharded with fully_shard while torch.distributed "
+                    f"runs {ranks} ranks, so each replica would apply a different update. Build the optimizer on "
+                    "the wrapped model (DistributedDataParallel(model)), or pass process_group= (the group "
+                    "gradients are averaged over, or None if each rank trains its own model)"
+                )
+        return group
 
     def _param_groups_by_param(self) -> dict[Tensor, dict[str, Any]]:
         return {p: group for group in self.param_groups for p in group["params"]}
@@ -629,5 +647,5 @@ class InputAwareOptimizer(Optimizer):
         self.__dict__.setdefault("_step_inputs", None)
         self.__dict__.setdefault("_model_params", {})
         self.__dict__.setdefault("_model", None)
-        self.__dict__.setdefault("_data_parallel_group", None)
+        self.__dict__.setdefault("_process_group", None)
         super().__setstate__(state)

@@ -14,7 +14,7 @@ class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
 
     ``InputAwareSGD(model, params=None, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
     nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
-    storage="reference", capture_grad_outputs=None, grad_scaler=None)``
+    storage="reference", capture_grad_outputs=None, grad_scaler=None, strict=False, process_group="infer")``
 
     Every hyperparameter is ``torch.optim.SGD``'s, with its name, default and validation,
     and the update is torch's own kernel: with no rule, every step is bitwise identical to
@@ -28,6 +28,9 @@ class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
         capture_grad_outputs: Also capture each call's output gradients (default: the rule's choice).
         grad_scaler: The ``torch.amp.GradScaler`` the loss is scaled by, for rules that read output
             gradients (they are unscaled where they are read); such rules refuse a scaled step without it.
+        strict: Refuse, at the first step, any parameter a rule would leave to the stock update.
+        process_group: The group rules combine input statistics over; ``"infer"`` (default) reads it
+            from the model's DDP wrapper or FSDP2 mesh, ``None`` keeps them per rank.
     """
 
     _stock = torch.optim.SGD

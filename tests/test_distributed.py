@@ -52,21 +52,25 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> tor
 # Each maker takes the model and the samples one step of one process averages over (DP's
 # expected_batch_size: under accumulation the micro-batches of a step cannot tell it otherwise).
 RULES: dict[str, Callable[[nn.Module, int], Any]] = {
-    "InputAwareSGD": lambda m, b: InputAwareSGD(m, lr=0.1, momentum=0.9),
-    "InputAwareAdamW": lambda m, b: InputAwareAdamW(m, lr=0.01),
-    "FOOF": lambda m, b: FOOF(m, lr=0.05, update_every=2),
-    "KFAC": lambda m, b: KFAC(m, lr=0.05, update_every=2, damping=1e-2),
-    "NLMS": lambda m, b: NLMS(m, lr=0.1),
-    "LazyAdamW": lambda m, b: LazyAdamW(m, lr=0.01),
-    "DPSGD": lambda m, b: DPSGD(m, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b),
-    "DPSGD-noise": lambda m, b: DPSGD(m, lr=0.5, max_grad_norm=0.1, noise_multiplier=1.0, expected_batch_size=b),
+    "InputAwareSGD": lambda m, b, **kw: InputAwareSGD(m, **kw, lr=0.1, momentum=0.9),
+    "InputAwareAdamW": lambda m, b, **kw: InputAwareAdamW(m, **kw, lr=0.01),
+    "FOOF": lambda m, b, **kw: FOOF(m, **kw, lr=0.05, update_every=2),
+    "KFAC": lambda m, b, **kw: KFAC(m, **kw, lr=0.05, update_every=2, damping=1e-2),
+    "NLMS": lambda m, b, **kw: NLMS(m, **kw, lr=0.1),
+    "LazyAdamW": lambda m, b, **kw: LazyAdamW(m, **kw, lr=0.01),
+    "DPSGD": lambda m, b, **kw: DPSGD(
+        m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b
+    ),
+    "DPSGD-noise": lambda m, b, **kw: DPSGD(
+        m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=1.0, expected_batch_size=b
+    ),
 }
 
 
 def train_whole(rule: str, micro_batches: int = 1) -> list[torch.Tensor]:
     """One process on the whole batch: the reference."""
     model = Net()
-    optimizer = RULES[rule](model, BATCH)
+    optimizer = RULES[rule](model, BATCH, process_group=None)  # one process's whole batch
     for tokens, target in batches():
         optimizer.zero_grad()
         loss_of(model, tokens, target).backward()

@@ -561,6 +561,18 @@ def _wrapper_chain(model: nn.Module) -> list[nn.Module]:
         chain.append(inner)
 
 
+def _refuse_replicating_wrappers(model: nn.Module) -> None:
+    """``nn.DataParallel`` over several devices runs each forward on fresh replicas of the model,
+    so hooks fire on modules nobody owns: refuse it by name (it is fine on one device)."""
+    for wrapper in _wrapper_chain(model):
+        if isinstance(wrapper, nn.DataParallel) and len(wrapper.device_ids or ()) > 1:
+            raise ValueError(
+                f"nn.DataParallel over {len(wrapper.device_ids)} devices runs every forward on new replicas "
+                "of the model, whose calls cannot be told apart from the model's own; use "
+                "DistributedDataParallel (one process per device), as torch recommends"
+            )
+
+
 def _drop_code_compiled_without_hooks(model: nn.Module, root: nn.Module) -> None:
     """Make ``torch.compile`` retrace modules that were compiled and run before our hooks.
 
@@ -636,6 +648,7 @@ class Capture:
             raise TypeError(f"Capture watches an nn.Module, got {type(model).__name__}")
         if storage not in _STORAGES:
             raise ValueError(f"Invalid storage: {storage!r}; choose one of {', '.join(map(repr, _STORAGES))}")
+        _refuse_replicating_wrappers(model)
         root = unwrap_model(model)
         self._model = model
         self._root = root

@@ -290,6 +290,15 @@ def test_data_parallel_wrapper_is_unwrapped() -> None:
     assert set(optimizer.log) == {inner[0], inner[2]}
 
 
+def test_data_parallel_over_several_devices_is_refused_by_name() -> None:
+    wrapped = nn.DataParallel(mlp())
+    wrapped.device_ids = [0, 1]  # as on a two-GPU machine: every forward would run on replicas
+    with pytest.raises(ValueError, match=r"nn.DataParallel over 2 devices.*DistributedDataParallel"):
+        InputAwareSGD(wrapped, lr=0.1)
+    with pytest.raises(ValueError, match=r"nn.DataParallel over 2 devices"):
+        Capture(wrapped)
+
+
 def reference_output_grads(model: nn.Module, x: torch.Tensor, modules: list[nn.Module]) -> list[torch.Tensor]:
     """The gradients reaching each module's output, by retain_grad on a plain forward."""
     outputs: list[torch.Tensor] = []

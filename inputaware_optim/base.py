@@ -34,6 +34,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from .capture import Capture, Storage, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
+from .hooks import InputsHook, InputsHookHandle, Reads, StepHooks, When
 from .inputs import Inputs
 from .layers import Layer, bias_of, layer_kind, weight_of, why_no_kind
 from .reduction import Reduction
@@ -511,10 +512,16 @@ class InputAwareOptimizer(Optimizer):
                     hook_args, kwargs = result
             closure, inputs, rest = _split_step_arguments(hook_args[1:], kwargs)
             view = self._resolve_inputs(inputs)
+            hooks = self.__dict__.get("_inputs_hooks")
+            if hooks is not None and hooks.due():
+                closure = hooks.evaluate_closure(closure)  # pre-step hooks see the closure's calls
+                hooks.before_step(self, view)
             self._step_depth += 1
             self._step_inputs = view
             try:
                 out = step(self, closure, inputs=view, **rest)
+                if hooks is not None and hooks.due():
+                    hooks.after_step(self, view)
                 self._optimizer_step_code()
                 for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
                     post_hook(self, hook_args, kwargs)
@@ -526,6 +533,8 @@ class InputAwareOptimizer(Optimizer):
             # Released only once the step succeeded: a step that raised (and changed nothing)
             # keeps its captures, so a retry (say, with more damping) reads the same ones.
             self._release_captures()
+            if hooks is not None:
+                hooks.advance()
             return out
 
     def _resolve_inputs(self, inputs: Any) -> Inputs:
@@ -565,6 +574,28 @@ class InputAwareOptimizer(Optimizer):
             inputs: The inputs to hand to the rule; by default, those captured for this step.
         """
         return _unhooked(self._stock.step)(self, closure)
+
+    def register_inputs_hook(
+        self, hook: InputsHook, *, when: When = "pre", every: int = 1, reads: Reads = "calls"
+    ) -> InputsHookHandle:
+        """Run ``hook`` once per step (every ``every`` steps) with the step's ``Inputs``.
+
+        ``when="pre"``: ``hook(optimizer, inputs)`` before the update (after the closure ran);
+        ``when="post"``: ``hook(optimizer, inputs, updates)`` after it, with ``updates`` the change
+        of each parameter that had a gradient where ``reads`` includes ``"updates"`` (else ``None``).
+        ``reads`` declares what the hook reads, so the capture keeps only that, and only for the
+        steps the hook runs at: ``"calls"`` (raw calls), ``Reduction`` instances (``inputs.reduced``),
+        ``"updates"``, a list of these, or ``None``. It first runs at the next step (registered
+        between a backward and its step, it sees what is read from then on; a raw-calls reader
+        then starts at the step after).
+
+        Returns:
+            A handle whose ``remove()`` takes the hook off and whose ``step`` counts its steps.
+        """
+        hooks = self.__dict__.get("_inputs_hooks")
+        if hooks is None:
+            hooks = self._inputs_hooks = StepHooks(self.capture, self._params)
+        return hooks.register(hook, when=when, every=every, reads=reads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as the stock optimizer does, and drop the captured calls."""

@@ -1,0 +1,215 @@
+"""Input-aware step hooks: ``hook(optimizer, inputs)`` once per step, reading what it declared.
+
+A hook declares what it reads (``reads``): raw calls (``"calls"``), ``Reduction``\\ s, and
+``"updates"`` (a post-step hook then gets each parameter's change). The capture is armed for
+a step only with what the hooks due at that step read: after each step the registry works out
+which hooks run at the next one and turns the capture's reading on or off before that step's
+forward, so on a step that ``every`` skips nothing is kept for the hooks (and with no other
+reader, no module hook is attached at all).
+
+Used by ``InputAwareOptimizer.register_inputs_hook``, and by ``Monitor`` for a plain
+``torch.optim`` optimizer with a ``Capture`` (driven by torch's own step hooks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .capture import Capture
+from .inputs import Inputs
+from .reduction import Reduction
+
+__all__ = ["InputsHook", "InputsHookHandle", "Reads", "When"]
+
+When = Literal["pre", "post"]
+Reads = str | Reduction | Iterable[str | Reduction] | None
+InputsHook = Callable[..., None]
+_WORDS = ("calls", "updates")
+
+
+class InputsHookHandle:
+    """What ``register_inputs_hook`` returns: ``remove()`` takes the hook off.
+
+    Attributes:
+        step: The index of the step the hook runs at now (0 is the first step after it was
+            registered), or of the last one it ran at.
+    """
+
+    def __init__(self, registry: StepHooks, entry: _Entry) -> None:
+        self._registry = registry
+        self._entry = entry
+
+    @property
+    def step(self) -> int:
+        return self._entry.last
+
+    def remove(self) -> None:
+        """Take the hook off; what only it read stops being kept."""
+        self._registry.remove(self._entry)
+
+    def __enter__(self) -> InputsHookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class _Entry:
+    __slots__ = ("calls", "every", "hook", "last", "reductions", "start", "updates", "when")
+
+    def __init__(
+        self, hook: InputsHook, when: When, every: int, calls: bool, updates: bool, reductions: tuple[Reduction, ...]
+    ) -> None:
+        self.hook, self.when, self.every = hook, when, every
+        self.calls, self.updates, self.reductions = calls, updates, reductions
+        self.start = 0  # the registry step of its first run
+        self.last = -1
+
+    def due(self, step: int) -> bool:
+        return step >= self.start and (step - self.start) % self.every == 0
+
+
+def parse_reads(reads: Reads) -> tuple[bool, bool, tuple[Reduction, ...]]:
+    """``(calls, updates, reductions)`` from a ``reads`` declaration.
+
+    Raises:
+        TypeError: If an item is neither ``"calls"``, ``"updates"`` nor a ``Reduction``.
+    """
+    if reads is None:
+        items: list[Any] = []
+    elif isinstance(reads, (str, Reduction)):
+        items = [reads]
+    else:
+        items = list(reads)
+    reductions: list[Reduction] = []
+    for item in items:
+        if isinstance(item, Reduction):
+            reductions.append(item)
+        elif item not in _WORDS:
+            raise TypeError(f"reads= takes 'calls', 'updates', Reduction instances or a list of them, got {item!r}")
+    return "calls" in items, "updates" in items, tuple(dict.fromkeys(reductions))
+
+
+class StepHooks:
+    """The input-aware step hooks of one optimizer, and the step counter they are due by.
+
+    The owner calls ``before_step`` once the step's inputs are known, ``after_step`` once the
+    update is done, and ``advance`` once the captures of the step are released.
+    """
+
+    def __init__(self, capture: Capture, params: Callable[[], list[Tensor]]) -> None:
+        self.capture = capture
+        self.step = 0  # index of the coming step
+        self._params = params
+        self._entries: list[_Entry] = []
+        self._added: set[Reduction] = set()  # reductions we put on the capture
+        self._calls_on = False  # whether we turned the capture's raw calls on
+        self._before: dict[Tensor, Tensor] | None = None
+
+    # -- registration -------------------------------------------------------------------
+    def register(
+        self, hook: InputsHook, when: When = "pre", every: int = 1, reads: Reads = "calls"
+    ) -> InputsHookHandle:
+        """Add ``hook``; see ``InputAwareOptimizer.register_inputs_hook``."""
+        if not callable(hook):
+            raise TypeError(
+                f"register_inputs_hook expects a callable hook(optimizer, inputs), got {type(hook).__name__}"
+            )
+        if when not in ("pre", "post"):
+            raise ValueError(f"Invalid when: {when!r}; choose 'pre' (before the update) or 'post' (after it)")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Invalid every: {every!r}; it must be a positive integer")
+        calls, updates, reductions = parse_reads(reads)
+        if updates and when == "pre":
+            raise ValueError("reads='updates' is for a hook with when='post': before the update nothing changed yet")
+        entry = _Entry(hook, when, every, calls, updates, reductions)
+        # Raw calls cannot be turned on while the capture holds a step's statistics (it would drop
+        # them): such a hook then starts at the next step.
+        entry.start = self.step + (1 if calls and not self.capture.keep_calls and self._holding() else 0)
+        self._entries.append(entry)
+        self._arm(releasing=False)
+        return InputsHookHandle(self, entry)
+
+    def remove(self, entry: _Entry) -> None:
+        if entry in self._entries:
+            self._entries.remove(entry)
+            self._arm(releasing=False)
+
+    def _holding(self) -> bool:
+        """Whether the capture holds something for the coming step (turning raw calls on would drop it)."""
+        log = self.capture._log
+        return any(key.holds() for keys in log.keys_of.values() for key in keys)
+
+    def _arm(self, releasing: bool) -> None:
+        """Make the capture read what the hooks due at the coming step read, and nothing more.
+
+        Raw calls are turned on or off only between steps (``releasing``) or when the capture holds
+        nothing: toggling them drops what it holds."""
+        due = [e for e in self._entries if e.due(self.step)]
+        wanted = {r for e in due for r in e.reductions}
+        capture = self.capture
+        for reduction in [r for r in self._added if r not in wanted]:
+            capture.remove_reduction(reduction)
+            self._added.discard(reduction)
+        for reduction in wanted:
+            if reduction not in capture.reductions:
+                capture.add_reduction(reduction)
+                self._added.add(reduction)
+        calls = any(e.calls for e in due)
+        if calls and not capture.keep_calls and (releasing or not self._holding()):
+            capture.keep_calls = True
+            self._calls_on = True
+        elif not calls and self._calls_on and releasing:
+            capture.keep_calls = False
+            self._calls_on = False
+
+    # -- the step -----------------------------------------------------------------------
+    def due(self) -> bool:
+        """Whether any hook runs at the coming step."""
+        return any(e.due(self.step) for e in self._entries)
+
+    def before_step(self, optimizer: Any, inputs: Inputs) -> None:
+        """Run the pre-step hooks due now; keep the parameters if a post-step hook reads updates."""
+        due = [e for e in self._entries if e.due(self.step)]
+        for entry in due:
+            entry.last = self.step - entry.start
+            if entry.when == "pre":
+                entry.hook(optimizer, inputs)
+        if any(e.updates for e in due if e.when == "post"):
+            with torch.no_grad():
+                self._before = {p: p.detach().clone() for p in self._params() if p.grad is not None}
+
+    def after_step(self, optimizer: Any, inputs: Inputs) -> None:
+        """Run the post-step hooks due now, with each parameter's change where they read updates."""
+        due = [e for e in self._entries if e.due(self.step) and e.when == "post"]
+        if not due:
+            return
+        updates: dict[Tensor, Tensor] | None = None
+        before, self._before = self._before, None
+        if before is not None:
+            with torch.no_grad():
+                params = list(before)
+                changes = list(before.values())
+                torch._foreach_sub_(changes, params)  # before - after, in place: no second copy
+                torch._foreach_neg_(changes)
+                updates = dict(zip(params, changes, strict=True))
+        for entry in due:
+            entry.hook(optimizer, inputs, updates if entry.updates else None)
+
+    def advance(self) -> None:
+        """The step is done and its captures released: count it and arm the capture for the next."""
+        self._before = None
+        self.step += 1
+        self._arm(releasing=True)
+
+    def evaluate_closure(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
+        """Run the closure now, so pre-step hooks see its calls; the step gets one that returns its loss."""
+        if closure is None or not any(e.when == "pre" for e in self._entries if e.due(self.step)):
+            return closure
+        with torch.enable_grad():
+            loss = closure()
+        return lambda: loss

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.utils import parametrize
+from torch.utils._pytree import tree_flatten
 
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
 from .distributed import all_reduce_sum_
 from .inputs import Call, Inputs
-from .layers import GENERIC, IndexedRows, Materialized, MatrixRows, PerSample, _batch_of, layer_kind
+from .layers import GENERIC, IndexedRows, Materialized, MatrixRows, PerSample, layer_kind
 from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
 
@@ -34,22 +37,29 @@ _DOC = r"""
     the optimizer, :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier``
     (with ``loss_reduction="sum"`` the division by :math:`B` is left out, as the loss was a sum).
     Per-sample gradients come from each captured call's inputs and output gradients:
-    closed forms for ``nn.Linear`` and ``nn.Conv2d`` (the ghost norm, which never forms a
-    batch × parameters tensor, including for sequence inputs), ``nn.Embedding``, and
+    closed forms for ``nn.Linear``, Hugging Face's ``Conv1D`` and ``nn.Conv1d/2d/3d`` (grouped
+    too: the ghost norm, which never forms a batch × parameters tensor, including for sequence
+    inputs), ``nn.Embedding`` and ``nn.EmbeddingBag`` (offsets and per-sample weights), and
     ``torch.func``'s ``vmap(grad)`` over the module's forward for any other layer.
     The noise comes from ``generator`` (default: a generator seeded from torch's global
     RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
 
-    Micro-batches (gradient accumulation) are separate samples of one step; each module
-    must be called once per micro-batch. Under ``DistributedDataParallel`` each rank clips
-    its own samples, the clipped sums are added across ranks, the noise is drawn once (on
-    rank 0) and the result divided by the global batch, so every replica applies the same
-    update. Layers that mix samples (``BatchNorm``) are refused.
+    Every layer's input must carry the batch along ``batch_dim`` (0, or 1 for sequence-first
+    tensors ``(T, B, ...)``, as Opacus's ``batch_first=False``). Each forward's sample count is
+    checked against the model's own tensor arguments: a layer that sees the batch along another
+    dimension (which would clip per time step, not per sample) is refused at the step. Recurrent
+    layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), parametrized weights (weight or spectral norm)
+    and BatchNorm are refused at construction, by name.
 
-    Privacy accounting (the :math:`(\varepsilon, \delta)` a run spends) is out of scope: use
-    an accountant (for example Opacus's RDP accountant) with this ``noise_multiplier``, the
-    sampling rate and the number of steps. The guarantee also assumes how batches are drawn
-    (Poisson sampling in the analysis); fixed-size shuffled batches are the usual approximation.
+    Micro-batches (gradient accumulation) are separate samples of one step. Under
+    ``DistributedDataParallel`` each rank clips its own samples, the clipped sums are added
+    across ranks, the noise is drawn once (on rank 0) and the result divided by the global
+    batch, so every replica applies the same update.
+
+    Given ``sample_rate`` (each sample's probability of being in a batch), ``epsilon(delta)``
+    reports the :math:`\varepsilon` spent by the steps taken so far, from Opacus's own accountant
+    (``opacus`` must be installed). The guarantee assumes Poisson sampling (Opacus's
+    ``DPDataLoader``); fixed-size shuffled batches are the usual approximation.
 
     Args:
         model: The model.
@@ -57,6 +67,11 @@ _DOC = r"""
         max_grad_norm: :math:`C`, the L2 bound on each sample's gradient (> 0).
         noise_multiplier: :math:`\sigma` (>= 0; 0 turns the noise off).
         loss_reduction: ``"mean"`` (the loss averaged over the batch) or ``"sum"``.
+        expected_batch_size: The samples per step the loss is a mean over, and the divisor of
+            the noised sum (needed under gradient accumulation; under Poisson sampling, the
+            sampling rate times the dataset size).
+        batch_dim: The dimension of every layer's input that holds the samples (0 or 1).
+        sample_rate: The probability of each sample being in a batch, for ``epsilon`` (or None).
         generator: The ``torch.Generator`` the noise is drawn from.
         params: Parameters or param groups of ``model`` (default: all that require grad).
     """
@@ -77,6 +92,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         *,
         loss_reduction: str = "mean",
         expected_batch_size: int | None = None,
+        batch_dim: int = 0,
+        sample_rate: float | None = None,
         generator: torch.Generator | None = None,
         params: Any = None,
         **kwargs: Any,
@@ -88,10 +105,54 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise ValueError(f"Invalid expected_batch_size: {expected_batch_size!r} (must be None or an integer >= 1)")
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"Invalid generator: {generator!r} (must be a torch.Generator, or None)")
+        if batch_dim not in (0, 1) or isinstance(batch_dim, bool):
+            raise ValueError(f"Invalid batch_dim: {batch_dim!r} (must be 0, or 1 for sequence-first inputs)")
+        if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
+            raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
         self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
         self._expected_batch_size = expected_batch_size
+        self._batch_dim = batch_dim
+        self._sample_rate = sample_rate
+        self._privacy_steps = 0
         self._generator = generator or _seeded_generator()
         super().__init__(model, params, lr=lr, **kwargs)
+        self._root_batches = _RootBatches(self.capture._log, batch_dim)
+        handle = unwrap_model(model).register_forward_pre_hook(self._root_batches, with_kwargs=True)
+        weakref.finalize(self, handle.remove)
+        self._clipped.root_batches = self._root_batches
+
+    def epsilon(self, delta: float, accountant: str = "prv") -> float:
+        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant.
+
+        Args:
+            delta: The target :math:`\delta` (in (0, 1)).
+            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"``.
+
+        Raises:
+            ValueError: If no ``sample_rate`` was given, or param groups differ in noise.
+            ImportError: If ``opacus`` is not installed.
+        """
+        if self._sample_rate is None:
+            raise ValueError(
+                f"{type(self).__name__}.epsilon needs the sampling rate: construct it with "
+                "sample_rate=<batch size / dataset size> (the probability of a sample being in a batch)"
+            )
+        if not 0.0 < delta < 1.0:
+            raise ValueError(f"Invalid delta: {delta!r} (must be in (0, 1))")
+        try:
+            from opacus.accountants import create_accountant
+        except ImportError as error:
+            raise ImportError(
+                "privacy accounting uses Opacus's accountants: pip install opacus (the 'bench' extra has it)"
+            ) from error
+        sigma = float(self.param_groups[0]["noise_multiplier"])
+        if self._privacy_steps == 0:
+            return 0.0
+        if sigma == 0.0:
+            return math.inf
+        counter = create_accountant(mechanism=accountant)
+        counter.history = [(sigma, self._sample_rate, self._privacy_steps)]
+        return float(counter.get_epsilon(delta=delta))
 
     def state_dict(self) -> dict[str, Any]:
         """The stock state dict, and the noise generator's state: a resumed run draws the noise
@@ -99,14 +160,17 @@ class _PerSampleClipping(InputAwareOptimizer):
         updates are differenced)."""
         state = super().state_dict()
         state["noise_generator"] = self._generator.get_state()
+        state["privacy_steps"] = self._privacy_steps
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; the noise generator resumes where it was when saved (if it was saved)."""
         generator_state = state_dict.get("noise_generator")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "noise_generator"})
+        own = ("noise_generator", "privacy_steps")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in own})
         if generator_state is not None:
             self._generator.set_state(generator_state)
+        self._privacy_steps = int(state_dict.get("privacy_steps", self._privacy_steps))
 
     def _check_param_groups(self) -> None:
         clip, sigma, reduction = self._privacy
@@ -125,6 +189,40 @@ class _PerSampleClipping(InputAwareOptimizer):
                     f"{type(self).__name__} cannot clip per-sample gradients through {type(module).__name__} "
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
+        self._refuse_unsupported_layers()
+
+    def _refuse_unsupported_layers(self) -> None:
+        """Raise, naming the module, for layers whose per-sample gradients cannot be computed here."""
+        trained = {p for p in self._params() if p.requires_grad}
+        name = type(self).__name__
+        for qualified, module in unwrap_model(self._model).named_modules():
+            own = [n for n, p in module._parameters.items() if p is not None and p in trained]
+            where = f"{qualified or 'the model'} ({type(module).__name__})"
+            if isinstance(module, nn.RNNBase) and own:
+                raise ValueError(
+                    f"{name} cannot compute per-sample gradients of {where}: torch.func has no per-sample rule "
+                    "for its fused recurrent kernel. Use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in "
+                    "replacements built from linear layers, exact here), or write the recurrence with "
+                    "nn.LSTMCell / nn.GRUCell / nn.Linear"
+                )
+            if parametrize.is_parametrized(module) and any(p in trained for p in module.parameters()):
+                raise ValueError(
+                    f"{name} cannot compute per-sample gradients of {where}: its "
+                    f"{', '.join(module.parametrizations)} is computed by a parametrization (weight_norm or "
+                    "spectral_norm from torch.nn.utils.parametrizations) called without the batch, so its "
+                    "trained tensors get no per-sample gradient. Remove it before training with DP "
+                    "(torch.nn.utils.parametrize.remove_parametrizations), or normalize activations instead "
+                    "(LayerNorm, GroupNorm)"
+                )
+            unknown = [n for n in own if n not in ("weight", "bias")]
+            if layer_kind(module) is not None and unknown:
+                raise ValueError(
+                    f"{name} cannot compute per-sample gradients of {where}: its parameters "
+                    f"{', '.join(unknown)} are not the weight and bias its layer is computed with (the "
+                    "torch.nn.utils.weight_norm / spectral_norm hooks derive the weight from them in a forward "
+                    "pre-hook). Remove the hook (torch.nn.utils.remove_weight_norm / remove_spectral_norm) "
+                    "before training with DP"
+                )
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
         if module is None:
@@ -136,7 +234,9 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _build_reductions(self) -> dict[str, Reduction]:
         clip, _, reduction = self._privacy
         trained = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
-        return {"_clipped": ClippedSums(self.capture, trained, clip, reduction, self._expected_batch_size)}
+        clipped = ClippedSums(self.capture, trained, clip, reduction, self._expected_batch_size, self._batch_dim)
+        clipped.root_batches = self.__dict__.get("_root_batches")
+        return {"_clipped": clipped}
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
@@ -159,6 +259,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             else:
                 param.grad.copy_(grad)
         super().step(inputs=inputs)
+        self._privacy_steps += 1
         return loss
 
     def _private_gradients(self, inputs: Inputs) -> dict[Tensor, Tensor]:
@@ -219,9 +320,16 @@ class ClippedSums(Reduction):
     grad_outputs = True
 
     def __init__(
-        self, capture: Any, trained: set[Tensor], clip: float, reduction: str, expected_batch_size: int | None
+        self,
+        capture: Any,
+        trained: set[Tensor],
+        clip: float,
+        reduction: str,
+        expected_batch_size: int | None,
+        batch_dim: int = 0,
     ) -> None:
-        self.clip, self.reduction, self.expected = clip, reduction, expected_batch_size
+        self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
+        self.root_batches: _RootBatches | None = None
         self.name = capture.name
         self.names: dict[nn.Module, list[str]] = {}  # parameters only this module owns
         self.shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules own
@@ -251,8 +359,12 @@ class ClippedSums(Reduction):
     def finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
         by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
         for _, call in entries:
+            call = _batch_first(call, self.batch_dim)
             by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
         samples = {f: _samples(calls, self.name) for f, calls in by_forward.items()}
+        if self.root_batches is not None:
+            for forward, count in samples.items():
+                self.root_batches.check(forward, count, by_forward[forward], self.name)
         scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         out: dict[Tensor, Any] = {}
         for calls in by_forward.values():
@@ -333,7 +445,7 @@ def _names(per: MatrixRows) -> list[str]:
 
 def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
     """The batch size of one forward, which every call in it must share."""
-    sizes = {m: {_batch_of(c) for c in cs} for m, cs in calls.items()}
+    sizes = {m: {(layer_kind(m) or GENERIC).samples(m, c) for c in cs} for m, cs in calls.items()}
     found = set().union(*sizes.values())
     if len(found) == 1:
         return found.pop()
@@ -348,6 +460,58 @@ def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
         )
     described = {names(m): sorted(s) for m, s in sizes.items()}
     raise RuntimeError(f"the calls of one forward disagree on its batch size: {described}. No parameter was changed")
+
+
+def _batch_first(call: Call, batch_dim: int) -> Call:
+    """``call`` with the batch dimension of every tensor argument and output gradient moved to the front."""
+    if batch_dim == 0:
+        return call
+
+    def moved(x: Any) -> Any:
+        return x.movedim(batch_dim, 0) if isinstance(x, Tensor) and x.dim() > batch_dim else x
+
+    args = tuple(moved(a) for a in call.args)
+    kwargs = {k: moved(v) for k, v in call.kwargs.items()}
+    grads = call.grad_outputs
+    slot = None if grads is None else [moved(g) for g in grads]
+    return Call(call.module, args, kwargs, slot, call.forward)
+
+
+class _RootBatches:
+    """A forward pre-hook on the root model: the sizes along ``batch_dim`` of its tensor arguments,
+    by forward number, so that each forward's sample count can be checked against them."""
+
+    _KEEP = 256  # forwards remembered (a step reads the last few)
+
+    def __init__(self, log: Any, batch_dim: int) -> None:
+        self.log, self.batch_dim = log, batch_dim
+        self.sizes: dict[int, set[int]] = {}
+        self.root: nn.Module | None = None
+
+    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self.root = module
+        leaves = tree_flatten((args, kwargs))[0]
+        self.sizes[self.log.forwards] = {
+            int(t.shape[self.batch_dim]) for t in leaves if isinstance(t, Tensor) and t.dim() > self.batch_dim
+        }
+        while len(self.sizes) > self._KEEP:
+            del self.sizes[next(iter(self.sizes))]
+
+    def check(self, forward: Any, samples: int, calls: dict[nn.Module, list[Call]], names: Any) -> None:
+        sizes = self.sizes.get(forward)
+        if not sizes or samples in sizes or any(m is self.root for m in calls):
+            return  # agrees, or the model is itself a layer whose call says what its samples are
+        layers = ", ".join(names(m) for m in list(calls)[:3])
+        raise RuntimeError(
+            f"the layers called in one forward ({layers}, ...) hold {samples} samples along dim {self.batch_dim}, "
+            f"but no tensor argument of the model has {samples} along dim {self.batch_dim} (it has "
+            f"{sorted(sizes)}): a layer sees the batch along another dimension. Sequence-first tensors "
+            "(T, B, ...), the default of nn.LSTM, nn.Transformer and nn.MultiheadAttention, would be clipped per "
+            "time step instead of per sample, which breaks the privacy bound. Pass batch_dim=1 if every layer "
+            "gets (T, B, ...), or keep the batch first throughout (batch_first=True). No parameter was changed"
+        )
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:

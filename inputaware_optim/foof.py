@@ -19,14 +19,14 @@ class InputSecondMoment(FactorSums):
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
-        return {"input": (rows.T @ rows, rows.new_tensor(float(rows.shape[0])))}
+        return {"input": (rows.mT @ rows, rows.new_tensor(float(rows.shape[-2])))}  # per block if grouped
 
 
 class FOOF(KroneckerRule):
     r"""FOOF (Benzing 2022): gradient descent on neurons, a one-sided Kronecker preconditioner.
 
     ``FOOF(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
-    params=None, **sgd_kwargs)``
+    max_dim=None, distributed_inversion=False, params=None, **sgd_kwargs)``
 
     For each ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``, through its unfolded input
     patches, as K-FAC does), with :math:`\tilde x` the input with a constant 1 appended when
@@ -42,7 +42,9 @@ class FOOF(KroneckerRule):
     dimensions flattened; so ``k`` micro-batches give the statistics of their concatenation).
     The inverse (Cholesky, in float64) is refreshed every ``update_every`` steps. Then the
     SGD momentum update runs with torch's kernel; parameters of other modules take it as
-    is. Under data parallelism :math:`A_t` is averaged over the data-parallel ranks.
+    is. Under data parallelism :math:`A_t` is averaged over the data-parallel ranks. Under
+    FSDP2 each rank preconditions the rows of :math:`\tilde G` it holds (the update acts on
+    each row alone), so only :math:`A_t` is communicated, never a weight or a gradient.
 
     State per preconditioned weight: ``input_second_moment`` (:math:`\bar A`), ``input_inverse``
     (:math:`(\bar A + \lambda I)^{-1}`) and ``statistics_steps``.
@@ -56,6 +58,9 @@ class FOOF(KroneckerRule):
             values much smaller let rarely excited directions take very large steps.
         stat_decay: :math:`\beta`, the decay of the running second moment, in [0, 1).
         update_every: Refresh the inverse every this many steps (>= 1).
+        max_dim: Leave layers whose factor is larger than this to plain SGD (None: no limit).
+        distributed_inversion: Under data parallelism, invert each layer's factor on one rank
+            and broadcast it (instead of every rank inverting every factor).
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument (``weight_decay``, ``nesterov``, ...)
             and ``storage``.
@@ -67,6 +72,7 @@ class FOOF(KroneckerRule):
 
     factors = ("input",)
     statistics = InputSecondMoment
+    acts_on_rows = True
 
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
         return matrix @ inverses["input"].to(matrix.dtype)

@@ -25,20 +25,20 @@ class KroneckerFactors(FactorSums):
         entry = Captured([call])
         rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
         batch = float(layer.kind.batch_size(call.module, entry))
-        return (rows.T @ rows, rows.new_tensor(float(rows.shape[0]))), batch
+        return (rows.mT @ rows, rows.new_tensor(float(rows.shape[-2]))), batch  # per block if grouped
 
     def backward(self, call: Call, kept: Any) -> Any:
         layer = self.layers[call.module]
         (input_sum, rows), batch = kept
         grads = layer.kind.output_grad_rows(call.module, Captured([call]))
-        return {"input": (input_sum, rows), "output_grad": (grads.T @ grads, grads.new_tensor(batch))}
+        return {"input": (input_sum, rows), "output_grad": (grads.mT @ grads, grads.new_tensor(batch))}
 
 
 class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
     ``KFAC(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
-    batch_averaged=True, params=None, **sgd_kwargs)``
+    batch_averaged=True, max_dim=None, distributed_inversion=False, params=None, **sgd_kwargs)``
 
     For each ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``), with :math:`\tilde x` the input
     rows (a 1 appended when the bias is trained), :math:`g` the gradient that reached the
@@ -56,7 +56,10 @@ class KFAC(KroneckerRule):
     factors keep running averages (:math:`\bar A, \bar G`, decay ``stat_decay``; the first step
     takes its own) whose damped inverses are refreshed every ``update_every`` steps (Cholesky,
     float64). Then the SGD momentum update runs, with torch's kernel. Micro-batches combine
-    as their concatenation; under data parallelism both factors combine over the ranks.
+    as their concatenation; under data parallelism both factors combine over the ranks. Under
+    FSDP2 the output-side factor mixes the rows of :math:`\tilde G`, so each layer's gradient
+    is gathered (one layer at a time: an all-gather of its weight's and bias's gradients) and
+    each rank keeps its own rows of the preconditioned gradient.
 
     Output gradients are captured for the supported layers (``capture_grad_outputs``).
     State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
@@ -70,6 +73,9 @@ class KFAC(KroneckerRule):
             adaptive trust region (KL clipping), small values let the update blow up.
         stat_decay: Decay of the running factors, in [0, 1).
         update_every: Refresh the inverses every this many steps (>= 1).
+        max_dim: Leave layers with a factor larger than this to plain SGD (None: no limit).
+        distributed_inversion: Under data parallelism, invert each factor on one rank and
+            broadcast it (instead of every rank inverting every factor).
         batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
@@ -112,3 +118,6 @@ class KFAC(KroneckerRule):
 
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
         return inverses["output_grad"].to(matrix.dtype) @ matrix @ inverses["input"].to(matrix.dtype)
+
+    def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
+        return inverses["output_grad"][rows].to(matrix.dtype) @ matrix @ inverses["input"].to(matrix.dtype)

@@ -14,17 +14,28 @@ step only the factor sums are held, never an input.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 
 from .base import evaluate_closure
-from .distributed import all_reduce_sum_
+from .capture import unwrap_model
+from .distributed import (
+    all_reduce_sum_,
+    computed_once,
+    full_matrix_rows,
+    local_matrix_rows,
+    row_range,
+    row_sharding_problem,
+    set_local_matrix_rows,
+    sharded,
+)
 from .inputs import Inputs
-from .layers import Layer, bias_of, weight_of
+from .layers import Layer, bias_of, explained, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
@@ -55,11 +66,22 @@ class KroneckerRule(InputAwareSGD):
 
     State per preconditioned weight: ``<factor>_second_moment`` (running average),
     ``<factor>_inverse`` (damped inverse) for each factor, and ``statistics_steps``.
+
+    Data parallelism: the factor sums are summed over the ranks (one all-reduce per step), so
+    every rank holds the same factors. With ``distributed_inversion=True`` each factor due for
+    inversion is inverted on one rank (the costliest first, each to the least loaded rank) and
+    broadcast, so the inversion time per rank falls as ranks are added; the inverses are the
+    bits every rank would have computed. Under FSDP2 (weights sharded on their rows), a rule
+    that preconditions each row of ``G̃`` alone (``acts_on_rows``) updates the rows this rank
+    holds; another gathers one layer's gradient at a time and keeps its own rows of the result.
     """
 
     reads_capability = "input_rows"
     reads_calls = False
     factors: tuple[str, ...] = ()
+    # Whether ``_precondition`` maps each row of G̃ by itself (G̃ A⁻¹): then a rank holding some
+    # of the rows (FSDP2) preconditions them without the others.
+    acts_on_rows: ClassVar[bool] = False
     _statistics: FactorSums
 
     def __init__(
@@ -72,6 +94,7 @@ class KroneckerRule(InputAwareSGD):
         update_every: int = 10,
         *,
         max_dim: int | None = None,
+        distributed_inversion: bool = False,
         params: Any = None,
         **sgd_kwargs: Any,
     ) -> None:
@@ -81,7 +104,10 @@ class KroneckerRule(InputAwareSGD):
         integral = isinstance(max_dim, numbers.Integral) and not isinstance(max_dim, bool)
         if max_dim is not None and (not integral or max_dim < 1):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
+        if not isinstance(distributed_inversion, bool):
+            raise ValueError(f"Invalid distributed_inversion: {distributed_inversion!r} (must be True or False)")
         self._max_dim = max_dim
+        self._distributed_inversion = distributed_inversion
         self._rule_defaults = {"damping": damping, "stat_decay": stat_decay, "update_every": update_every}
         super().__init__(model, params, lr=lr, momentum=momentum, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)")
@@ -103,19 +129,47 @@ class KroneckerRule(InputAwareSGD):
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
         layers = self._layers("input_rows")
-        return self._layer_treatment(param, module, layers, "input_rows", f"{type(self).__name__}: Kronecker")
+        what, reason, fallback = self._layer_treatment(
+            param, module, layers, "input_rows", f"{type(self).__name__}: Kronecker"
+        )
+        return what, explained(module, reason), fallback
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)
         for group in self.param_groups:
             _check_hyperparameters(group["damping"], group["stat_decay"], group["update_every"])
-        self._refuse_sharded_parameters("its preconditioner needs whole weight matrices")
+        self._check_sharded_layers()
+
+    def _check_sharded_layers(self) -> None:
+        """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""
+        from .layers import ConvKind, LinearKind, layer_kind
+
+        names = {m: n for n, m in unwrap_model(self._model).named_modules()}
+        for module in self._modules_to_capture(self._params()):
+            weight, bias = weight_of(module), bias_of(module)
+            if not any(sharded(t) for t in (weight, bias) if t is not None):
+                continue
+            problem = row_sharding_problem(weight, bias)
+            if problem is None and (
+                type(layer_kind(module)) not in (LinearKind, ConvKind) or getattr(module, "groups", 1) != 1
+            ):
+                problem = "only nn.Linear and nn.Conv1d/2d/3d (groups=1) have gradient matrices sharded by rows"
+            if problem is not None:
+                raise NotImplementedError(
+                    f"{type(self).__name__} cannot precondition {names.get(module) or type(module).__name__} "
+                    f"({type(module).__name__}) under FSDP2: {problem}. Shard it with fully_shard's default "
+                    "placement (Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
+                )
 
     # -- what subclasses provide ----------------------------------------------------------
     statistics: type[FactorSums] = FactorSums
 
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
         raise NotImplementedError
+
+    def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
+        """Rows ``rows`` of the preconditioned ``matrix`` (all of ``G̃``); default: all of it, sliced."""
+        return self._precondition(layer, matrix, inverses)[rows]
 
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         """This rank's factor sums of the step, before they are summed over ranks (default: as reduced)."""
@@ -138,15 +192,30 @@ class KroneckerRule(InputAwareSGD):
         sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
         updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
-        for layer, (state, moments, inverses) in zip(layers, updates, strict=True):
+        self._invert_due(layers, updates)
+        for layer, (state, moments, inverses, _) in zip(layers, updates, strict=True):
             for factor in self.factors:
                 state[f"{factor}_second_moment"] = moments[factor]
                 state[f"{factor}_inverse"] = inverses[factor]
             state["statistics_steps"] = state.get("statistics_steps", 0) + 1
-            matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
-            layer.kind.set_grad_matrix(layer.module, self._precondition(layer, matrix, inverses), layer.homogeneous)
+            self._set_preconditioned(layer, inverses)
         super().step(inputs=inputs)
         return loss
+
+    def _set_preconditioned(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
+        """Replace the layer's gradient by the preconditioned one (under FSDP2, this rank's rows of it)."""
+        module = layer.module
+        weight, bias = weight_of(module), bias_of(module)
+        if not sharded(weight):
+            matrix = layer.kind.grad_matrix(module, layer.homogeneous)
+            layer.kind.set_grad_matrix(module, self._precondition(layer, matrix, inverses), layer.homogeneous)
+            return
+        if self.acts_on_rows:  # this rank's rows need nothing from the others
+            new = self._precondition(layer, local_matrix_rows(weight, bias, layer.homogeneous), inverses)
+        else:  # rows mix: gather this layer's gradient, keep this rank's rows of the result
+            full = full_matrix_rows(weight, bias, layer.homogeneous)
+            new = self._precondition_rows(layer, full, inverses, row_range(weight))
+        set_local_matrix_rows(weight, bias, new, layer.homogeneous)
 
     def _step_statistics(self, inputs: Inputs) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
         """This step's factor sums for every layer with gradients and captured calls, summed over ranks."""
@@ -170,11 +239,12 @@ class KroneckerRule(InputAwareSGD):
 
     def _refreshed(
         self, layer: Layer, factor_sums: dict[str, tuple[Tensor, Tensor]]
-    ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor]]:
+    ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor], list[str]]:
+        """The layer's state, its new running moments, its kept inverses, and the factors due for inversion."""
         state = self.state[weight_of(layer.module)]
         group = layer.group
         refresh = state.get("statistics_steps", 0) % group["update_every"] == 0
-        moments, inverses = {}, {}
+        moments, inverses, due = {}, {}, []
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator.div_(denominator)  # this step's copies are ours to overwrite
             previous = state.get(f"{factor}_second_moment")
@@ -184,10 +254,29 @@ class KroneckerRule(InputAwareSGD):
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             inverse = state.get(f"{factor}_inverse")
             if inverse is None or refresh:
+                due.append(factor)
+            else:
+                inverses[factor] = inverse
+            moments[factor] = moment
+        return state, moments, inverses, due
+
+    def _invert_due(
+        self, layers: list[Layer], updates: list[tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor], list[str]]]
+    ) -> None:
+        """Fill in the inverses due this step: each on one rank and broadcast (``distributed_inversion``),
+        or every one here."""
+        jobs, likes, costs, slots = [], [], [], []
+        for layer, (_, moments, inverses, due) in zip(layers, updates, strict=True):
+            for factor in due:
+                moment = moments[factor]
                 name = f"{self.capture.name(layer.module)} ({factor})"
-                inverse = damped_inverse(moment, self._damping(group, factor), name)
-            moments[factor], inverses[factor] = moment, inverse
-        return state, moments, inverses
+                jobs.append(functools.partial(damped_inverse, moment, self._damping(layer.group, factor), name))
+                likes.append(moment)
+                costs.append(float(moment.numel() * moment.shape[-1]))  # Cholesky and inverse: ~ n³ per block
+                slots.append((inverses, factor))
+        group = self.data_parallel_group if self._distributed_inversion else None
+        for (inverses, factor), inverse in zip(slots, computed_once(jobs, likes, costs, group), strict=True):
+            inverses[factor] = inverse
 
 
 def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
@@ -196,9 +285,9 @@ def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).
     """
-    damped = matrix.double() + damping * torch.eye(matrix.shape[0], dtype=torch.float64, device=matrix.device)
+    damped = matrix.double() + damping * torch.eye(matrix.shape[-1], dtype=torch.float64, device=matrix.device)
     factor, info = torch.linalg.cholesky_ex(damped)
-    if info.item() != 0:
+    if bool(info.any()):  # one matrix, or one per block (a grouped convolution)
         if not torch.isfinite(matrix).all():
             raise RuntimeError(
                 f"the statistics of {name} are not finite: training has diverged (NaN or inf activations "

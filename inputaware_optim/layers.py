@@ -82,6 +82,14 @@ def why_no_kind(module: nn.Module) -> str:
     return kind.unsupported(module)
 
 
+def explained(module: nn.Module | None, reason: str | None) -> str | None:
+    """``reason``, or the registry's own explanation where ``module``'s registered kind declines it
+    (say, ``nn.MultiheadAttention``'s ``in_proj_weight``, which is not a ``weight``)."""
+    if reason is None or module is None or layer_kind(module) is not None or registered_base(module) is None:
+        return reason
+    return why_no_kind(module)
+
+
 class LayerKind:
     """How one layer type presents its calls and gradients to rules.
 
@@ -96,10 +104,22 @@ class LayerKind:
         """Why this module's configuration is not handled (when ``supports`` is False)."""
         return f"this configuration of {type(module).__name__} is not supported"
 
+    def blocks(self, module: nn.Module) -> int:
+        """How many independent blocks ``W̃`` has (a grouped convolution: its ``groups``; else 1).
+
+        With ``k > 1`` blocks, ``W̃`` is block diagonal: block ``j`` maps the ``j``-th slice of the
+        inputs to the ``j``-th slice of the outputs. The Kronecker view then carries a leading
+        block dimension: input rows ``(k, samples, in/k [+1])``, output-gradient rows
+        ``(k, samples, out/k)`` and ``grad_matrix`` ``(k, out/k, in/k [+1])``, so every factor is
+        one per block.
+        """
+        return 1
+
     def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
-        """The shape of ``W̃``: ``(out_features, in_features [+1])`` (the sizes of K-FAC's factors)."""
+        """The shape of ``W̃`` (of one block): ``(out_features, in_features [+1])``, the sizes of K-FAC's factors."""
         weight = weight_of(module)
-        return int(weight.shape[0]), int(weight[0].numel()) + int(homogeneous)
+        blocks = self.blocks(module)
+        return int(weight.shape[0]) // blocks, int(weight[0].numel()) + int(homogeneous)
 
     def provides(self, capability: str) -> bool:
         """Whether this kind implements ``capability`` (a method name of ``LayerKind``)."""
@@ -107,7 +127,8 @@ class LayerKind:
 
     # -- Kronecker-factored view -----------------------------------------------------------
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        """The inputs as rows (float32 or wider) ``(samples, in_features [+1])``, over every call."""
+        """The inputs as rows (float32 or wider) ``(samples, in_features [+1])``, over every call
+        (with a leading block dimension when ``blocks(module) > 1``)."""
         raise NotImplementedError(f"{type(module).__name__} has no input rows")
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
@@ -132,6 +153,10 @@ class LayerKind:
         raise NotImplementedError(f"{type(module).__name__} has no rows to touch")
 
     # -- per-sample gradients ------------------------------------------------------------------
+    def samples(self, module: nn.Module, call: Call) -> int:
+        """How many samples one call holds (default: the leading dimension of its first tensor argument)."""
+        return _batch_of(call)
+
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         """Each sample's gradient of the parameters ``names`` (direct parameters of ``module``) from
         one call: its share of the gradient of the loss that was backpropagated.
@@ -317,18 +342,17 @@ class LinearKind(_MatrixPerSample):
 
 @register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvKind(_MatrixPerSample):
-    """``nn.Conv1d/2d/3d`` (``groups=1``): a linear map on unfolded input patches, one row per
-    output position; any padding mode, ``'same'`` included."""
+    """``nn.Conv1d/2d/3d``: a linear map on unfolded input patches, one row per output position;
+    any padding mode, ``'same'`` included. A grouped or depthwise convolution (``groups > 1``) is
+    ``groups`` independent blocks: each maps its group's input channels to its output channels."""
 
-    def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.modules.conv._ConvNd) and module.groups == 1
-
-    def unsupported(self, module: nn.Module) -> str:
-        groups = getattr(module, "groups", 1)
-        return f"{type(module).__name__} with groups={groups} (grouped or depthwise) has no Kronecker form yet"
+    def blocks(self, module: nn.Module) -> int:
+        assert isinstance(module, nn.modules.conv._ConvNd)
+        return int(module.groups)
 
     def _patches(self, module: nn.Module, x: Tensor) -> Tensor:
-        """``(batch, positions, C * prod(kernel))`` rows, in the weight's layout."""
+        """``(batch, positions, C * prod(kernel))`` rows, in the weight's layout (channels outermost,
+        so group ``j``'s columns are the ``j``-th of ``groups`` equal slices)."""
         assert isinstance(module, nn.modules.conv._ConvNd)
         spatial = len(module.kernel_size)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
@@ -346,15 +370,25 @@ class ConvKind(_MatrixPerSample):
         assert isinstance(module, nn.modules.conv._ConvNd)
         return len(module.kernel_size)
 
+    def _split(self, module: nn.Module, rows: Tensor) -> Tensor:
+        """``(..., groups * n)`` -> ``(groups, ..., n)``; unchanged for ``groups=1``."""
+        groups = self.blocks(module)
+        if groups == 1:
+            return rows
+        return rows.reshape(*rows.shape[:-1], groups, -1).movedim(-2, 0)
+
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         dims = self._spatial(module) + 2
         rows = [self._patches(module, _statistics_dtype(_batched(x, dims))) for x in entry.inputs()]
-        return _with_ones(torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]), homogeneous)
+        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]))
+        if not homogeneous:
+            return rows
+        return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
         dims = self._spatial(module) + 2
         grads = [_statistics_dtype(_batched(g, dims)) for g in entry.grad_outputs()]
-        return torch.cat([g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1]) for g in grads])
+        return self._split(module, torch.cat([g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1]) for g in grads]))
 
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
         dims = self._spatial(module) + 2
@@ -366,11 +400,95 @@ class ConvKind(_MatrixPerSample):
         g = _statistics_dtype(_batched(_grad_output(call), dims))
         return self._patches(module, x), g.flatten(2).transpose(1, 2)
 
+    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
+        x, g = self._sample_rows(module, call)
+        groups = self.blocks(module)
+        if groups == 1:
+            return MatrixRows(x, g, names, weight_of(module).shape)
+        # (B, T, G * n) -> (B, G, T, n): each group a matrix on its own rows
+        x, g = (t.reshape(t.shape[0], t.shape[1], groups, -1).transpose(1, 2) for t in (x, g))
+        return BlockRows(x, g, names, weight_of(module).shape)
+
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
-        return _matrix_grad(weight_of(module), bias_of(module), homogeneous)
+        matrix = _matrix_grad(weight_of(module), bias_of(module), homogeneous)
+        groups = self.blocks(module)
+        return matrix if groups == 1 else matrix.reshape(groups, -1, matrix.shape[1])
 
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
-        _set_matrix_grad(weight_of(module), bias_of(module), matrix, homogeneous)
+        _set_matrix_grad(weight_of(module), bias_of(module), matrix.reshape(-1, matrix.shape[-1]), homogeneous)
+
+
+class BlockRows(PerSample):
+    """``MatrixRows`` for a block-diagonal layer (a grouped convolution): inputs ``(batch, blocks,
+    positions, in)`` and output gradients ``(batch, blocks, positions, out)``; block ``j`` owns
+    output rows ``j * out ... (j + 1) * out - 1`` of the weight and bias."""
+
+    def __init__(self, x: Tensor, g: Tensor, names: Sequence[str], weight_shape: torch.Size) -> None:
+        self.x, self.g = x, g
+        self.weight, self.bias = "weight" in names, "bias" in names
+        self.weight_shape = weight_shape
+
+    def sq_norms(self) -> Tensor:
+        x, g = self.x, self.g
+        positions, inputs, outputs = x.shape[2], x.shape[3], g.shape[3]
+        total = g.new_zeros(g.shape[0])
+        if self.bias:
+            total = total + g.sum(2).pow(2).sum((1, 2))
+        if not self.weight:
+            return total
+        if positions * (inputs + outputs) > inputs * outputs:  # forming each block's gradient is cheaper
+            return total + torch.einsum("bkto,bkti->bkoi", g, x).pow(2).sum((1, 2, 3))
+        # The ghost norm per block: |sum_t g_t x_t^T|^2 = sum_{t,s} (g_t . g_s)(x_t . x_s)
+        return total + ((g @ g.transpose(2, 3)) * (x @ x.transpose(2, 3))).sum((1, 2, 3))
+
+    def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
+        weighted = self.g * weights.to(self.g)[:, None, None, None]
+        sums = {}
+        if self.weight:
+            sums["weight"] = torch.einsum("bkto,bkti->koi", weighted, self.x).reshape(self.weight_shape)
+        if self.bias:
+            sums["bias"] = weighted.sum((0, 2)).reshape(-1)
+        return sums
+
+    def grads(self) -> dict[str, Tensor]:
+        grads = {}
+        batch = self.g.shape[0]
+        if self.weight:
+            grads["weight"] = torch.einsum("bkto,bkti->bkoi", self.g, self.x).reshape(batch, *self.weight_shape)
+        if self.bias:
+            grads["bias"] = self.g.sum(2).reshape(batch, -1)
+        return grads
+
+
+@register_layer(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+class ConvTransposeKind(LayerKind):
+    """``nn.ConvTranspose1d/2d/3d``: registered to say why no Kronecker rule covers it (per-sample
+    gradients go through ``torch.func``, which is exact for it)."""
+
+    def supports(self, module: nn.Module) -> bool:
+        return False
+
+    def unsupported(self, module: nn.Module) -> str:
+        return (
+            f"{type(module).__name__} spreads each input position over a window of outputs, so its bias is not "
+            "a column of a matrix on input rows; no Kronecker form is implemented for it (DP is exact through "
+            "torch.func)"
+        )
+
+
+@register_layer(nn.MultiheadAttention)
+class MultiheadAttentionKind(LayerKind):
+    """``nn.MultiheadAttention``: registered to say why no Kronecker rule covers ``in_proj_weight``."""
+
+    def supports(self, module: nn.Module) -> bool:
+        return False
+
+    def unsupported(self, module: nn.Module) -> str:
+        return (
+            "MultiheadAttention applies in_proj_weight to query, key and value inside its forward and uses "
+            "out_proj.weight without calling out_proj; no Kronecker form is implemented for them. Build the "
+            "attention from nn.Linear projections (as Hugging Face models do) for FOOF, K-FAC, NLMS and DP"
+        )
 
 
 @register_layer("transformers.pytorch_utils.Conv1D")
@@ -462,10 +580,61 @@ class IndexedRows(PerSample):
 
 @register_layer(nn.EmbeddingBag)
 class EmbeddingBagKind(EmbeddingKind):
-    """``nn.EmbeddingBag``: the indices of every bag (``padding_idx`` excluded); per-sample gradients generic."""
+    """``nn.EmbeddingBag``: the indices of every bag (``padding_idx`` excluded). Each bag is a sample:
+    with ``mode="sum"`` its gradient adds ``w_j g`` to the row of each index ``j`` it holds (``w_j``
+    its ``per_sample_weights``, else 1), with ``mode="mean"`` ``g / n`` (``n`` the bag's indices
+    other than padding); ``mode="max"`` goes through ``torch.func`` (2-d input only)."""
+
+    def samples(self, module: nn.Module, call: Call) -> int:
+        index, offsets, _ = _bag_arguments(call)
+        if index.dim() == 2 or offsets is None:
+            return int(index.shape[0])
+        return len(offsets) - int(getattr(module, "include_last_offset", False))
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
-        return LayerKind.per_sample(self, module, call, names)
+        assert isinstance(module, nn.EmbeddingBag)
+        index, offsets, weights = _bag_arguments(call)
+        if module.mode == "max":
+            if offsets is not None:
+                raise RuntimeError(
+                    f"per-sample gradients of {call!r} (mode='max' with offsets) are not supported: pass the bags "
+                    "as a 2-d input of equal-length bags, or use mode='sum' or 'mean'"
+                )
+            return LayerKind.per_sample(self, module, call, names)
+        g = _statistics_dtype(_grad_output(call))
+        if index.dim() == 2:  # equal-length bags, one per row
+            bags = index
+            scale = weights.to(g) if weights is not None else g.new_ones(bags.shape)
+        else:
+            assert offsets is not None
+            if module.include_last_offset:
+                starts, ends = offsets[:-1], offsets[1:]
+            else:
+                starts, ends = offsets, torch.cat([offsets[1:], offsets.new_tensor([index.numel()])])
+            lengths = ends - starts
+            bag = torch.repeat_interleave(torch.arange(len(starts), device=index.device), lengths)
+            position = torch.arange(index.numel(), device=index.device) - starts[bag]
+            width = int(lengths.max()) if len(lengths) else 0
+            bags = index.new_full((len(starts), width), -1)
+            bags[bag, position] = index
+            scale = g.new_zeros(bags.shape)
+            scale[bag, position] = weights.to(g) if weights is not None else 1.0
+        kept = bags >= 0
+        if module.padding_idx is not None:
+            kept &= bags != module.padding_idx
+        bags = bags.masked_fill(~kept, -1)
+        scale = scale * kept
+        if module.mode == "mean":
+            scale = scale / kept.sum(1, keepdim=True).clamp(min=1)
+        return IndexedRows(bags, g[:, None, :] * scale[..., None], weight_of(module).shape[0])
+
+
+def _bag_arguments(call: Call) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``(input, offsets, per_sample_weights)`` of an ``nn.EmbeddingBag`` call, positional or keyword."""
+    args = list(call.args) + [None] * (3 - len(call.args))
+    offsets = args[1] if args[1] is not None else call.kwargs.get("offsets")
+    weights = args[2] if args[2] is not None else call.kwargs.get("per_sample_weights")
+    return args[0] if args[0] is not None else call.kwargs["input"], offsets, weights
 
 
 GENERIC = LayerKind()

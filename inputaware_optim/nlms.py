@@ -11,7 +11,7 @@ from torch import nn
 from .base import evaluate_closure
 from .distributed import all_reduce_sum_, local_tensor
 from .inputs import Call, Captured, Inputs
-from .layers import Layer, bias_of, weight_of
+from .layers import Layer, bias_of, explained, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
@@ -33,7 +33,8 @@ class InputPower(Reduction):
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
-        return rows.pow(2).sum(), rows.new_tensor(float(rows.shape[0]))
+        # One power per block of a grouped convolution (each filter sees only its group's inputs).
+        return rows.pow(2).sum((-2, -1)), rows.new_tensor(float(rows.shape[-2]))
 
 
 class NLMS(InputAwareSGD):
@@ -46,7 +47,8 @@ class NLMS(InputAwareSGD):
         g \leftarrow \frac{g}{\varepsilon + \frac{1}{N}\sum_{n=1}^{N} \lVert \tilde x_n \rVert^2}
 
     for the weight and bias gradients of each layer with input rows (``nn.Linear``, Hugging Face's
-    ``Conv1D``, and convolutions through their input patches), then the SGD update (torch's kernel). For a
+    ``Conv1D``, and convolutions through their input patches; a grouped convolution's filters by
+    the power of their own group's inputs), then the SGD update (torch's kernel). For a
     single sample and loss :math:`\tfrac12 e^2` this is the textbook recursion
     :math:`w \leftarrow w + \mu\, e\, x / (\varepsilon + \lVert x\rVert^2)`: the step no
     longer depends on the scale of the inputs. Parameters of other modules take plain SGD.
@@ -81,7 +83,10 @@ class NLMS(InputAwareSGD):
         return self._layers("input_rows")
 
     def _treatment(self, param: torch.Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        return self._layer_treatment(param, module, self._nlms_layers(), "input_rows", "NLMS: input-normalized")
+        what, reason, fallback = self._layer_treatment(
+            param, module, self._nlms_layers(), "input_rows", "NLMS: input-normalized"
+        )
+        return what, explained(module, reason), fallback
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_power": InputPower(self._nlms_layers())}
@@ -117,6 +122,10 @@ class NLMS(InputAwareSGD):
             scale = 1.0 / (layer.group["eps"] + power / count)
             for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
                 if param is not None and param.grad is not None:
-                    local_tensor(param.grad).mul_(scale.to(param.grad.dtype))
+                    grad = local_tensor(param.grad)
+                    if scale.dim():  # per block: the output channels of each group
+                        grad.view(scale.numel(), -1).mul_(scale[:, None].to(grad.dtype))
+                    else:
+                        grad.mul_(scale.to(grad.dtype))
         super().step(inputs=inputs)
         return loss

@@ -255,17 +255,18 @@ class TimmLike(nn.Module):
         return self.head(self.block(self.same(self.stem(x))).mean((2, 3)))
 
 
-def test_subclasses_with_their_own_forward_and_grouped_convs_are_reported_not_assumed() -> None:
+def test_subclasses_with_their_own_forward_are_reported_not_assumed_and_depthwise_convs_covered() -> None:
     model = TimmLike().double()
     optimizer = FOOF(model, lr=0.1)
     reasons = {row.name: row.reason or "" for row in optimizer.coverage()}
     assert "StdConv2d subclasses Conv2d with its own forward" in reasons["stem.weight"]
     assert "Conv2dSame subclasses Conv2d with its own forward" in reasons["same.weight"]
-    assert "groups=4" in reasons["block.dwconv.weight"]
+    assert reasons["block.dwconv.weight"] == ""  # depthwise: one factor per group
     assert reasons["block.pw1.weight"] == "" and reasons["head.weight"] == ""
     model(torch.randn(2, 1, 16, 16, dtype=torch.float64)).sum().backward()
     with pytest.warns(CoverageWarning, match="stem.weight"):
         optimizer.step()
+    assert optimizer.state[model.block.dwconv.weight]["input_second_moment"].shape == (4, 50, 50)
 
 
 def test_dp_is_exact_on_timm_patterns() -> None:

@@ -1,0 +1,306 @@
+"""Layer kinds against explicit math: grouped convolutions (FOOF, K-FAC, NLMS, DP), EmbeddingBag
+with offsets and per-sample weights (DP, LazyAdamW), and the layers no rule covers, reported by name."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, LazyAdamW
+
+GROUPED = {
+    "conv1d groups=2": lambda: nn.Conv1d(4, 6, 3, groups=2, padding=1),
+    "conv2d depthwise": lambda: nn.Conv2d(4, 4, 3, groups=4, stride=2, padding="valid"),
+    "conv2d groups=2 dilated reflect": lambda: nn.Conv2d(4, 6, 3, groups=2, dilation=2, padding=2, padding_mode="reflect"),
+    "conv2d groups=2 few positions": lambda: nn.Conv2d(8, 8, 3, groups=2),  # DP's ghost norm
+    "conv3d groups=2 no bias": lambda: nn.Conv3d(2, 4, 2, groups=2, bias=False),
+}
+SPATIAL = {
+    "conv1d groups=2": (7,),
+    "conv2d depthwise": (7, 7),
+    "conv2d groups=2 dilated reflect": (6, 5),
+    "conv2d groups=2 few positions": (3, 4),
+}
+
+
+def grouped(name: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    conv = GROUPED[name]().double()
+    x = torch.randn(3, conv.in_channels, *SPATIAL.get(name, (3, 4, 3)), dtype=torch.float64)
+    return conv, x
+
+
+def explicit_rows(conv: nn.Module, x: torch.Tensor, group: int) -> torch.Tensor:
+    """Group ``group``'s patch rows, one per (sample, output position), by slicing out every window."""
+    assert isinstance(conv, nn.modules.conv._ConvNd)
+    channels = conv.in_channels // conv.groups
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    x = F.pad(x, conv._reversed_padding_repeated_twice, mode=mode)[:, group * channels : (group + 1) * channels]
+    spatial = x.shape[2:]
+    ranges = [
+        range((n - d * (k - 1) - 1) // s + 1)
+        for n, k, s, d in zip(spatial, conv.kernel_size, conv.stride, conv.dilation, strict=True)
+    ]
+    rows = []
+    for b in range(x.shape[0]):
+        for position in torch.cartesian_prod(*[torch.tensor(list(r)) for r in ranges]).reshape(-1, len(ranges)):
+            window = tuple(
+                slice(int(p) * s, int(p) * s + d * (k - 1) + 1, d)
+                for p, k, s, d in zip(position, conv.kernel_size, conv.stride, conv.dilation, strict=True)
+            )
+            rows.append(x[(b, slice(None), *window)].reshape(-1))
+    return torch.stack(rows)
+
+
+def block(conv: nn.Module, group: int, with_bias: bool) -> tuple[torch.Tensor, slice]:
+    """Group ``group``'s weight-and-bias gradient as a matrix, and its output channels."""
+    out = conv.out_channels // conv.groups
+    channels = slice(group * out, (group + 1) * out)
+    matrix = conv.weight.grad[channels].reshape(out, -1)
+    if with_bias:
+        matrix = torch.cat([matrix, conv.bias.grad[channels, None]], dim=1)
+    return matrix, channels
+
+
+def inverse(matrix: torch.Tensor, damping: float) -> torch.Tensor:
+    return torch.linalg.inv(matrix + damping * torch.eye(matrix.shape[0], dtype=matrix.dtype))
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "NLMS"])
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_grouped_convolution_is_preconditioned_block_by_block(name: str, rule: str) -> None:
+    conv, x = grouped(name)
+    twin, _ = grouped(name)
+    has_bias = conv.bias is not None
+    out_grads: list[torch.Tensor] = []
+    twin.register_forward_hook(lambda m, a, out: (out.retain_grad(), out_grads.append(out)) and None)
+    twin(x).pow(2).mean().backward()
+    g = out_grads[0].grad
+    expected_weight, expected_bias = twin.weight.detach().clone(), None if not has_bias else twin.bias.detach().clone()
+    for j in range(conv.groups):
+        rows = explicit_rows(twin, x, j)
+        rows = torch.cat([rows, torch.ones(len(rows), 1, dtype=rows.dtype)], 1) if has_bias else rows
+        matrix, channels = block(twin, j, has_bias)
+        if rule == "FOOF":
+            new = matrix @ inverse(rows.T @ rows / len(rows), 0.1)
+        elif rule == "KFAC":
+            grads = g[:, channels].movedim(1, -1).reshape(-1, channels.stop - channels.start)
+            factor = len(x) * grads.T @ grads
+            new = inverse(factor, 0.1**0.5) @ matrix @ inverse(rows.T @ rows / len(rows), 0.1**0.5)
+        else:
+            new = matrix / (1e-6 + rows.pow(2).sum() / len(rows))
+        expected_weight[channels] -= new[:, : matrix.shape[1] - has_bias].reshape(expected_weight[channels].shape)
+        if has_bias:
+            expected_bias[channels] -= new[:, -1]
+    optimizer = {"FOOF": FOOF, "KFAC": KFAC, "NLMS": NLMS}[rule](conv, lr=1.0, momentum=0.0)
+    conv(x).pow(2).mean().backward()
+    optimizer.step()
+    assert "stock" not in optimizer.coverage()[0].treatment
+    torch.testing.assert_close(conv.weight.detach(), expected_weight, rtol=1e-10, atol=1e-12)
+    if has_bias:
+        torch.testing.assert_close(conv.bias.detach(), expected_bias, rtol=1e-10, atol=1e-12)
+    if rule != "NLMS":
+        assert optimizer.state[conv.weight]["input_second_moment"].shape[0] == conv.groups
+
+
+def clipped_reference(model: nn.Module, x: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(
+        params, x
+    )
+    norms = torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+    return {k: torch.tensordot(factors, g, dims=1) / len(x) for k, g in per_sample.items()}
+
+
+@pytest.mark.parametrize("name", list(GROUPED))
+def test_dp_on_grouped_convolutions_equals_per_sample_clipping(name: str) -> None:
+    conv, x = grouped(name)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    model(x)  # materializes the lazy head
+    expected = clipped_reference(model, x, clip=0.05)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model(x).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    assert "closed form for Conv" in optimizer.coverage()[0].treatment
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(before[key] - param.detach(), expected[key], rtol=1e-8, atol=1e-12, msg=key)
+
+
+# -- EmbeddingBag -------------------------------------------------------------------------------
+
+INDICES = torch.tensor([1, 2, 4, 5, 0, 4, 3, 2, 9, 7])
+OFFSETS = torch.tensor([0, 4, 4, 7])  # bag 1 is empty
+
+
+@pytest.mark.parametrize(
+    "mode, weighted, padding, last",
+    [("sum", True, None, False), ("sum", False, 0, True), ("mean", False, 0, False), ("mean", False, None, True)],
+)
+def test_dp_on_embedding_bags_with_offsets_equals_one_bag_at_a_time(
+    mode: str, weighted: bool, padding: int | None, last: bool
+) -> None:
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(10, 3, mode=mode, padding_idx=padding, include_last_offset=last).double()
+    offsets = torch.cat([OFFSETS, torch.tensor([len(INDICES)])]) if last else OFFSETS
+    weights = torch.rand(len(INDICES), dtype=torch.float64) if weighted else None
+    bags = len(OFFSETS)
+    target = torch.randn(bags, 3, dtype=torch.float64)
+    ends = [*OFFSETS[1:].tolist(), len(INDICES)]
+    per_sample = []
+    for b, (start, end) in enumerate(zip(OFFSETS.tolist(), ends, strict=True)):  # one bag, one call
+        bag.zero_grad()
+        one_offsets = torch.tensor([0, end - start] if last else [0])
+        one = bag(INDICES[start:end], one_offsets, None if weights is None else weights[start:end])
+        (one - target[b]).pow(2).sum().backward()
+        per_sample.append(bag.weight.grad.clone())
+    stacked = torch.stack(per_sample)
+    factors = (0.1 / (stacked.reshape(bags, -1).norm(dim=1) + 1e-6)).clamp(max=1.0)
+    expected = torch.tensordot(factors, stacked, dims=1) / bags
+    bag.zero_grad()
+    optimizer = DPSGD(bag, lr=1.0, max_grad_norm=0.1, noise_multiplier=0.0)
+    before = bag.weight.detach().clone()
+    (bag(INDICES, offsets, per_sample_weights=weights) - target).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    torch.testing.assert_close(before - bag.weight.detach(), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_lazy_adamw_moves_only_the_rows_the_bags_read() -> None:
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(12, 3, mode="sum", padding_idx=0)
+    optimizer = LazyAdamW(bag, lr=0.1)
+    before = bag.weight.detach().clone()
+    bag(INDICES, OFFSETS, per_sample_weights=torch.rand(len(INDICES))).pow(2).sum().backward()
+    optimizer.step()
+    moved = (bag.weight != before).any(1).nonzero().flatten().tolist()
+    assert moved == sorted(set(INDICES.tolist()) - {0})
+
+
+# -- layers no rule covers: reported by name ----------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::inputaware_optim.UncapturedInputsWarning")
+def test_multihead_attention_and_transposed_convolutions_are_reported_with_their_reason() -> None:
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
+            self.up = nn.ConvTranspose1d(4, 4, 3, stride=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.attention(x, x, x)[0]
+            return self.up(h.transpose(1, 2))
+
+    model = Model()
+    for rule in (FOOF, KFAC, NLMS):
+        optimizer = rule(model, lr=0.1)
+        reasons = {row.name: row.reason or "" for row in optimizer.coverage()}
+        assert "applies in_proj_weight to query, key and value" in reasons["attention.in_proj_weight"]
+        assert "ConvTranspose1d spreads each input position" in reasons["up.weight"]
+        model(torch.randn(2, 5, 4)).sum().backward()
+        with pytest.warns(CoverageWarning, match=r"attention\.in_proj_weight"):
+            optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_kronecker_rules_without_lr_name_themselves() -> None:
+    for rule in (FOOF, KFAC):
+        with pytest.raises(TypeError, match=rf"^{rule.__name__}\(model, lr=\.\.\.\)"):
+            rule(nn.Linear(2, 2))
+
+
+def test_dp_refuses_what_it_cannot_clip_by_module_name() -> None:
+    class Recurrent(nn.Module):
+        def __init__(self, cls: type[nn.RNNBase]) -> None:
+            super().__init__()
+            self.encoder = cls(3, 4, batch_first=True)
+
+    for cls in (nn.LSTM, nn.GRU, nn.RNN):
+        with pytest.raises(ValueError, match=rf"encoder \({cls.__name__}\).*opacus\.layers\.DPLSTM"):
+            DPSGD(Recurrent(cls))
+    weight_norm = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 2)))
+    with pytest.raises(ValueError, match=r"0 \(ParametrizedLinear\).*parametrization.*remove_parametrizations"):
+        DPSGD(weight_norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        old_style = nn.Sequential(nn.utils.weight_norm(nn.Linear(3, 2)))
+    with pytest.raises(ValueError, match=r"0 \(Linear\).*weight_g, weight_v.*remove_weight_norm"):
+        DPSGD(old_style)
+    with pytest.raises(ValueError, match="batch_dim"):
+        DPSGD(nn.Linear(2, 2), batch_dim=2)
+
+
+class SequenceFirst(nn.Module):
+    """A sequence-first model, as those built on nn.Transformer's default: token ids (T, B) throughout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.mix, self.head = nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.embed(ids)))).mean(0)
+
+
+class BatchFirstOutside(nn.Module):
+    """Takes (B, T) and hands the sequence-first model (T, B): every layer sees T along dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = SequenceFirst()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(ids.T)
+
+
+def test_dp_refuses_to_clip_per_time_step_and_is_exact_with_batch_dim_1() -> None:
+    ids = torch.randint(0, 10, (3, 5), generator=torch.Generator().manual_seed(0))  # (B, T)
+    model = BatchFirstOutside().double()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    model(ids).pow(2).sum(1).mean().backward()
+    with pytest.raises(RuntimeError, match=r"hold 5 samples along dim 0.*has \[3\].*batch_dim=1"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+    inner = model.inner
+    params = {k: v.detach() for k, v in inner.named_parameters()}
+    per_sample = vmap(
+        grad(lambda p, one: functional_call(inner, p, (one[:, None],)).pow(2).sum()), in_dims=(None, 0)
+    )(params, ids)
+    norms = torch.sqrt(sum(g.reshape(3, -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (0.05 / (norms + 1e-6)).clamp(max=1.0)
+    optimizer = DPSGD(inner, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0, batch_dim=1)
+    inner.zero_grad()
+    inner(ids.T).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    for (key, param), old in zip(inner.named_parameters(), before, strict=True):
+        expected = torch.tensordot(factors, per_sample[key], dims=1) / 3
+        torch.testing.assert_close(old - param.detach(), expected, rtol=1e-8, atol=1e-12, msg=key)
+
+
+def test_epsilon_is_opacus_accountant_on_the_steps_taken() -> None:
+    accountants = pytest.importorskip("opacus.accountants")
+    model = nn.Linear(3, 1)
+    optimizer = DPSGD(model, lr=0.1, noise_multiplier=1.1, sample_rate=0.01)
+    assert optimizer.epsilon(1e-5) == 0.0
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+    for mechanism in ("rdp", "prv"):
+        reference = accountants.create_accountant(mechanism)
+        for _ in range(3):
+            reference.step(noise_multiplier=1.1, sample_rate=0.01)
+        assert optimizer.epsilon(1e-5, accountant=mechanism) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-9)
+    resumed = DPSGD(model, lr=0.1, noise_multiplier=1.1, sample_rate=0.01)
+    resumed.load_state_dict(optimizer.state_dict())
+    assert resumed.epsilon(1e-5, "rdp") == optimizer.epsilon(1e-5, "rdp")
+    with pytest.raises(ValueError, match="sample_rate"):
+        DPSGD(model).epsilon(1e-5)

@@ -5,17 +5,36 @@ depends on input statistics (FOOF's second moment, NLMS's input power, LazyAdamW
 touched rows) must combine them across ranks, or replicas would apply different updates
 and drift apart. The ranks to combine over are those that average gradients: the
 ``DistributedDataParallel`` wrapper's process group, or FSDP2's data-parallel mesh.
+
+Under FSDP2 a parameter is a DTensor sharded on its rows (dim 0) over a 1-D mesh: row ``i``
+of a weight and entry ``i`` of its bias are on the same rank, so a layer's matrix
+``W̃ = [W | b]`` is sharded by rows too, and a rule acting on each row alone (FOOF's
+``G̃ A⁻¹``) needs only this rank's rows. The helpers here read and write those rows.
+
+Work that every rank would repeat (K-FAC's and FOOF's factor inversions) can instead be
+done once: ``computed_once`` runs each job on one rank and broadcasts the results.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["all_reduce_sum_", "data_parallel_group", "local_tensor"]
+__all__ = [
+    "all_reduce_sum_",
+    "computed_once",
+    "data_parallel_group",
+    "local_tensor",
+    "owners_by_cost",
+    "reduce_scatter_like",
+    "row_range",
+    "row_sharding_problem",
+    "sharded",
+]
 
 
 def data_parallel_group(model: nn.Module) -> Any:
@@ -56,3 +75,151 @@ def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a DTensor (FSDP2), which in-place updates write through; else ``t`` itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+def sharded(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 parameter or gradient)."""
+    return getattr(t, "device_mesh", None) is not None
+
+
+def row_sharding_problem(weight: Tensor, bias: Tensor | None) -> str | None:
+    """Why the rows of ``[weight | bias]`` are not held whole by the ranks (``None``: they are).
+
+    Held whole means: both sharded on dim 0 over the same 1-D mesh (FSDP2's default), so that
+    this rank's rows of the weight and its entries of the bias are the same rows.
+    """
+    tensors = [weight] if bias is None else [weight, bias]
+    if not any(sharded(t) for t in tensors):
+        return None
+    if not all(sharded(t) for t in tensors):
+        return "the weight and the bias are not both sharded"
+    mesh = weight.device_mesh  # type: ignore[attr-defined]
+    for t in tensors:
+        placements = t.placements  # type: ignore[attr-defined]
+        if t.device_mesh != mesh or mesh.ndim != 1 or not placements[0].is_shard(0):  # type: ignore[attr-defined]
+            return f"sharded as {tuple(placements)} over a {mesh.ndim}-D mesh, not on rows (Shard(0)) over a 1-D mesh"
+    if bias is not None and local_tensor(weight).shape[0] != local_tensor(bias).shape[0]:
+        return "this rank holds different rows of the weight and of the bias"
+    return None
+
+
+def row_range(t: Tensor) -> slice:
+    """The global rows that this rank's shard of ``t`` holds (``t`` sharded on dim 0 over a 1-D mesh).
+
+    FSDP2 shards like ``torch.chunk``: ``ceil(rows / ranks)`` rows per rank, the last ranks
+    holding fewer (or none).
+    """
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    chunk = -(-t.shape[0] // mesh.size())
+    start = min(mesh.get_local_rank() * chunk, t.shape[0])
+    held = local_tensor(t).shape[0]
+    if start + held > t.shape[0] or held > chunk:
+        raise RuntimeError(f"unexpected row sharding: rows {start}:{start + held} of {t.shape[0]} on this rank")
+    return slice(start, start + held)
+
+
+def local_matrix_rows(weight: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
+    """This rank's rows of ``G̃ = [grad W | grad b]`` (weight flattened past dim 0; bias last when ``homogeneous``)."""
+    assert weight.grad is not None
+    grad = local_tensor(weight.grad)
+    matrix = grad.reshape(grad.shape[0], math.prod(weight.shape[1:]))
+    if homogeneous:
+        assert bias is not None and bias.grad is not None
+        matrix = torch.cat([matrix, local_tensor(bias.grad).reshape(-1, 1)], dim=1)
+    return matrix
+
+
+def full_matrix_rows(weight: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
+    """All of ``G̃``, gathered from every rank's rows (one all-gather of the weight's, one of the bias's gradient)."""
+    assert weight.grad is not None
+    matrix = weight.grad.full_tensor().reshape(weight.shape[0], -1)  # type: ignore[attr-defined]
+    if homogeneous:
+        assert bias is not None and bias.grad is not None
+        matrix = torch.cat([matrix, bias.grad.full_tensor().reshape(-1, 1)], dim=1)  # type: ignore[attr-defined]
+    return matrix
+
+
+def set_local_matrix_rows(weight: Tensor, bias: Tensor | None, matrix: Tensor, homogeneous: bool) -> None:
+    """Write this rank's rows of a ``G̃``-shaped matrix into the local shards of the gradients."""
+    assert weight.grad is not None
+    grad = local_tensor(weight.grad)
+    columns = math.prod(weight.shape[1:])
+    grad.copy_(matrix[:, :columns].reshape(grad.shape))
+    if homogeneous:
+        assert bias is not None and bias.grad is not None
+        local_tensor(bias.grad).copy_(matrix[:, columns])
+
+
+def reduce_scatter_like(full: Tensor, like: Tensor) -> Tensor:
+    """This rank's shard, placed as ``like`` (a DTensor), of the sum of ``full`` over ``like``'s mesh.
+
+    One reduce-scatter: each rank receives only its shard of the sum.
+    """
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = like.device_mesh  # type: ignore[attr-defined]
+    partial = DTensor.from_local(full, mesh, [Partial()] * mesh.ndim, shape=full.shape, stride=full.stride())
+    return partial.redistribute(mesh, like.placements).to_local()  # type: ignore[attr-defined]
+
+
+def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:
+    """The rank each job runs on: the costliest first, each to the least loaded rank (ties: the lowest).
+
+    The same on every rank, given the same costs.
+    """
+    loads = [0.0] * world
+    owners = [0] * len(costs)
+    for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        owners[job] = rank
+        loads[rank] += costs[job]
+    return owners
+
+
+def computed_once(
+    jobs: Sequence[Callable[[], Tensor]], likes: Sequence[Tensor], costs: Sequence[float], group: Any
+) -> list[Tensor]:
+    """Every job's result on every rank of ``group``, each job computed on one rank only.
+
+    Jobs are assigned by ``owners_by_cost``; each rank then broadcasts its results (one
+    broadcast per rank and dtype). Job ``j`` returns a tensor shaped and typed like ``likes[j]``;
+    every rank must pass the same jobs in the same order. If a job raises on its rank, every
+    rank runs it again itself and so raises the same error (after the collectives, so no rank
+    is left waiting). Without a group, every job runs here.
+    """
+    if group is None or not jobs:
+        return [job() for job in jobs]
+    dist = torch.distributed
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    owners = owners_by_cost(costs, world)
+    results: list[Tensor | None] = [None] * len(jobs)
+    failed = torch.zeros(len(jobs), dtype=torch.int32, device=likes[0].device)
+    for j, job in enumerate(jobs):
+        if owners[j] == me:
+            try:
+                results[j] = job()
+            except Exception:
+                failed[j] = 1
+    dist.all_reduce(failed, group=group)
+    if bool(failed.any()):
+        for j in failed.nonzero().flatten().tolist():
+            jobs[j]()  # raises here too, with the message its owner got
+        raise RuntimeError(f"jobs {failed.nonzero().flatten().tolist()} failed on their ranks but not here")
+    for rank in range(world):
+        mine = [j for j in range(len(jobs)) if owners[j] == rank]
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for j in mine:
+            by_dtype.setdefault(likes[j].dtype, []).append(j)
+        for dtype, members in by_dtype.items():
+            if rank == me:
+                flat = torch.cat([results[j].reshape(-1) for j in members])  # type: ignore[union-attr]
+            else:
+                flat = torch.empty(sum(likes[j].numel() for j in members), dtype=dtype, device=likes[members[0]].device)
+            dist.broadcast(flat, src=dist.get_global_rank(group, rank), group=group)
+            offset = 0
+            for j in members:
+                size = likes[j].numel()
+                results[j] = flat[offset : offset + size].view(likes[j].shape).clone()  # not a view of them all
+                offset += size
+    assert all(r is not None for r in results)
+    return results  # type: ignore[return-value]

@@ -48,8 +48,8 @@ _DOC = r"""
     tensors ``(T, B, ...)``, as Opacus's ``batch_first=False``). Each forward's sample count is
     checked against the model's own tensor arguments: a layer that sees the batch along another
     dimension (which would clip per time step, not per sample) is refused at the step. Recurrent
-    layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``), parametrized weights (weight or spectral norm)
-    and BatchNorm are refused at construction, by name.
+    layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells), parametrized weights (weight or
+    spectral norm) and BatchNorm are refused at construction, by name.
 
     Micro-batches (gradient accumulation) are separate samples of one step. Under
     ``DistributedDataParallel`` each rank clips its own samples, the clipped sums are added
@@ -198,12 +198,11 @@ class _PerSampleClipping(InputAwareOptimizer):
         for qualified, module in unwrap_model(self._model).named_modules():
             own = [n for n, p in module._parameters.items() if p is not None and p in trained]
             where = f"{qualified or 'the model'} ({type(module).__name__})"
-            if isinstance(module, nn.RNNBase) and own:
+            if isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and own:
                 raise ValueError(
                     f"{name} cannot compute per-sample gradients of {where}: torch.func has no per-sample rule "
                     "for its fused recurrent kernel. Use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in "
-                    "replacements built from linear layers, exact here), or write the recurrence with "
-                    "nn.LSTMCell / nn.GRUCell / nn.Linear"
+                    "replacements built from linear layers, exact here), or write the recurrence with nn.Linear"
                 )
             if parametrize.is_parametrized(module) and any(p in trained for p in module.parameters()):
                 raise ValueError(

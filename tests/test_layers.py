@@ -16,7 +16,9 @@ from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, LazyAdamW
 GROUPED = {
     "conv1d groups=2": lambda: nn.Conv1d(4, 6, 3, groups=2, padding=1),
     "conv2d depthwise": lambda: nn.Conv2d(4, 4, 3, groups=4, stride=2, padding="valid"),
-    "conv2d groups=2 dilated reflect": lambda: nn.Conv2d(4, 6, 3, groups=2, dilation=2, padding=2, padding_mode="reflect"),
+    "conv2d groups=2 dilated reflect": lambda: nn.Conv2d(
+        4, 6, 3, groups=2, dilation=2, padding=2, padding_mode="reflect"
+    ),
     "conv2d groups=2 few positions": lambda: nn.Conv2d(8, 8, 3, groups=2),  # DP's ghost norm
     "conv3d groups=2 no bias": lambda: nn.Conv3d(2, 4, 2, groups=2, bias=False),
 }
@@ -77,10 +79,10 @@ def test_grouped_convolution_is_preconditioned_block_by_block(name: str, rule: s
     conv, x = grouped(name)
     twin, _ = grouped(name)
     has_bias = conv.bias is not None
-    out_grads: list[torch.Tensor] = []
-    twin.register_forward_hook(lambda m, a, out: (out.retain_grad(), out_grads.append(out)) and None)
-    twin(x).pow(2).mean().backward()
-    g = out_grads[0].grad
+    output = twin(x)
+    output.retain_grad()
+    output.pow(2).mean().backward()
+    g = output.grad
     expected_weight, expected_bias = twin.weight.detach().clone(), None if not has_bias else twin.bias.detach().clone()
     for j in range(conv.groups):
         rows = explicit_rows(twin, x, j)
@@ -224,6 +226,8 @@ def test_dp_refuses_what_it_cannot_clip_by_module_name() -> None:
     for cls in (nn.LSTM, nn.GRU, nn.RNN):
         with pytest.raises(ValueError, match=rf"encoder \({cls.__name__}\).*opacus\.layers\.DPLSTM"):
             DPSGD(Recurrent(cls))
+    with pytest.raises(ValueError, match=r"0 \(LSTMCell\).*fused recurrent kernel"):
+        DPSGD(nn.Sequential(nn.LSTMCell(3, 4)))
     weight_norm = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(3, 2)))
     with pytest.raises(ValueError, match=r"0 \(ParametrizedLinear\).*parametrization.*remove_parametrizations"):
         DPSGD(weight_norm)
@@ -234,6 +238,29 @@ def test_dp_refuses_what_it_cannot_clip_by_module_name() -> None:
         DPSGD(old_style)
     with pytest.raises(ValueError, match="batch_dim"):
         DPSGD(nn.Linear(2, 2), batch_dim=2)
+
+
+def test_dp_on_opacus_dplstm_equals_per_sample_clipping() -> None:
+    layers = pytest.importorskip("opacus.layers")
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.encoder, self.head = layers.DPLSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.encoder(x)[0][:, -1])
+
+    model = Recurrent().double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = clipped_reference(model, x, clip=0.05)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model(x).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(before[key] - param.detach(), expected[key], rtol=1e-8, atol=1e-12, msg=key)
 
 
 class SequenceFirst(nn.Module):
@@ -271,9 +298,9 @@ def test_dp_refuses_to_clip_per_time_step_and_is_exact_with_batch_dim_1() -> Non
 
     inner = model.inner
     params = {k: v.detach() for k, v in inner.named_parameters()}
-    per_sample = vmap(
-        grad(lambda p, one: functional_call(inner, p, (one[:, None],)).pow(2).sum()), in_dims=(None, 0)
-    )(params, ids)
+    per_sample = vmap(grad(lambda p, one: functional_call(inner, p, (one[:, None],)).pow(2).sum()), in_dims=(None, 0))(
+        params, ids
+    )
     norms = torch.sqrt(sum(g.reshape(3, -1).pow(2).sum(1) for g in per_sample.values()))
     factors = (0.05 / (norms + 1e-6)).clamp(max=1.0)
     optimizer = DPSGD(inner, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0, batch_dim=1)

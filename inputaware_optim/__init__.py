@@ -5,6 +5,7 @@ from .base import InputAwareOptimizer
 from .capture import Capture, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
 from .dp import DPSGD, DPAdamW
+from .eva import Eva
 from .foof import FOOF
 from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
 from .kfac import KFAC
@@ -27,6 +28,7 @@ __all__ = [
     "Coverage",
     "CoverageWarning",
     "DPAdamW",
+    "Eva",
     "InputAwareAdamW",
     "InputAwareOptimizer",
     "InputAwareSGD",

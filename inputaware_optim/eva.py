@@ -1,0 +1,193 @@
+"""Eva: rank-one Kronecker preconditioning from the layers' mean input and output-gradient vectors."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .base import evaluate_closure
+from .inputs import Call, Captured, Inputs
+from .kronecker import FactorSums, KroneckerRule
+from .layers import Layer, weight_of
+from .sgd import InputAwareSGD
+
+__all__ = ["Eva"]
+
+
+class KroneckerVectors(FactorSums):
+    """Per call: the sum of its input rows in the forward hook, the sum of its output-gradient rows
+    when they arrive in backward (vectors: Eva keeps no matrix between forward and step)."""
+
+    grad_outputs = True
+
+    def forward(self, call: Call) -> Any:
+        layer = self.layers[call.module]
+        entry = Captured([call])
+        rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
+        batch = float(layer.kind.batch_size(call.module, entry))
+        return (rows.sum(0), rows.new_tensor(float(rows.shape[0]))), batch
+
+    def backward(self, call: Call, kept: Any) -> Any:
+        layer = self.layers[call.module]
+        (input_sum, rows), batch = kept
+        grads = layer.kind.output_grad_rows(call.module, Captured([call]))
+        return {"input": (input_sum, rows), "output_grad": (grads.sum(0), grads.new_tensor(batch))}
+
+
+class Eva(KroneckerRule):
+    r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
+
+    ``Eva(model, lr, momentum=0.9, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
+    batch_averaged=True, params=None, **sgd_kwargs)``
+
+    For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
+    ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
+    :math:`g_r` the gradient that reached its output rows, :math:`B` the batch and
+    :math:`\tilde G` the weight-and-bias gradient, the Kronecker vectors are the mean input row
+    and the mean per-example output derivative (:math:`Ds = B g` for a loss averaged over the
+    batch), kept as running averages (decay ``stat_decay``; the first step takes its own):
+
+    .. math::
+        \bar a = \frac{1}{N_x}\sum_r \tilde x_r, \qquad \bar g = \frac{1}{B}\sum_r B g_r, \qquad
+        P = (\bar g \bar g^\top + \gamma I)^{-1}\, \tilde G\, (\bar a \bar a^\top + \gamma I)^{-1}
+
+    Each inverse is closed-form (Sherman-Morrison), so no matrix is formed or inverted:
+
+    .. math::
+        P = \frac{1}{\gamma^2}\Big(I - \frac{\bar g \bar g^\top}{\gamma + \bar g^\top \bar g}\Big)
+            \tilde G \Big(I - \frac{\bar a \bar a^\top}{\gamma + \bar a^\top \bar a}\Big)
+
+    Then, as in the paper (and K-FAC's KL clipping), all preconditioned gradients are scaled by
+    :math:`\nu = \min\big(1, \sqrt{\kappa / (\eta^2 \sum_\ell |\langle P_\ell, \tilde G_\ell\rangle|)}\big)`
+    (``kl_clip`` :math:`\kappa`, learning rate :math:`\eta`; ``kl_clip=None`` leaves them as they
+    are), and the SGD momentum update runs with torch's kernel. Parameters of other modules take
+    the plain SGD step. Statistics cost :math:`O(\text{in} + \text{out})` per layer: between
+    forward and step only the two vectors' sums are held.
+
+    State per preconditioned weight: ``input_mean`` (:math:`\bar a`), ``output_grad_mean``
+    (:math:`\bar g`) and ``statistics_steps``.
+
+    Args:
+        model: The model.
+        lr: Learning rate.
+        momentum: SGD momentum factor.
+        damping: :math:`\gamma`, added to each rank-one factor (> 0).
+        stat_decay: Decay of the running vectors, in [0, 1).
+        kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping.
+        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
+
+    Reference:
+        Lin Zhang, Shaohuai Shi and Bo Li, "Eva: Practical Second-order Optimization with
+        Kronecker-vectorized Approximation", ICLR 2023.
+    """
+
+    factors = ("input", "output_grad")
+    statistics = KroneckerVectors
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float | None = None,
+        momentum: float = 0.9,
+        damping: float = 0.03,
+        stat_decay: float = 0.95,
+        kl_clip: float | None = 0.001,
+        *,
+        batch_averaged: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(batch_averaged, bool):
+            raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
+        if kl_clip is not None and not 0.0 < kl_clip < math.inf:
+            raise ValueError(f"Invalid kl_clip: {kl_clip} (must be None or finite and > 0)")
+        if not damping > 0.0:  # a rank-one factor is singular without it
+            raise ValueError(f"Invalid damping: {damping} (must be > 0)")
+        self._eva_defaults = {"batch_averaged": batch_averaged, "kl_clip": kl_clip}
+        super().__init__(model, lr, momentum, damping, stat_decay, 1, **kwargs)
+
+    def _check_param_groups(self) -> None:
+        super()._check_param_groups()
+        self._set_group_defaults(**self._eva_defaults)
+        for group in self.param_groups:
+            if not float(group["damping"]) > 0.0:
+                raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
+
+    def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
+        return layer.kind.matrix_shape(layer.module, layer.homogeneous)
+
+    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+        # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
+        # Ds = B g; summing (B sum g) and B over ranks, then dividing, gives the mean of Ds.
+        grads, batch = sums["output_grad"]
+        if layer.group["batch_averaged"]:
+            grads = grads * batch
+        return {**sums, "output_grad": (grads, batch)}
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+        """Precondition the gradients of the supported layers (then clip), and take the SGD step."""
+        loss = evaluate_closure(closure)
+        assert inputs is not None
+        layers, sums = self._step_statistics(inputs)
+        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]  # a layer with no row keeps its state
+        layers = [layer for layer, ok in zip(layers, seen, strict=True) if ok]
+        sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
+        vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
+        directions = []
+        for layer, (a, g) in zip(layers, vectors, strict=True):
+            matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
+            damping = float(layer.group["damping"])
+            directions.append(eva_direction(matrix, a.to(matrix.dtype), g.to(matrix.dtype), damping))
+        for layer, direction in zip(layers, directions, strict=True):
+            if not torch.isfinite(direction).all():
+                raise RuntimeError(
+                    f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: training "
+                    "has diverged (NaN or inf activations or gradients). Lower the learning rate or raise "
+                    "damping. No parameter was changed by this step"
+                )
+        scales = self._kl_clip_scales(layers, directions)
+        for layer, (a, g), direction in zip(layers, vectors, directions, strict=True):
+            state = self.state[weight_of(layer.module)]
+            state["input_mean"], state["output_grad_mean"] = a, g
+            state["statistics_steps"] = state.get("statistics_steps", 0) + 1
+            nu = scales[id(layer.group)]
+            layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
+        InputAwareSGD.step(self, inputs=inputs)
+        return loss
+
+    def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        state = self.state[weight_of(layer.module)]
+        out = []
+        for factor, key in (("input", "input_mean"), ("output_grad", "output_grad_mean")):
+            numerator, denominator = sums[factor]
+            mean = numerator / denominator
+            previous = state.get(key)
+            if previous is not None:  # beta * previous + (1 - beta) * mean; the first step takes its own
+                mean = torch.lerp(previous.to(mean.dtype), mean, 1 - layer.group["stat_decay"])
+            out.append(mean)
+        return out[0], out[1]
+
+    def _kl_clip_scales(self, layers: list[Layer], directions: list[Tensor]) -> dict[int, float]:
+        """Per param group: :math:`\\nu = \\min(1, \\sqrt{\\kappa / (\\eta^2 \\sum |\\langle P, G \\rangle|)})`."""
+        totals: dict[int, float] = {}
+        for layer, direction in zip(layers, directions, strict=True):
+            matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
+            lr = float(layer.group["lr"])
+            totals[id(layer.group)] = totals.get(id(layer.group), 0.0) + float((direction * matrix).sum()) * lr * lr
+        scales = {}
+        for group in self.param_groups:
+            total, kappa = abs(totals.get(id(group), 0.0)), group["kl_clip"]
+            scales[id(group)] = 1.0 if kappa is None or total == 0.0 else min(1.0, math.sqrt(kappa / total))
+        return scales
+
+
+def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
+    """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` by Sherman-Morrison (no inverse)."""
+    right = matrix - torch.outer(matrix @ a, a) / (damping + a @ a)  # M (I - a aᵀ / (γ + aᵀa))
+    both = right - torch.outer(g, g @ right) / (damping + g @ g)  # (I - g gᵀ / (γ + gᵀg)) ...
+    return both / (damping * damping)

@@ -1,0 +1,161 @@
+"""Eva against the paper's formula with explicit inverses (float64), and its bookkeeping."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from inputaware_optim import Eva
+from inputaware_optim.eva import eva_direction
+
+
+@pytest.fixture(autouse=True)
+def _float64() -> Iterator[None]:
+    """Every model and tensor of this file in float64, for tight comparisons."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 6),
+    damping=st.floats(1e-3, 10.0),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=40, deadline=None)
+def test_sherman_morrison_equals_the_explicit_inverses(rows: int, cols: int, damping: float, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    matrix = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+    a = torch.randn(cols, generator=generator, dtype=torch.float64)
+    g = torch.randn(rows, generator=generator, dtype=torch.float64)
+    left = torch.linalg.inv(torch.outer(g, g) + damping * torch.eye(rows, dtype=torch.float64))
+    right = torch.linalg.inv(torch.outer(a, a) + damping * torch.eye(cols, dtype=torch.float64))
+    torch.testing.assert_close(eva_direction(matrix, a, g, damping), left @ matrix @ right, rtol=1e-9, atol=1e-9)
+
+
+def _reference_step(
+    model: nn.Sequential,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    state: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    damping: float,
+    decay: float,
+    kl_clip: float | None,
+) -> None:
+    """One Eva step from the paper's formulas: vectors from the inputs and retained output gradients."""
+    layers = [m for m in model if isinstance(m, nn.Linear)]
+    inputs, outputs = {}, {}
+
+    def keep(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        inputs[module] = args[0]
+        output.retain_grad()
+        outputs[module] = output
+
+    handles = [m.register_forward_hook(keep) for m in layers]
+    model.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()  # a mean over the batch and the outputs
+    for handle in handles:
+        handle.remove()
+    batch = x.shape[0]
+    directions = []
+    for layer in layers:
+        rows = torch.cat([inputs[layer], torch.ones(batch, 1)], dim=1)
+        a = rows.mean(0)
+        g = (batch * outputs[layer].grad).mean(0)  # the mean per-example derivative Ds = B g
+        if id(layer) in state:
+            old_a, old_g = state[id(layer)]
+            a, g = decay * old_a + (1 - decay) * a, decay * old_g + (1 - decay) * g
+        state[id(layer)] = (a, g)
+        grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1)
+        left = torch.linalg.inv(torch.outer(g, g) + damping * torch.eye(len(g)))
+        right = torch.linalg.inv(torch.outer(a, a) + damping * torch.eye(len(a)))
+        directions.append((layer, left @ grad @ right, grad))
+    total = sum(float((p * grad).sum().detach()) for _, p, grad in directions) * lr * lr
+    nu = 1.0 if kl_clip is None else min(1.0, math.sqrt(kl_clip / abs(total)))
+    with torch.no_grad():
+        for layer, p, _ in directions:
+            layer.weight -= lr * nu * p[:, :-1]
+            layer.bias -= lr * nu * p[:, -1]
+
+
+@pytest.mark.parametrize("kl_clip", [None, 1e-3])
+def test_steps_equal_the_papers_formula(kl_clip: float | None) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    optimizer = Eva(model, lr=0.1, momentum=0.0, damping=0.5, stat_decay=0.9, kl_clip=kl_clip)
+    state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for _ in range(3):
+        x, y = torch.randn(8, 5), torch.randn(8, 3)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        _reference_step(reference, x, y, state, lr=0.1, damping=0.5, decay=0.9, kl_clip=kl_clip)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+    a, g = state[id(reference[0])]
+    torch.testing.assert_close(optimizer.state[model[0].weight]["input_mean"], a)
+    torch.testing.assert_close(optimizer.state[model[0].weight]["output_grad_mean"], g)
+    assert optimizer.state[model[0].weight]["statistics_steps"] == 3
+
+
+def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    whole = copy.deepcopy(model)
+    split, joint = Eva(model, lr=0.05), Eva(whole, lr=0.05)
+    for _ in range(2):
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        split.zero_grad()
+        for part in (slice(0, 3), slice(3, 8)):  # unequal micro-batches, each a sum over its samples / 8
+            (nn.functional.mse_loss(model(x[part]), y[part], reduction="sum") / (8 * 2)).backward()
+        split.step()
+        joint.zero_grad()
+        nn.functional.mse_loss(whole(x), y).backward()
+        joint.step()
+    for p, q in zip(model.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_conv_layers_are_preconditioned_and_hold_only_vectors() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    optimizer = Eva(model, lr=0.1)
+    nn.functional.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 2)).backward()
+    held = optimizer.capture.reduced(optimizer._statistics)
+    sizes = {tuple(t.shape) for totals in held.values() for pair in totals.values() for t in pair}
+    assert sizes <= {(2 * 9 + 1,), (3,), (3 * 16 + 1,), (2,), ()}  # vectors and counts, never a matrix
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert {"input_mean", "output_grad_mean"} <= set(optimizer.state[model[0].weight])
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"damping": 0.0}, "damping"),
+        ({"kl_clip": 0.0}, "kl_clip"),
+        ({"kl_clip": math.inf}, "kl_clip"),
+        ({"stat_decay": 1.0}, "stat_decay"),
+        ({"batch_averaged": "yes"}, "batch_averaged"),
+    ],
+)
+def test_bad_configuration_names_the_argument(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Eva(nn.Linear(2, 2), lr=0.1, **kwargs)  # type: ignore[arg-type]
+
+
+def test_lr_has_no_default() -> None:
+    with pytest.raises(TypeError, match=r"Eva\(model, lr=\.\.\.\)"):
+        Eva(nn.Linear(2, 2))

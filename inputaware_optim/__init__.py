@@ -7,10 +7,12 @@ from .coverage import Coverage, CoverageWarning, Treatment
 from .dp import DPSGD, DPAdamW
 from .eva import Eva
 from .foof import FOOF
+from .hooks import InputsHookHandle
 from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
 from .kfac import KFAC
 from .layers import Layer, LayerKind, layer_kind, register_layer
 from .lazy_adamw import LazyAdamW
+from .monitor import Monitor, NonFiniteError, NonFiniteFinder, NonFiniteOrigin, NonFiniteWarning
 from .nlms import NLMS
 from .reduction import Reduction
 from .sgd import InputAwareSGD
@@ -33,9 +35,15 @@ __all__ = [
     "InputAwareOptimizer",
     "InputAwareSGD",
     "Inputs",
+    "InputsHookHandle",
     "Layer",
     "LayerKind",
     "LazyAdamW",
+    "Monitor",
+    "NonFiniteError",
+    "NonFiniteFinder",
+    "NonFiniteOrigin",
+    "NonFiniteWarning",
     "Reduction",
     "Treatment",
     "UncapturedInputsWarning",

@@ -1,0 +1,26 @@
+"""``python -m inputaware_optim plot LOG.jsonl -o out.png``: a ``Monitor`` log as per-layer heatmaps."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: the process's arguments); returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m inputaware_optim", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    plot_command = commands.add_parser(
+        "plot", help="per-layer heatmaps over steps (input RMS, zero fraction, update/weight) from a JSON-lines log"
+    )
+    plot_command.add_argument("log", help="the JSON-lines file a Monitor(..., jsonl=...) wrote")
+    plot_command.add_argument("-o", "--out", default="monitor.png", help="the PNG to write (default: monitor.png)")
+    args = parser.parse_args(argv)
+    from .monitor import plot
+
+    print(f"Wrote {plot(args.log, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,502 @@
+"""Input-aware step hooks, Monitor, NonFiniteFinder and the plot command, against references."""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from inputaware_optim import (
+    Capture,
+    InputAwareAdamW,
+    InputAwareSGD,
+    Monitor,
+    NonFiniteError,
+    NonFiniteFinder,
+    NonFiniteWarning,
+    Reduction,
+)
+
+from .conftest import hooks_on, mlp
+from .multiprocess import mark_done, run_spawned
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Poison(torch.autograd.Function):
+    """Identity that can put a NaN into its output (forward) or into the gradient it passes on (backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, forward_nan: bool, backward_nan: bool) -> Tensor:
+        ctx.backward_nan = backward_nan
+        out = x.clone()
+        if forward_nan:
+            out[0, 0] = math.nan
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        if ctx.backward_nan:  # everywhere: a ReLU behind it would let a single NaN through only where active
+            return torch.full_like(grad, math.nan), None, None
+        return grad.clone(), None, None
+
+
+class Poison(nn.Module):
+    """Puts a NaN in the forward or the backward of its call number ``at`` (``None``: never)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward_at: int | None = None
+        self.backward_at: int | None = None
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        call, self.calls = self.calls, self.calls + 1
+        return _Poison.apply(x, call == self.forward_at, call == self.backward_at)
+
+
+class Reused(nn.Module):
+    """``shared`` and ``poison`` run twice in one forward; ReLU makes exact zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 8)
+        self.shared = nn.Linear(8, 8)
+        self.poison = Poison()
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.poison.calls = 0
+        h = torch.relu(self.first(x))
+        h = self.poison(torch.tanh(self.shared(h)))
+        h = self.poison(torch.relu(self.shared(h)))
+        return self.out(h)
+
+
+def batch(seed: int, rows: int = 6) -> Tensor:
+    return torch.randn(rows, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def inputs_by_module(calls: Any) -> dict[nn.Module, list[Tensor]]:
+    found: dict[nn.Module, list[Tensor]] = {}
+    for call in calls:
+        found.setdefault(call.module, []).append(call.input.clone())
+    return found
+
+
+# -- the step hook --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["plain", "tutorial", "closure"])
+def test_hook_runs_once_per_step_and_sees_exactly_the_calls_in_the_gradient(order: str) -> None:
+    model = Reused()
+    torch.optim.SGD(nn.Linear(1, 1).parameters())  # a plain SGD wraps its step: no second run of ours
+    opt = InputAwareSGD(model, lr=0.1)
+    reference = Capture(model)  # follows the gradient on its own: what the step reads
+    seen: list[dict[nn.Module, list[Tensor]]] = []
+    expected: list[dict[nn.Module, list[Tensor]]] = []
+
+    def hook(optimizer: Any, inputs: Any) -> None:
+        assert optimizer is opt
+        seen.append(inputs_by_module(inputs.calls))
+        expected.append(inputs_by_module(reference.calls()))
+
+    opt.register_inputs_hook(hook)
+    for step in range(3):
+        model(batch(100 + step)).sum()  # a forward never backpropagated
+        model(batch(200 + step)).sum().backward()
+        model.zero_grad()  # drops that one
+        if order == "plain":
+            opt.zero_grad()
+            model(batch(step)).sum().backward()
+            model(batch(300 + step)).sum().backward()  # accumulated: counts
+            opt.step()
+        elif order == "tutorial":
+            loss = model(batch(step)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        else:
+
+            def closure(step: int = step) -> Tensor:
+                loss = model(batch(step)).sum()
+                opt.zero_grad()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        reference.clear()
+    assert len(seen) == 3
+    for got, want in zip(seen, expected, strict=True):
+        assert list(got) == list(want) and want
+        for module in want:
+            assert (
+                len(got[module])
+                == len(want[module])
+                == (2 if module is model.shared else 1) * (2 if order == "plain" else 1)
+            )
+            for a, b in zip(got[module], want[module], strict=True):
+                assert torch.equal(a, b)
+
+
+def test_hook_runs_once_with_a_rule_that_calls_super_step() -> None:
+    class Rule(InputAwareAdamW):
+        def step(self, closure: Any = None, inputs: Any = None) -> Any:
+            return super().step(closure, inputs=inputs)
+
+    torch.optim.AdamW(nn.Linear(1, 1).parameters())
+    model = mlp()
+    opt = Rule(model, lr=0.1)
+    runs: list[str] = []
+    opt.register_inputs_hook(lambda o, i: runs.append("pre"))
+    opt.register_inputs_hook(lambda o, i, u: runs.append("post"), when="post")
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    opt.step()
+    assert runs == ["pre", "post"]
+
+
+def test_post_hook_gets_each_parameters_update() -> None:
+    model = mlp()
+    opt = InputAwareAdamW(model, lr=0.1)
+    got: list[dict[Tensor, Tensor]] = []
+    opt.register_inputs_hook(lambda o, i, updates: got.append(updates), when="post", reads="updates")
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    (updates,) = got
+    for p, b in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(updates[p], p.detach() - b)
+    with pytest.raises(ValueError, match="when='post'"):
+        opt.register_inputs_hook(lambda o, i: None, reads="updates")
+    with pytest.raises(ValueError, match="every"):
+        opt.register_inputs_hook(lambda o, i: None, every=0)
+    with pytest.raises(TypeError, match="reads="):
+        opt.register_inputs_hook(lambda o, i: None, reads=["everything"])
+
+
+def test_removed_hook_no_longer_runs_and_leaves_no_hook_on_the_model() -> None:
+    model = mlp()
+    opt = InputAwareSGD(model, lr=0.1)
+    assert hooks_on(model) == 0
+    runs: list[int] = []
+    handle = opt.register_inputs_hook(lambda o, i: runs.append(len(i.calls)))
+    assert hooks_on(model) > 0
+    for _ in range(2):
+        opt.zero_grad()
+        model(batch(0)).sum().backward()
+        opt.step()
+    handle.remove()
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    opt.step()
+    assert runs == [2, 2]
+    assert hooks_on(model) == 0 and not opt.capture.active
+
+
+class _InputSum(Reduction):
+    def forward(self, call: Any) -> Any:
+        return call.input.sum()
+
+
+@pytest.mark.parametrize("reads", ["calls", "reduction"])
+def test_nothing_is_kept_on_the_steps_every_skips(reads: str) -> None:
+    model = mlp()
+    opt = InputAwareSGD(model, lr=0.1)
+    reduction = _InputSum()
+    runs: list[int] = []
+
+    def hook(optimizer: Any, inputs: Any) -> None:
+        runs.append(handle.step)
+        if reads == "calls":
+            assert len(inputs.calls) == 2
+        else:
+            assert set(inputs.reduced(reduction)) == set(model.parameters())
+
+    handle = opt.register_inputs_hook(hook, every=3, reads="calls" if reads == "calls" else reduction)
+    activations: list[weakref.ref[Tensor]] = []
+    model[2].register_forward_pre_hook(lambda m, args: activations.append(weakref.ref(args[0])))
+    alive = []
+    for step in range(7):
+        opt.zero_grad()
+        hooked = hooks_on(model) - 1  # less ours
+        model(batch(step)).sum().backward()
+        gc.collect()
+        alive.append(activations[-1]() is not None)
+        due = step % 3 == 0
+        assert hooked > 0 if due else hooked == 0, step
+        assert bool(opt.capture.reductions) == (due and reads == "reduction")
+        opt.step()
+    assert runs == [0, 3, 6]
+    # The activation outlives its backward only where raw calls are read, on the steps the hook runs.
+    assert alive == [reads == "calls" and step % 3 == 0 for step in range(7)]
+
+
+# -- Monitor statistics -------------------------------------------------------------------
+
+
+def by_hand(tensors: list[Tensor]) -> dict[str, float]:
+    x = torch.cat([t.detach().double().reshape(-1) for t in tensors])
+    return {
+        "mean": x.mean().item(),
+        "rms": x.pow(2).mean().sqrt().item(),
+        "max_abs": x.abs().max().item(),
+        "zero_fraction": (x == 0).double().mean().item(),
+        "nonfinite": (~torch.isfinite(x)).sum().item(),
+    }
+
+
+def assert_statistics(got: dict[str, float], want: dict[str, float], prefix: str) -> None:
+    for name, value in want.items():
+        assert got[f"{prefix}_{name}"] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (prefix, name)
+
+
+@pytest.mark.parametrize("optimizer", ["InputAwareAdamW", "torch.optim.AdamW"])
+def test_every_monitor_statistic_equals_the_same_by_hand_in_float64(optimizer: str) -> None:
+    model = Reused()
+    if optimizer == "InputAwareAdamW":
+        opt: torch.optim.Optimizer = InputAwareAdamW(model, lr=0.05)
+        monitor = Monitor(opt, grad_outputs=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        monitor = Monitor(opt, model, grad_outputs=True)
+    reference = Capture(model, grad_outputs=True)
+    names = {m: n for n, m in model.named_modules()}
+    for step in range(3):
+        model(batch(50 + step)).sum().backward()
+        opt.zero_grad()  # the forward above does not count
+        for micro in range(2):
+            x = batch(10 * step + micro)
+            if step == 2 and micro == 1:
+                x[0, 0] = math.inf  # counted as non-finite (and makes this step's gradient NaN)
+            (model(x).pow(2).mean() / 2).backward()
+        calls = reference.calls()
+        grads = {p: p.grad.detach().double().clone() for p in model.parameters()}
+        weights = {p: p.detach().double().clone() for p in model.parameters()}
+        opt.step()
+        reference.clear()
+        record = monitor.last
+        assert record is not None and record["step"] == step
+        for module in (model.first, model.shared, model.out):
+            mine = [c for c in calls if c.module is module]
+            got = record["modules"][names[module]]
+            assert_statistics(got, by_hand([c.input for c in mine]), "input")
+            assert_statistics(got, by_hand([c.grad_output for c in mine]), "grad_output")
+        for name, param in model.named_parameters():
+            got = record["parameters"][name]
+            update = param.detach().double() - weights[param]
+            assert got["grad_norm"] == pytest.approx(grads[param].norm().item(), rel=1e-6, nan_ok=True)
+            assert got["update_norm"] == pytest.approx(update.norm().item(), rel=1e-5, abs=1e-9, nan_ok=True)
+            ratio = update.norm().item() / weights[param].norm().item()
+            assert got["update_to_weight"] == pytest.approx(ratio, rel=1e-5, abs=1e-9, nan_ok=True)
+    assert record["modules"]["first"]["input_nonfinite"] == 1
+    monitor.remove()
+    assert hooks_on(model) == len(reference._handles)
+
+
+def test_monitor_every_100_computes_nothing_in_between() -> None:
+    model = mlp()
+    opt = InputAwareSGD(model, lr=0.1)
+    records: list[dict[str, Any]] = []
+    monitor = Monitor(opt, every=100, callback=records.append)
+    for step in range(3):
+        opt.zero_grad()
+        assert (hooks_on(model) > 0) == (step == 0)
+        model(batch(step)).sum().backward()
+        opt.step()
+    assert [r["step"] for r in records] == [0]
+    monitor.remove()
+
+
+# -- sinks ----------------------------------------------------------------------------------
+
+
+def train(monitor_kwargs: dict[str, Any], steps: int = 3) -> tuple[nn.Module, Monitor]:
+    model = Reused()
+    opt = InputAwareSGD(model, lr=0.05)
+    monitor = Monitor(opt, **monitor_kwargs)
+    for step in range(steps):
+        opt.zero_grad()
+        model(batch(step)).pow(2).mean().backward()
+        opt.step()
+    return model, monitor
+
+
+def test_tensorboard_event_file_holds_the_expected_tags(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, monitor = train({"tensorboard": tmp_path / "runs", "grad_outputs": True})
+    monitor.remove()
+    events = EventAccumulator(str(tmp_path / "runs"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for module in ("first", "shared", "out"):
+        for statistic in ("mean", "rms", "max_abs", "zero_fraction", "nonfinite"):
+            assert f"input_{statistic}/{module}" in tags
+            assert f"grad_output_{statistic}/{module}" in tags
+    for name in ("first.weight", "shared.bias", "out.weight"):
+        for statistic in ("grad_norm", "update_norm", "update_to_weight"):
+            assert f"{statistic}/{name}" in tags
+    assert [e.step for e in events.Scalars("input_rms/shared")] == [0, 1, 2]
+
+
+def test_jsonl_csv_and_callback_carry_the_same_records(tmp_path: Path) -> None:
+    records: list[dict[str, Any]] = []
+    _, monitor = train({"jsonl": tmp_path / "log.jsonl", "csv": tmp_path / "log.csv", "callback": records.append})
+    monitor.remove()
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert lines == records and len(records) == 3
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert rows[0] == "step,kind,name,statistic,value"
+    step, kind, name, statistic, value = rows[1].split(",")
+    table = records[0]["modules" if kind == "module" else "parameters"]
+    assert int(step) == 0 and float(value) == table[name][statistic]
+    assert len(rows) == 1 + sum(len(s) for r in records for t in ("modules", "parameters") for s in r[t].values())
+
+
+def test_plot_command_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    train({"jsonl": tmp_path / "log.jsonl"})[1].remove()
+    out = tmp_path / "out.png"
+    finished = subprocess.run(
+        [sys.executable, "-m", "inputaware_optim", "plot", str(tmp_path / "log.jsonl"), "-o", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert finished.returncode == 0, finished.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the first non-finite value -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("call", [0, 1])
+@pytest.mark.parametrize("optimizer", ["InputAwareSGD", "torch.optim.SGD"])
+def test_nonfinite_finder_names_the_module_and_call(phase: str, call: int, optimizer: str) -> None:
+    model = Reused()
+    if optimizer == "InputAwareSGD":
+        opt: torch.optim.Optimizer = InputAwareSGD(model, lr=0.1)
+        finder = NonFiniteFinder(opt)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        finder = NonFiniteFinder(opt, model)
+    for step in range(2):  # (after a non-finite step the weights are not finite either)
+        if step == 1:
+            setattr(model.poison, f"{phase}_at", call)
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        if step == 1:
+            with pytest.warns(NonFiniteWarning, match=rf"step 1: poison \(call {call}\) in the {phase}"):
+                opt.step()
+            model.poison.forward_at = model.poison.backward_at = None
+        else:
+            opt.step()
+    assert finder.found is not None
+    assert (finder.found.module, finder.found.call, finder.found.step, finder.found.phase) == (
+        "poison",
+        call,
+        1,
+        phase,
+    )
+    finder.remove()
+
+
+def test_nonfinite_finder_raises_before_the_update_and_names_data_and_loss() -> None:
+    model = Reused()
+    opt = InputAwareSGD(model, lr=0.1)
+    finder = NonFiniteFinder(opt, action="raise")
+    opt.zero_grad()
+    model.poison.backward_at = 1
+    model(batch(0)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NonFiniteError, match="poison") as raised:
+        opt.step()
+    assert raised.value.origin == finder.found
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    model.poison.backward_at = None
+    x = batch(1)
+    x[2, 1] = math.nan
+    opt.zero_grad()
+    model(x).sum().backward()
+    with pytest.raises(NonFiniteError, match="first"):
+        opt.step()
+    assert finder.found is not None and (finder.found.module, finder.found.phase) == ("first", "input")
+    opt.zero_grad()
+    (model(batch(2)).sum() * math.inf).backward()
+    with pytest.raises(NonFiniteError, match="gradient of the loss"):
+        opt.step()
+    assert finder.found.phase == "loss"
+    opt.zero_grad()
+    model(batch(3)).sum().backward()
+    opt.step()  # finite again: a step
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+# -- data parallel --------------------------------------------------------------------------
+
+WORLD, BATCH, STEPS = 2, 8, 2
+
+
+def ddp_batches() -> list[Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(BATCH, 4, generator=generator) for _ in range(STEPS)]
+
+
+def monitored_run(model: nn.Module, part: slice, **options: Any) -> list[dict[str, Any]]:
+    opt = InputAwareSGD(model, lr=0.1, momentum=0.9, **options)
+    monitor = Monitor(opt)
+    records = []
+    for x in ddp_batches():
+        opt.zero_grad()
+        model(x[part]).pow(2).mean().backward()
+        opt.step()
+        records.append(monitor.last)
+    monitor.remove()
+    return records
+
+
+def ddp_worker(rank: int, directory: str, port: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=60))
+    local = BATCH // WORLD
+    records = monitored_run(DistributedDataParallel(Reused()), slice(rank * local, (rank + 1) * local))
+    whole = monitored_run(Reused(), slice(None), process_group=None)  # this rank alone
+    for got, want in zip(records, whole, strict=True):
+        assert got["modules"].keys() == want["modules"].keys()
+        for table in ("modules", "parameters"):
+            for name, statistics in want[table].items():
+                for statistic, value in statistics.items():
+                    assert got[table][name][statistic] == pytest.approx(value, rel=1e-5, abs=1e-7), (name, statistic)
+    dist.barrier()
+    mark_done(directory, rank)
+    os._exit(0)  # see tests/test_distributed.py: gloo's teardown may abort a finished rank
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_ddp_statistics_over_two_ranks_equal_one_process_on_the_whole_batch() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_spawned(ddp_worker, args=(port,), world=WORLD, timeout=120)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Coverage", "CoverageWarning", "Treatment"]
+__all__ = ["Coverage", "CoverageWarning", "Treatment", "supported_layers_table"]
 
 
 class CoverageWarning(UserWarning):
@@ -58,3 +58,76 @@ class Coverage(list[Treatment]):
     def describe_fallbacks(self) -> str:
         """The fallbacks in one sentence each (for the warning and the strict error)."""
         return "; ".join(f"{r.name} ({r.module}): {r.reason}" for r in self.fallbacks())
+
+
+_RULES = ("FOOF", "K-FAC", "NLMS", "LazyAdamW", "DPSGD / DPAdamW")
+
+# Layers no registered kind describes, as every rule treats them (what the registry cannot say).
+_UNREGISTERED = (
+    (
+        "any other module with parameters (norms, custom layers)",
+        (
+            "stock, reported (matrices)",
+            "stock, reported (matrices)",
+            "stock, reported (matrices)",
+            "stock",
+            "exact (torch.func)",
+        ),
+    ),
+    (
+        "a registered type's subclass with its own `forward` (timm's `StdConv2d`)",
+        ("stock, reported", "stock, reported", "stock, reported", "stock", "exact (torch.func)"),
+    ),
+    (
+        "`nn.LSTM`, `nn.GRU`, `nn.RNN` and their cells",
+        ("stock, reported", "stock, reported", "stock, reported", "stock", "refused"),
+    ),
+    ("`nn.BatchNorm*d` in training mode", ("stock", "stock", "stock", "stock", "refused")),
+    (
+        "weights under `weight_norm` / `spectral_norm`",
+        ("stock, reported", "stock, reported", "stock, reported", "stock", "refused"),
+    ),
+)
+
+
+def supported_layers_table() -> str:
+    """The README's "Supported layers" table (Markdown), read from the layer registry.
+
+    Cells: "exact" (the rule's own update), "stock" (the stock update by design: not a weight
+    matrix, or not a table), "stock, reported" (a fallback, listed in ``coverage()``, warned once,
+    refused under ``strict=True``; "(matrices)": for the weight matrices, the rest by design),
+    "refused" (raises, naming the module).
+    """
+    from . import layers
+
+    kinds: dict[layers.LayerKind, list[str]] = {}
+    for key, kind in layers._REGISTRY.items():
+        if type(kind).__module__ == layers.__name__:  # the built-in kinds, not a user's
+            kinds.setdefault(kind, []).append(_type_name(key))
+    lines = ["| layer | " + " | ".join(_RULES) + " |", "|---" * (len(_RULES) + 1) + "|"]
+    for kind, names in kinds.items():
+        lines.append(f"| {', '.join(names)} | " + " | ".join(_cells(kind)) + " |")
+    for label, cells in _UNREGISTERED:
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _type_name(key: type | str) -> str:
+    if isinstance(key, str):
+        return f"`{key}` (by name)"
+    return f"`nn.{key.__name__}`" if key.__module__.startswith("torch.nn") else f"`{key.__qualname__}`"
+
+
+def _cells(kind: object) -> tuple[str, ...]:
+    from .layers import LayerKind
+
+    assert isinstance(kind, LayerKind)
+    fallback = "stock, reported"  # every built-in kind has a weight matrix
+    foof = "exact" if kind.provides("input_rows") else fallback
+    kfac = "exact" if kind.provides("input_rows") and kind.provides("output_grad_rows") else fallback
+    lazy = "exact" if kind.provides("touched_rows") else "stock"
+    if kind.per_sample_refusal is not None:
+        dp = "refused"
+    else:
+        dp = "exact (closed form)" if kind.provides("per_sample") else "exact (torch.func)"
+    return foof, kfac, foof, lazy, dp

@@ -94,7 +94,10 @@ class LayerKind:
     """How one layer type presents its calls and gradients to rules.
 
     A capability a layer type lacks raises ``NotImplementedError``; ``provides`` tells.
+    ``per_sample_refusal`` says why DP refuses the layer, where it does (for the README's table).
     """
+
+    per_sample_refusal: str | None = None
 
     def supports(self, module: nn.Module) -> bool:
         """Whether this particular module (its configuration) is handled."""
@@ -479,6 +482,8 @@ class ConvTransposeKind(LayerKind):
 @register_layer(nn.MultiheadAttention)
 class MultiheadAttentionKind(LayerKind):
     """``nn.MultiheadAttention``: registered to say why no Kronecker rule covers ``in_proj_weight``."""
+
+    per_sample_refusal = "out_proj.weight is used without calling out_proj"
 
     def supports(self, module: nn.Module) -> bool:
         return False

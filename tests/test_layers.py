@@ -3,7 +3,9 @@ with offsets and per-sample weights (DP, LazyAdamW), and the layers no rule cove
 
 from __future__ import annotations
 
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, LazyAdamW
+from inputaware_optim.coverage import supported_layers_table
 
 GROUPED = {
     "conv1d groups=2": lambda: nn.Conv1d(4, 6, 3, groups=2, padding=1),
@@ -331,3 +334,73 @@ def test_epsilon_is_opacus_accountant_on_the_steps_taken() -> None:
     assert resumed.epsilon(1e-5, "rdp") == optimizer.epsilon(1e-5, "rdp")
     with pytest.raises(ValueError, match="sample_rate"):
         DPSGD(model).epsilon(1e-5)
+
+
+# -- the README's "Supported layers" table -------------------------------------------------------
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+TABLE = re.compile(r"<!-- supported-layers:[^\n]*-->\n(.*?)\n<!-- end supported-layers -->", re.DOTALL)
+
+
+def test_readme_supported_layers_table_is_the_registrys() -> None:
+    found = TABLE.search(README.read_text())
+    assert found, "README.md lost its supported-layers markers"
+    assert found.group(1) == supported_layers_table(), (
+        "README.md's Supported layers table is stale: paste the output of "
+        "python -c 'from inputaware_optim.coverage import supported_layers_table as t; print(t())'"
+    )
+
+
+def instances() -> dict[str, nn.Module]:
+    """One small module per registered built-in type, by the name the table gives it."""
+    made: dict[str, nn.Module] = {
+        "`nn.Linear`": nn.Linear(3, 2),
+        "`nn.Conv1d`": nn.Conv1d(2, 2, 1),
+        "`nn.Conv2d`": nn.Conv2d(2, 2, 1, groups=2),
+        "`nn.Conv3d`": nn.Conv3d(2, 2, 1),
+        "`nn.ConvTranspose1d`": nn.ConvTranspose1d(2, 2, 1),
+        "`nn.ConvTranspose2d`": nn.ConvTranspose2d(2, 2, 1),
+        "`nn.ConvTranspose3d`": nn.ConvTranspose3d(2, 2, 1),
+        "`nn.MultiheadAttention`": nn.MultiheadAttention(4, 2),
+        "`nn.Embedding`": nn.Embedding(5, 2),
+        "`nn.EmbeddingBag`": nn.EmbeddingBag(5, 2),
+    }
+    try:
+        from transformers.pytorch_utils import Conv1D
+
+        made["`transformers.pytorch_utils.Conv1D` (by name)"] = Conv1D(2, 3)
+    except ImportError:
+        pass
+    return made
+
+
+def test_each_cell_of_the_table_is_what_the_optimizers_report() -> None:
+    rows = [line.split(" | ") for line in supported_layers_table().splitlines()[2:]]
+    cells = {name: row[1:] for row in rows for name in row[0].lstrip("| ").split(", ")}
+    made = instances()
+    assert {name for name in cells if name.startswith("`")} >= set(made)
+    for name, module in made.items():
+        weight = module.in_proj_weight if isinstance(module, nn.MultiheadAttention) else module.weight
+        model = nn.ModuleList([module])
+        for rule, cell in zip((FOOF, KFAC, NLMS, LazyAdamW), cells[name], strict=False):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                row = next(r for r in rule(model, lr=0.1).coverage() if r.shape == tuple(weight.shape))
+            expected = {"exact": (False, False), "stock": (True, False), "stock, reported": (True, True)}[cell]
+            assert (row.treatment.startswith("stock"), row.fallback) == expected, (name, rule.__name__, row)
+        dp = cells[name][4].rstrip(" |")
+        if dp == "refused":
+            continue  # MultiheadAttention: test_dp_refuses_multihead_attention_at_the_step_by_name
+        row = next(r for r in DPSGD(model).coverage() if r.shape == tuple(weight.shape))
+        assert ("closed form" in row.treatment) == (dp == "exact (closed form)"), (name, row)
+
+
+def test_dp_refuses_multihead_attention_at_the_step_by_name() -> None:
+    attention = nn.MultiheadAttention(4, 2, batch_first=True)
+    optimizer = DPSGD(attention, lr=0.1)
+    before = [p.detach().clone() for p in attention.parameters()]
+    x = torch.randn(2, 3, 4)
+    attention(x, x, x)[0].sum().backward()
+    with pytest.raises(RuntimeError, match=r"out_proj.*without calling its module"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(attention.parameters(), before, strict=True))

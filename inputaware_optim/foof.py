@@ -28,8 +28,9 @@ class FOOF(KroneckerRule):
     ``FOOF(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
     max_dim=None, distributed_inversion=False, params=None, **sgd_kwargs)``
 
-    For each ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``, through its unfolded input
-    patches, as K-FAC does), with :math:`\tilde x` the input with a constant 1 appended when
+    For each layer with input rows (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Conv1d/2d/3d``
+    through their unfolded input patches, as K-FAC does; a grouped convolution one block per
+    group, each with its own factor), with :math:`\tilde x` the input with a constant 1 appended when
     the layer's bias is trained (the homogeneous coordinate) and :math:`\tilde G` the weight
     gradient with the bias gradient as its last column:
 

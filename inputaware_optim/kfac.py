@@ -40,10 +40,11 @@ class KFAC(KroneckerRule):
     ``KFAC(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
     batch_averaged=True, max_dim=None, distributed_inversion=False, params=None, **sgd_kwargs)``
 
-    For each ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``), with :math:`\tilde x` the input
-    rows (a 1 appended when the bias is trained), :math:`g` the gradient that reached the
-    layer's output (one row per sample and position), :math:`B` the batch size and
-    :math:`\tilde G` the weight-and-bias gradient:
+    For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
+    ``nn.Conv1d/2d/3d``; a grouped convolution one block per group, each with its own factors),
+    with :math:`\tilde x` the input rows (a 1 appended when the bias is trained), :math:`g` the
+    gradient that reached the layer's output (one row per sample and position), :math:`B` the
+    batch size and :math:`\tilde G` the weight-and-bias gradient:
 
     .. math::
         A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \qquad

@@ -157,7 +157,7 @@ class KroneckerRule(InputAwareSGD):
             if problem is not None:
                 raise NotImplementedError(
                     f"{type(self).__name__} cannot precondition {names.get(module) or type(module).__name__} "
-                    f"({type(module).__name__}) under FSDP2: {problem}. Shard it with fully_shard's default "
+                    f"under FSDP2: {problem}. Shard it with fully_shard's default "
                     "placement (Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
                 )
 
@@ -280,7 +280,11 @@ class KroneckerRule(InputAwareSGD):
 
 
 def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
-    """:math:`(M + \\lambda I)^{-1}` by Cholesky in float64, returned in ``matrix``'s dtype.
+    """:math:`(M + \\lambda I)^{-1}` by Cholesky in float64, returned in ``matrix``'s dtype, row-major.
+
+    Row-major (``contiguous()``; ``cholesky_inverse`` returns column-major): a product with it
+    takes the same kernel, so the same bits, whether it was computed here or received from
+    another rank (``distributed_inversion``).
 
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).
@@ -297,7 +301,7 @@ def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
             f"the damped statistics of {name} are not positive definite (damping={damping}); "
             "increase damping. No parameter was changed by this step"
         )
-    return torch.cholesky_inverse(factor).to(matrix.dtype)
+    return torch.cholesky_inverse(factor).to(matrix.dtype).contiguous()
 
 
 def _check_hyperparameters(damping: float, stat_decay: float, update_every: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from collections.abc import Callable
@@ -58,22 +59,22 @@ RULES: dict[str, Callable[[nn.Module, int], Any]] = {
     "KFAC": lambda m, b, **kw: KFAC(m, **kw, lr=0.05, update_every=2, damping=1e-2),
     "NLMS": lambda m, b, **kw: NLMS(m, **kw, lr=0.1),
     "LazyAdamW": lambda m, b, **kw: LazyAdamW(m, **kw, lr=0.01),
-    "DPSGD": lambda m, b, **kw: DPSGD(
-        m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b
-    ),
+    "DPSGD": lambda m, b, **kw: DPSGD(m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b),
     "DPSGD-noise": lambda m, b, **kw: DPSGD(
         m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=1.0, expected_batch_size=b
     ),
+    "FOOF-shared": lambda m, b, **kw: FOOF(m, **kw, lr=0.05, update_every=2, distributed_inversion=True),
+    "KFAC-shared": lambda m, b, **kw: KFAC(m, **kw, lr=0.05, update_every=2, damping=1e-2, distributed_inversion=True),
 }
 
 
-def train_whole(rule: str, micro_batches: int = 1) -> list[torch.Tensor]:
+def train_whole(rule: str, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     """One process on the whole batch: the reference."""
-    model = Net()
+    model = Net().to(dtype)
     optimizer = RULES[rule](model, BATCH, process_group=None)  # one process's whole batch
     for tokens, target in batches():
         optimizer.zero_grad()
-        loss_of(model, tokens, target).backward()
+        loss_of(model, tokens, target.to(dtype)).backward()
         optimizer.step()
     return [p.detach() for p in model.parameters()]
 
@@ -133,9 +134,105 @@ def fsdp_worker(rank: int) -> None:
                 torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=rule)
     model = Net()
     fully_shard(model, mesh=mesh)
-    for rule in ("FOOF", "KFAC", "DPSGD"):
+    for rule in ("DPSGD",):
         with pytest.raises(NotImplementedError, match="does not support sharded"):
             RULES[rule](model, BATCH // WORLD)
+
+
+def assert_same_on_every_rank(tensors: list[torch.Tensor], what: str) -> None:
+    """Bitwise the same tensors on every rank (replicated state)."""
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    for other in gathered[1:]:
+        assert torch.equal(gathered[0], other), f"{what} differs between ranks"
+
+
+def sharded_net(mesh: Any, dtype: torch.dtype = torch.float64, **shard_kwargs: Any) -> Net:
+    """``Net`` in ``dtype``, each layer and the whole sharded with FSDP2 over ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = Net().to(dtype)
+    for module in (model.embed, model.hidden, model.out):
+        fully_shard(module, mesh=mesh, **shard_kwargs)
+    fully_shard(model, mesh=mesh, **shard_kwargs)
+    return model
+
+
+def train_sharded(rule: str, model: nn.Module, rank: int) -> Any:
+    part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    optimizer = RULES[rule](model, BATCH // WORLD)
+    for tokens, target in batches():
+        optimizer.zero_grad()
+        loss_of(model, tokens[part], target[part].double()).backward()
+        optimizer.step()
+    return optimizer
+
+
+def fsdp_kronecker_worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for rule in ("FOOF", "KFAC", "FOOF-shared", "KFAC-shared"):
+        model = sharded_net(mesh)
+        optimizer = train_sharded(rule, model, rank)
+        # The factors and their inverses are replicated: every rank holds the same bits.
+        factors = [v for p in model.parameters() for k, v in optimizer.state[p].items() if k.endswith("_inverse")]
+        moments = [v for p in model.parameters() for k, v in optimizer.state[p].items() if k.endswith("_moment")]
+        assert len(factors) == len(moments) == (2 if rule.startswith("FOOF") else 4)
+        assert_same_on_every_rank(factors + moments, f"{rule}'s factors")
+        full = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+        if rank == 0:
+            for p, q in zip(full, train_whole(rule, torch.float64), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=rule)
+    # A layer sharded on its columns: its rows are not held whole, refused by name.
+    model = sharded_net(mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    with pytest.raises(NotImplementedError, match="cannot precondition hidden under FSDP2: sharded as"):
+        FOOF(model, lr=0.1)
+
+
+def inversion_worker(rank: int) -> None:
+    from inputaware_optim import kronecker
+
+    original = kronecker.damped_inverse
+    inverted: list[str] = []
+
+    def counted(matrix: torch.Tensor, damping: float, name: str) -> torch.Tensor:
+        inverted.append(name)
+        return original(matrix, damping, name)
+
+    kronecker.damped_inverse = counted
+    part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    for rule in ("FOOF", "KFAC"):
+        params, names = {}, {}
+        for shared in (False, True):
+            inverted.clear()
+            model = DistributedDataParallel(Net())
+            optimizer = RULES[f"{rule}-shared" if shared else rule](model, BATCH // WORLD)
+            for tokens, target in batches():
+                optimizer.zero_grad()
+                loss_of(model, tokens[part], target[part]).backward()
+                optimizer.step()
+            params[shared], names[shared] = [p.detach().clone() for p in model.parameters()], sorted(inverted)
+        for p, q in zip(params[True], params[False], strict=True):
+            assert torch.equal(p, q), f"{rule}: distributed inversion changed the parameters"
+        # Without sharing every rank inverts every factor; with it, each its share, all of them once.
+        shares: list[Any] = [None] * WORLD
+        dist.all_gather_object(shares, names[True])
+        assert sorted(name for share in shares for name in share) == names[False], (shares, names[False])
+        assert all(0 < len(share) < len(names[False]) for share in shares), shares
+    kronecker.damped_inverse = original
+    # An inversion that fails on its rank fails the step on every rank, with the same error.
+    model = DistributedDataParallel(Net())
+    optimizer = FOOF(model, lr=0.1, distributed_inversion=True)
+    with torch.no_grad():
+        model.module.embed.weight[0] = math.inf  # token 0's row: the hidden layer's statistics overflow
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_of(model, torch.zeros(2, 5, dtype=torch.long), torch.zeros(2, 3)).backward()
+    with pytest.raises(RuntimeError, match=r"statistics of hidden \(input\) are not finite"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 def _entry(rank: int, directory: str, port: int, worker: Callable[[int], None]) -> None:
@@ -164,3 +261,11 @@ def test_ddp_replicas_stay_identical_and_match_one_process() -> None:
 
 def test_fsdp2_stock_and_lazy_adamw_match_one_process_and_other_rules_refuse() -> None:
     run_two_processes(fsdp_worker)
+
+
+def test_fsdp2_foof_and_kfac_match_one_process_with_replicated_factors() -> None:
+    run_two_processes(fsdp_kronecker_worker)
+
+
+def test_distributed_inversion_splits_the_work_and_changes_no_bit() -> None:
+    run_two_processes(inversion_worker)

@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
-from .distributed import all_reduce_sum_
+from .distributed import all_reduce_sum_, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
 from .layers import GENERIC, IndexedRows, Materialized, MatrixRows, PerSample, layer_kind
 from .reduction import Reduction, add_statistics
@@ -54,7 +54,11 @@ _DOC = r"""
     Micro-batches (gradient accumulation) are separate samples of one step. Under
     ``DistributedDataParallel`` each rank clips its own samples, the clipped sums are added
     across ranks, the noise is drawn once (on rank 0) and the result divided by the global
-    batch, so every replica applies the same update.
+    batch, so every replica applies the same update. Under FSDP2 the same holds without any
+    weight: per-sample norms come from inputs and output gradients, each rank forms its samples'
+    clipped sums in full, rank 0 adds the noise (drawn once, in full) and one reduce-scatter
+    gives each rank its shard of the total. Only layers with closed-form per-sample gradients
+    may be sharded (``vmap(grad)`` needs the whole weights).
 
     Given ``sample_rate`` (each sample's probability of being in a batch), ``epsilon(delta)``
     reports the :math:`\varepsilon` spent by the steps taken so far, from Opacus's own accountant
@@ -182,7 +186,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "max_grad_norm and noise_multiplier bound each sample's gradient over all parameters at "
                     "once, so every param group must use the same values"
                 )
-        self._refuse_sharded_parameters("per-sample gradients need each layer's whole parameters")
+        _refuse_sharded_without_closed_form(self)
         for module in self._modules_to_capture(self._params()):
             if isinstance(module, _BatchNorm):
                 raise ValueError(
@@ -255,8 +259,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             assert param.grad is not None
             if param.grad.is_sparse:  # the noised estimate is dense: every row moves
                 param.grad = grad.to(param.dtype)
-            else:
-                param.grad.copy_(grad)
+            else:  # under FSDP2, ``grad`` is this rank's shard
+                local_tensor(param.grad).copy_(grad)
         super().step(inputs=inputs)
         self._privacy_steps += 1
         return loss
@@ -301,7 +305,9 @@ class _PerSampleClipping(InputAwareOptimizer):
                 total += (noise * (sigma * clip)).to(total.device, total.dtype)
         batch = self._expected_batch_size or first["samples"]
         count = torch.tensor(float(batch), dtype=torch.float64)
-        all_reduce_sum_([*sums.values(), count], data_parallel)
+        all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count], data_parallel)
+        for param in [p for p in sums if sharded(p)]:  # FSDP2: this rank's shard of the sum, by a reduce-scatter
+            sums[param] = reduce_scatter_like(sums[param], param)
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
 
@@ -531,6 +537,24 @@ def _seeded_generator() -> torch.Generator:
     """A private generator seeded from torch's global RNG: reproducible under torch.manual_seed,
     and drawing noise from it leaves the global stream (dropout, data order) undisturbed."""
     return torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+
+
+def _refuse_sharded_without_closed_form(optimizer: InputAwareOptimizer) -> None:
+    """Refuse, by name, a sharded (FSDP2) parameter whose module's per-sample gradients need its
+    whole weights (the generic ``vmap(grad)`` over the module's forward)."""
+    names = {m: n for n, m in unwrap_model(optimizer.model).named_modules()}
+    trained = {p for p in optimizer._params() if p.requires_grad}
+    for module in optimizer._modules_to_capture(trained):
+        if not any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
+            continue
+        kind = layer_kind(module)
+        if kind is None or type(kind).per_sample is type(GENERIC).per_sample:
+            raise NotImplementedError(
+                f"{type(optimizer).__name__} cannot compute per-sample gradients of {names.get(module, '?')} "
+                "under FSDP2: only layers with closed-form per-sample gradients "
+                "(nn.Linear, nn.Conv*d, nn.Embedding, ...) may be sharded; the generic vmap(grad) needs the whole "
+                "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
+            )
 
 
 def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, InputAwareAdamW, InputAwareSGD, LazyAdamW
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, DPAdamW, InputAwareAdamW, InputAwareSGD, LazyAdamW
 
 from .multiprocess import mark_done, run_spawned
 
@@ -62,6 +63,9 @@ RULES: dict[str, Callable[[nn.Module, int], Any]] = {
     "DPSGD": lambda m, b, **kw: DPSGD(m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b),
     "DPSGD-noise": lambda m, b, **kw: DPSGD(
         m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=1.0, expected_batch_size=b
+    ),
+    "DPAdamW": lambda m, b, **kw: DPAdamW(
+        m, **kw, lr=0.01, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b
     ),
     "FOOF-shared": lambda m, b, **kw: FOOF(m, **kw, lr=0.05, update_every=2, distributed_inversion=True),
     "KFAC-shared": lambda m, b, **kw: KFAC(m, **kw, lr=0.05, update_every=2, damping=1e-2, distributed_inversion=True),
@@ -132,11 +136,6 @@ def fsdp_worker(rank: int) -> None:
         if rank == 0:
             for p, q in zip(full, train_whole(rule), strict=True):
                 torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=rule)
-    model = Net()
-    fully_shard(model, mesh=mesh)
-    for rule in ("DPSGD",):
-        with pytest.raises(NotImplementedError, match="does not support sharded"):
-            RULES[rule](model, BATCH // WORLD)
 
 
 def assert_same_on_every_rank(tensors: list[torch.Tensor], what: str) -> None:
@@ -190,6 +189,46 @@ def fsdp_kronecker_worker(rank: int) -> None:
     model = sharded_net(mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     with pytest.raises(NotImplementedError, match="cannot precondition hidden under FSDP2: sharded as"):
         FOOF(model, lr=0.1)
+
+
+def fsdp_dp_worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for rule in ("DPSGD", "DPAdamW"):
+        model = sharded_net(mesh)
+        train_sharded(rule, model, rank)
+        full = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+        if rank == 0:
+            for p, q in zip(full, train_whole(rule, torch.float64), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=rule)
+    # The noise is drawn once, in full, on rank 0: each rank's shard is its slice of what DDP adds.
+    part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    trained = []
+    for model in (sharded_net(mesh), DistributedDataParallel(Net().double())):
+        generator = torch.Generator().manual_seed(7)  # the same seed on every rank; only rank 0 draws
+        optimizer = DPSGD(
+            model,
+            lr=0.5,
+            max_grad_norm=0.1,
+            noise_multiplier=1.0,
+            expected_batch_size=BATCH // WORLD,
+            generator=generator,
+        )
+        for tokens, target in batches():
+            optimizer.zero_grad()
+            loss_of(model, tokens[part], target[part].double()).backward()
+            optimizer.step()
+        trained.append([p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()])
+    for p, q in zip(*trained, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg="noise under FSDP2 and DDP")
+    assert_same_on_every_rank(trained[0], "DPSGD's noised parameters")
+    # A sharded layer without a closed form (its per-sample gradients need the whole weights).
+    model = nn.Sequential(OrderedDict(proj=nn.Linear(3, 4), norm=nn.LayerNorm(4)))
+    fully_shard(model.norm, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="per-sample gradients of norm under FSDP2"):
+        DPSGD(model, lr=0.1)
 
 
 def inversion_worker(rank: int) -> None:
@@ -259,12 +298,16 @@ def test_ddp_replicas_stay_identical_and_match_one_process() -> None:
     run_two_processes(ddp_worker)
 
 
-def test_fsdp2_stock_and_lazy_adamw_match_one_process_and_other_rules_refuse() -> None:
+def test_fsdp2_stock_and_lazy_adamw_match_one_process() -> None:
     run_two_processes(fsdp_worker)
 
 
 def test_fsdp2_foof_and_kfac_match_one_process_with_replicated_factors() -> None:
     run_two_processes(fsdp_kronecker_worker)
+
+
+def test_fsdp2_dp_matches_one_process_and_its_noise_matches_ddp() -> None:
+    run_two_processes(fsdp_dp_worker)
 
 
 def test_distributed_inversion_splits_the_work_and_changes_no_bit() -> None:

@@ -18,7 +18,7 @@ from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
 from .distributed import all_reduce_sum_, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
-from .layers import GENERIC, IndexedRows, Materialized, MatrixRows, PerSample, layer_kind
+from .layers import GENERIC, BlockRows, IndexedRows, Materialized, MatrixRows, PerSample, layer_kind
 from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
 
@@ -283,6 +283,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 f"gradient: no forward call of {where} is in that gradient (a weight used without calling its "
                 "module, as nn.MultiheadAttention does with out_proj, is not supported). No parameter was changed"
             )
+        self._check_sums_add_up(targets, totals)
         first = totals[targets[0]]
         if any(totals[p]["overlap"] for p in targets):
             raise RuntimeError(
@@ -312,6 +313,39 @@ class _PerSampleClipping(InputAwareOptimizer):
         return {p: total / divisor for p, total in sums.items()}
 
 
+    def _check_sums_add_up(self, targets: list[Tensor], totals: dict[Tensor, Any]) -> None:
+        """Refuse a gradient that the per-sample gradients do not add up to: part of it came from
+        somewhere no captured call explains, and could not be clipped per sample. Each parameter's
+        gap is measured against the whole gradient's norm (a parameter whose gradient is zero up to
+        rounding, say a bias a normalization cancels, must not fail on its rounding)."""
+        gaps: dict[Tensor, float] = {}
+        norms: list[float] = []
+        exact = True  # float64 throughout: a much tighter bound
+        for param in targets:
+            plain, grad = totals[param]["unclipped"], param.grad
+            if plain is None or grad is None:
+                continue
+            grad = grad.to_dense() if grad.is_sparse else grad
+            exact = exact and grad.dtype == torch.float64
+            grad = self._clipped.probes.project(param, grad)
+            gaps[param] = float(torch.linalg.vector_norm(plain.to(grad.dtype) - grad))
+            norms.append(float(torch.linalg.vector_norm(grad)))
+        tolerance = 1e-9 if exact else 1e-3
+        whole = math.sqrt(sum(n * n for n in norms))
+        wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
+        if wrong:
+            owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
+            worst = max(gaps[p] for p in wrong) / max(whole, 1e-30)
+            raise RuntimeError(
+                f"{type(self).__name__}: the per-sample gradients of {owners or 'a module'} do not add up to the "
+                f"gradient backward computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be "
+                "clipped per sample. Typical causes: the weight is also used without calling its module (a "
+                "tied head written F.linear(h, embed.weight): call the module instead), or the gradient was "
+                "changed after backward (clip_grad_norm_, manual edits: DP replaces the gradient, leave it "
+                "as backward made it). No parameter was changed"
+            )
+
+
 class ClippedSums(Reduction):
     """DP's reduction: each sample's gradient clipped, summed, once each backward pass is complete.
 
@@ -333,6 +367,10 @@ class ClippedSums(Reduction):
         expected_batch_size: int | None,
         batch_dim: int = 0,
     ) -> None:
+        # Check that the per-sample gradients add up to each parameter's gradient. In one process
+        # only: under data parallelism the gradient is already averaged over the ranks.
+        self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self.probes = _Probes()
         self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
         self.root_batches: _RootBatches | None = None
         self.name = capture.name
@@ -372,12 +410,17 @@ class ClippedSums(Reduction):
                 self.root_batches.check(forward, count, by_forward[forward], self.name)
         scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         out: dict[Tensor, Any] = {}
+        unclipped: dict[Tensor, Any] = {}
         for calls in by_forward.values():
-            for param, total in self._clipped_sums(calls, scale).items():
+            clipped_sums, plain_sums = self._clipped_sums(calls, scale)
+            for param, total in clipped_sums.items():
                 out[param] = add_statistics(out.get(param), total)
+            for param, total in plain_sums.items():
+                unclipped[param] = add_statistics(unclipped.get(param), total)
         return {
             p: {
                 "sum": total,
+                "unclipped": unclipped.get(p),
                 "samples": float(sum(samples.values())),
                 "passes": 1,
                 "forwards": frozenset(by_forward),
@@ -391,14 +434,18 @@ class ClippedSums(Reduction):
             return b
         return {
             "sum": a["sum"] + b["sum"],
+            "unclipped": add_statistics(a["unclipped"], b["unclipped"]),
             "samples": a["samples"] + b["samples"],
             "passes": a["passes"] + b["passes"],
             "forwards": a["forwards"] | b["forwards"],
             "overlap": a["overlap"] or b["overlap"] or bool(a["forwards"] & b["forwards"]),
         }
 
-    def _clipped_sums(self, calls: dict[nn.Module, list[Call]], scale: float) -> dict[Tensor, Tensor]:
-        """One forward's samples: their gradients clipped (each over every parameter) and summed."""
+    def _clipped_sums(
+        self, calls: dict[nn.Module, list[Call]], scale: float
+    ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+        """One forward's samples: their gradients clipped (each over every parameter) and summed; and,
+        when ``verify``, summed unclipped too (which must add up to the gradient autograd computed)."""
         pieces: list[tuple[PerSample, dict[str, Tensor]]] = []
         for module, module_calls in calls.items():
             names = self.names.get(module)
@@ -415,12 +462,82 @@ class ClippedSums(Reduction):
         assert isinstance(squared, Tensor)
         weights = scale * (self.clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
         sums: dict[Tensor, Tensor] = {}
+        plain: dict[Tensor, Tensor] = {}
         for per, params in pieces:
             for name, total in per.weighted_sum(weights).items():
                 param = params[name]
                 total = total.to(torch.promote_types(param.dtype, torch.float32))
                 sums[param] = sums[param] + total if param in sums else total
-        return sums
+            if self.verify:
+                for name, total in self.probes.plain_sums(per, params).items():
+                    param = params[name]
+                    plain[param] = plain[param] + total if param in plain else total
+        return sums, plain
+
+
+class _Probes:
+    """The sum of the per-sample gradients, to check against the gradient backward computed.
+
+    Forming ``sum_i g_i`` of a weight matrix costs as much as the layer's weight gradient. What is
+    checked instead is its product with a few fixed random output directions ``P`` (``out x 4``,
+    scaled so norms compare): ``Pᵀ (sum_t g_t x_tᵀ) = sum_t (Pᵀ g_t) x_tᵀ`` costs ``O(N (in + out))``,
+    and a difference ``D`` with ``Pᵀ D = 0`` has probability zero. Everything else is summed exactly.
+    """
+
+    DIRECTIONS = 4
+
+    def __init__(self) -> None:
+        self.directions: dict[Tensor, Tensor] = {}  # weight -> P, fixed for the optimizer's life
+        self.transposed: set[Tensor] = set()  # weights stored (in, out), as Hugging Face's Conv1D
+        self.generator = torch.Generator().manual_seed(0)
+
+    def _directions(self, param: Tensor, outputs: int, like: Tensor) -> Tensor:
+        directions = self.directions.get(param)
+        if directions is None:
+            drawn = torch.randn(outputs, self.DIRECTIONS, generator=self.generator, dtype=torch.float64)
+            directions = self.directions[param] = (drawn / math.sqrt(self.DIRECTIONS)).to(like.device, like.dtype)
+        return directions if directions.dtype == like.dtype else directions.to(like.dtype)
+
+    def plain_sums(self, per: PerSample, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        if isinstance(per, MatrixRows) and per.weight:
+            weight = params["weight"]
+            directions = self._directions(weight, per.g.shape[-1], per.g)
+            if per.transposed:
+                self.transposed.add(weight)
+            projected = (per.g @ directions).reshape(-1, self.DIRECTIONS)  # (Pᵀ g_t) for every row
+            out = {"weight": projected.T @ per.x.reshape(projected.shape[0], -1)}
+            if per.bias:
+                out["bias"] = per.g.sum((0, 1))
+            return out
+        if isinstance(per, BlockRows) and per.weight:
+            weight = params["weight"]
+            directions = self._directions(weight, per.g.shape[-1], per.g)
+            projected = per.g @ directions  # (batch, blocks, positions, 4)
+            out = {"weight": torch.einsum("bjtk,bjti->jki", projected, per.x)}
+            if per.bias:
+                out["bias"] = per.g.sum((0, 2)).reshape(-1)
+            return out
+        return per.weighted_sum(torch.ones(_batch_size(per), dtype=torch.float64))
+
+    def project(self, param: Tensor, grad: Tensor) -> Tensor:
+        """``grad`` as ``plain_sums`` represents the parameter's sum (projected, or as it is)."""
+        directions = self.directions.get(param)
+        if directions is None:
+            return grad
+        directions = directions.to(grad.device, grad.dtype)
+        outputs = directions.shape[0]
+        if param in self.transposed:
+            return directions.T @ grad.T
+        blocks = grad.shape[0] // outputs
+        if blocks == 1:
+            return directions.T @ grad.reshape(outputs, -1)
+        return torch.einsum("ok,joi->jki", directions, grad.reshape(blocks, outputs, -1))
+
+
+def _batch_size(per: PerSample) -> int:
+    if isinstance(per, (MatrixRows, BlockRows, IndexedRows)):
+        return int(per.g.shape[0])
+    return int(next(iter(per.grads().values())).shape[0])
 
 
 def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:

@@ -370,3 +370,26 @@ def test_dp_clips_huge_float32_gradients_instead_of_dropping_them() -> None:
     layer(x).sum(1).mean().backward()
     optimizer.step()
     torch.testing.assert_close((before - layer.weight.detach().double()), expected["weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_dp_refuses_a_weight_also_used_without_calling_its_module() -> None:
+    """A tied head written F.linear(h, embed.weight) puts gradient in the table that no captured call
+    explains: it cannot be clipped per sample, so the step is refused by name and changes nothing."""
+
+    class TiedFunctionalHead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(30, 4)
+            self.mix = nn.Linear(4, 4)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return nn.functional.linear(self.mix(self.embed(tokens).mean(1)), self.embed.weight)
+
+    torch.manual_seed(0)
+    model = TiedFunctionalHead()
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=1e6, noise_multiplier=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randint(0, 30, (4, 3))).logsumexp(1).sum().backward()
+    with pytest.raises(RuntimeError, match=r"per-sample gradients of embed do not add up.*F.linear"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

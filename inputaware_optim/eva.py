@@ -117,6 +117,9 @@ class Eva(KroneckerRule):
             if not float(group["damping"]) > 0.0:
                 raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
 
+    def _check_sharded_layers(self) -> None:
+        self._refuse_sharded_parameters("its output-side vector mixes the rows of each weight's gradient")
+
     def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
         return layer.kind.matrix_shape(layer.module, layer.homogeneous)
 

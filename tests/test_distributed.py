@@ -122,7 +122,7 @@ def fsdp_worker(rank: int) -> None:
 
     mesh = init_device_mesh("cpu", (WORLD,))
     part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    for rule in ("InputAwareAdamW", "LazyAdamW", "InputAwareSGD"):
+    for rule in ("InputAwareAdamW", "LazyAdamW", "InputAwareSGD", "NLMS"):
         model = Net()
         for module in (model.embed, model.hidden, model.out):
             fully_shard(module, mesh=mesh)
@@ -298,7 +298,7 @@ def test_ddp_replicas_stay_identical_and_match_one_process() -> None:
     run_two_processes(ddp_worker)
 
 
-def test_fsdp2_stock_and_lazy_adamw_match_one_process() -> None:
+def test_fsdp2_stock_lazy_adamw_and_nlms_match_one_process() -> None:
     run_two_processes(fsdp_worker)
 
 

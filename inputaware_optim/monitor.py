@@ -20,9 +20,11 @@ heatmaps over steps.
 from __future__ import annotations
 
 import csv as _csv
+import functools
 import json
 import math
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,19 +68,44 @@ def _summary(tensors: Iterable[Any]) -> Tensor | None:
         x = t.detach().reshape(-1)
         if x.dtype in (torch.float16, torch.bfloat16):
             x = x.float()
+        total_sum = x.sum()
+        zeros, nonfinite = _zeros_and_nonfinite(x, total_sum)
         low, high = torch.aminmax(x)
         row = torch.stack(
             [
-                x.sum(dtype=torch.float64),
-                torch.dot(x, x).double(),
-                (x.numel() - torch.count_nonzero(x)).double(),
-                (x.numel() - torch.isfinite(x).sum()).double(),
-                torch.maximum(-low, high).double(),
+                total_sum.new_full((), float(x.numel())),
+                total_sum,
+                torch.dot(x, x),
+                zeros.to(total_sum.dtype),
+                nonfinite.to(total_sum.dtype),
+                torch.maximum(high, -low),
             ]
-        )
-        row = torch.cat([row.new_tensor([float(x.numel())]), row])
+        ).double()
         total = row if total is None else _combine(total, row)
     return total
+
+
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _zeros_and_nonfinite(x: Tensor, total_sum: Tensor) -> tuple[Tensor, Tensor]:
+    """How many elements of the flat float32/float64 ``x`` are zero, and how many are not finite.
+
+    On an accelerator, the plain counts (no host synchronization). On CPU, where reading a value is
+    free and ``isfinite``, ``== 0`` and ``count_nonzero`` on floats are slow, cheaper passes: +0.0 is
+    the only float whose bits are all zero, and -0.0 (the most negative integer) is counted exactly
+    only where the smallest integer view says there is one; non-finite values only where the sum
+    (NaN or infinite whenever one is) says there are some.
+    """
+    if x.device.type != "cpu" or x.dtype not in _BITS:
+        return (x == 0).sum(), torch.isfinite(x).logical_not_().sum()
+    bits = x.view(_BITS[x.dtype])
+    if bits.amin().item() == torch.iinfo(bits.dtype).min:  # a -0.0
+        zeros = (x == 0).sum()
+    else:
+        zeros = x.numel() - torch.count_nonzero(bits)
+    finite = math.isfinite(total_sum.item())
+    return zeros, total_sum.new_zeros(()) if finite else torch.isfinite(x).logical_not_().sum()
 
 
 def _combine(a: Tensor | None, b: Tensor | None) -> Tensor | None:
@@ -234,8 +261,7 @@ class Monitor:
         if group is not None and torch.distributed.is_initialized():
             _all_reduce_statistics(table, group)
         params = [p for p in self._params() if p.grad is not None]
-        norms = [torch.linalg.vector_norm(_dense_values(p.grad)).double() for p in params]
-        norms += [torch.linalg.vector_norm(p.detach()).double() for p in params]
+        norms = _norms([_dense_values(p.grad) for p in params] + [p.detach() for p in params])
         self._pending = {"names": names, "kinds": kinds, "table": table, "params": params, "norms": norms}
 
     def _module_name(self, param: Tensor) -> str:
@@ -248,16 +274,9 @@ class Monitor:
             return
         params = pending["params"]
         updates = updates or {}
-        changes = [
-            torch.linalg.vector_norm(updates[p]).double() if p in updates else p.new_zeros((), dtype=torch.float64)
-            for p in params
-        ]
-        values = torch.cat(
-            [
-                pending["table"].reshape(-1),
-                torch.stack([*pending["norms"], *changes]) if params else pending["table"].new_zeros(0),
-            ]
-        )
+        changes = _norms([updates[p] if p in updates else p.new_zeros(()) for p in params])
+        table = pending["table"]
+        values = torch.cat([table.reshape(-1), pending["norms"].to(table.device), changes.to(table.device)])
         flat = values.tolist()  # the one host synchronization of a logged step
         width, count = 6, len(pending["names"])
         record: dict[str, Any] = {"step": self._pre.step, "modules": {}, "parameters": {}}
@@ -295,6 +314,15 @@ class Monitor:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _norms(tensors: list[Tensor]) -> Tensor:
+    """The 2-norm of each tensor, as one float64 tensor."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    norms = torch._foreach_norm(tensors)
+    device = norms[0].device
+    return torch.stack([n.to(device, torch.float64) for n in norms])
 
 
 def _dense_values(grad: Tensor) -> Tensor:
@@ -449,7 +477,7 @@ class NonFiniteOrigin:
 
 
 class _Check:
-    """One module call: extrema of its inputs, outputs and their gradients (0-d tensors, no sync)."""
+    """One module call: sums of its inputs, outputs and their gradients (0-d tensors, no sync)."""
 
     __slots__ = ("backward", "call", "grad_inputs", "grad_outputs", "inputs", "module", "outputs")
 
@@ -463,10 +491,11 @@ class _Check:
         self.backward: int | None = None  # when its output gradient arrived, in backward order
 
 
-def _extrema(tensors: Iterable[Any], into: list[Tensor]) -> None:
+def _sums(tensors: Iterable[Any], into: list[Tensor]) -> None:
+    """Append a 0-d tensor per floating-point tensor that is finite iff the tensor is (its sum: one pass)."""
     for t in tensors:
         if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
-            into.extend(torch.aminmax(t.detach()))
+            into.append(t.detach().sum(dtype=torch.float32))
 
 
 def _finite(values: list[Tensor]) -> bool:
@@ -476,8 +505,9 @@ def _finite(values: list[Tensor]) -> bool:
 class NonFiniteFinder:
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
-    Every module of the model gets a forward hook that keeps the extrema of the call's inputs
-    and outputs, and tensor hooks that keep those of their gradients: 0-d tensors, with no host
+    Every module of the model gets a forward hook that keeps the float32 sum of each of the
+    call's inputs and outputs (non-finite exactly when the tensor is, or when the sum overflows
+    float32), and tensor hooks that keep those of their gradients: 0-d tensors, with no host
     synchronization in the hooks. At each step one check of the gradients decides; only a
     non-finite step is inspected: the first call in forward order whose inputs were finite and
     whose output was not; else the first whose input was not (the data, or code outside
@@ -526,6 +556,8 @@ class NonFiniteFinder:
         self._checks: list[_Check] = []
         self._counts: dict[nn.Module, int] = {}
         self._arrivals = 0
+        self._seen: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
+        self._waiting: dict[int, tuple[weakref.ref[Tensor], list[tuple[_Check, bool]]]] = {}
         self._handles: list[Any] = [m.register_forward_hook(self._record, with_kwargs=True) for m in self._names]
         if isinstance(optimizer, InputAwareOptimizer):
             self._handles.append(optimizer.register_inputs_hook(lambda opt, inputs: self._check(), reads=None))
@@ -541,21 +573,42 @@ class NonFiniteFinder:
         check = _Check(module, call)
         inputs = args if not kwargs else (*args, *kwargs.values())
         outputs = [output] if type(output) is Tensor else tree_flatten(output)[0]
-        _extrema(inputs, check.inputs)
-        _extrema(outputs, check.outputs)
         self._checks.append(check)
-        for t in outputs:
-            if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
-                t.register_hook(lambda grad, check=check: self._grad_output(check, grad))
-        for t in inputs:
-            if isinstance(t, Tensor) and t.requires_grad and t.is_floating_point():
-                t.register_hook(lambda grad, check=check: _extrema((grad,), check.grad_inputs))
+        for tensors, sums, is_output in ((inputs, check.inputs, False), (outputs, check.outputs, True)):
+            for t in tensors:
+                if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
+                    sums.append(self._sum_of(t))
+                    if t.requires_grad:
+                        self._listen(t, check, is_output)
 
-    def _grad_output(self, check: _Check, grad: Tensor) -> None:
-        if check.backward is None:
-            check.backward = self._arrivals
-            self._arrivals += 1
-        _extrema((grad,), check.grad_outputs)
+    # One module's output is usually the next one's input: each tensor is summed, and its
+    # gradient hooked, once (by identity, for the step), and shared by the calls that see it.
+    def _sum_of(self, t: Tensor) -> Tensor:
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0]() is t and seen[1] == t._version:  # not changed in place since
+            return seen[2]
+        total = t.detach().sum(dtype=torch.float32)
+        self._seen[id(t)] = (weakref.ref(t), t._version, total)
+        return total
+
+    def _listen(self, t: Tensor, check: _Check, is_output: bool) -> None:
+        waiting = self._waiting.get(id(t))
+        if waiting is None or waiting[0]() is not t:
+            waiting = (weakref.ref(t), [])
+            self._waiting[id(t)] = waiting
+            t.register_hook(functools.partial(self._gradient, waiting[1]))
+        waiting[1].append((check, is_output))
+
+    def _gradient(self, listeners: list[tuple[_Check, bool]], grad: Tensor) -> None:
+        total = grad.detach().sum(dtype=torch.float32)
+        for check, is_output in listeners:
+            if not is_output:
+                check.grad_inputs.append(total)
+                continue
+            if check.backward is None:
+                check.backward = self._arrivals
+                self._arrivals += 1
+            check.grad_outputs.append(total)
 
     # -- the step ---------------------------------------------------------------------------
     def _check(self) -> None:
@@ -563,9 +616,9 @@ class NonFiniteFinder:
             grads = [
                 _dense_values(p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
             ]
-            extrema: list[Tensor] = []
-            _extrema(grads, extrema)
-            if _finite(extrema):
+            sums: list[Tensor] = []
+            _sums(grads, sums)
+            if _finite(sums):
                 return
             origin = self._origin()
             self.found = origin
@@ -578,6 +631,8 @@ class NonFiniteFinder:
         finally:
             self._checks = []
             self._counts = {}
+            self._seen = {}
+            self._waiting = {}
             self._arrivals = 0
             self.step += 1
 
@@ -597,7 +652,7 @@ class NonFiniteFinder:
             c
             for c in arrived
             if _finite(c.grad_outputs)
-            and (not _finite(c.grad_inputs) or (c.module in clean and not _finite(_parameter_extrema(c.module))))
+            and (not _finite(c.grad_inputs) or (c.module in clean and not _finite(_parameter_sums(c.module))))
         ]
         # A module whose gradient went bad inside a submodule is a candidate too: name the innermost.
         inner = [
@@ -619,11 +674,9 @@ class NonFiniteFinder:
         self._checks = []
 
 
-def _parameter_extrema(module: nn.Module) -> list[Tensor]:
+def _parameter_sums(module: nn.Module) -> list[Tensor]:
     values: list[Tensor] = []
-    _extrema(
-        (_dense_values(p.grad) for p in module._parameters.values() if p is not None and p.grad is not None), values
-    )
+    _sums((_dense_values(p.grad) for p in module._parameters.values() if p is not None and p.grad is not None), values)
     return values
 
 

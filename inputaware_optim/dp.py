@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -580,8 +581,17 @@ def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
             "them and no sample's own gradient can be told apart. Pass that input expanded to the batch (for "
             "Hugging Face models: position_ids=torch.arange(T).expand(B, T)). No parameter was changed"
         )
-    described = {names(m): sorted(s) for m, s in sizes.items()}
-    raise RuntimeError(f"the calls of one forward disagree on its batch size: {described}. No parameter was changed")
+    counts = Counter(size for found_sizes in sizes.values() for size in found_sizes)
+    batch = counts.most_common(1)[0][0]
+    odd = {names(m): sorted(s) for m, s in sizes.items() if s != {batch}}
+    raise RuntimeError(
+        f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. "
+        "Either those inputs are not batched (as T5's relative_attention_bias, called with (T, T) position "
+        "buckets whose output is broadcast over the samples, so no sample's own gradient through it can be "
+        "told apart: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), "
+        "or some layers see the batch along another dimension (sequence-first tensors: see batch_dim). "
+        "No parameter was changed"
+    )
 
 
 def _batch_first(call: Call, batch_dim: int) -> Call:

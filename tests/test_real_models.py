@@ -285,3 +285,236 @@ def test_dp_is_exact_on_timm_patterns() -> None:
     optimizer.step()
     for key, param in model.named_parameters():
         torch.testing.assert_close(before[key] - param.detach(), expected[key], rtol=1e-8, atol=1e-12, msg=key)
+
+
+def test_dp_on_t5_refuses_its_unbatched_relative_bias_and_is_exact_once_it_is_frozen() -> None:
+    """T5's relative_attention_bias is called with (T, T) position buckets whose output is broadcast
+    over the batch (refused, by name); frozen, the rest (with the `shared` table, owned by a module
+    never called, tied to both embeddings) equals per-sample clipping."""
+    model, ids = build("t5"), tokens(1)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.5, noise_multiplier=0.0, momentum=0.0)
+    lm_loss(model, ids).backward()
+    with pytest.raises(RuntimeError, match=r"relative_attention_bias'?: \[6\].*requires_grad_\(False\)"):
+        optimizer.step()
+    model.zero_grad()
+    for name, param in model.named_parameters():
+        param.requires_grad_("relative_attention_bias" not in name)
+    trained = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
+
+    def loss_of_one(p: dict[str, torch.Tensor], one: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, {**p, **frozen}, (), {"input_ids": one[None], "labels": one[None]}).loss
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0))(trained, ids)
+    norms = torch.sqrt(sum(g.reshape(B, -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.5, noise_multiplier=0.0, momentum=0.0)
+    before = {k: v.detach().clone() for k, v in trained.items()}
+    lm_loss(model, ids).backward()
+    optimizer.step()
+    for key, param in model.named_parameters():
+        if key in trained:  # T5's attention keeps parts in float32 (as GPT-2's): the reference is good to 1e-7
+            expected = torch.tensordot(factors, per_sample[key], dims=1) / B
+            torch.testing.assert_close(before[key] - param.detach(), expected, rtol=1e-6, atol=1e-9, msg=key)
+
+
+# -- vision patterns: a ViT block and a ConvNeXt-style net, local definitions -----------------------
+
+
+class ViTBlockNet(nn.Module):
+    """Patch embedding (a strided conv), one pre-norm transformer block with nn.Linear attention (as
+    timm's ViT), mean pooling and a head."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.heads = heads
+        self.patches = nn.Conv2d(1, dim, 4, stride=4)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.patches(x).flatten(2).transpose(1, 2)  # (B, tokens, dim)
+        b, t, d = h.shape
+        q, k, v = self.qkv(self.norm1(h)).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attention = ((q @ k.transpose(-2, -1)) / (d // self.heads) ** 0.5).softmax(-1)
+        h = h + self.proj((attention @ v).transpose(1, 2).reshape(b, t, d))
+        h = h + self.fc2(F.gelu(self.fc1(self.norm2(h))))
+        return self.head(h.mean(1))
+
+
+class ConvNeXtNet(nn.Module):
+    """A stem, two ConvNeXt blocks (depthwise 7x7, GroupNorm, pointwise MLP) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(1, 8, 2, stride=2)
+        self.blocks = nn.Sequential(ConvNeXtBlock(8), ConvNeXtBlock(8))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+VISION = {"vit": ViTBlockNet, "convnext": ConvNeXtNet}
+
+
+def images(seed: int = 0, batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("rule", [FOOF, KFAC, NLMS], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", list(VISION))
+def test_rules_act_on_every_weight_of_vision_nets(name: str, rule: type) -> None:
+    model, stock_model = VISION[name]().double(), VISION[name]().double()
+    optimizer = rule(model, lr=0.05, strict=True)  # every weight matrix covered: no fallback at all
+    stock = torch.optim.SGD(stock_model.parameters(), lr=0.05, momentum=0.0 if rule is NLMS else 0.9)
+    for opt, m in ((optimizer, model), (stock, stock_model)):
+        m(images()).pow(2).mean().backward()
+        opt.step()
+    assert not optimizer.coverage().fallbacks()
+    stock_params = dict(stock_model.named_parameters())
+    for module_name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            if rule is not NLMS:
+                assert "input_second_moment" in optimizer.state[module.weight], module_name
+            assert not torch.allclose(module.weight, stock_params[f"{module_name}.weight"]), module_name
+
+
+@pytest.mark.parametrize("name", list(VISION))
+def test_dp_on_vision_nets_equals_per_sample_clipping(name: str) -> None:
+    model, x = VISION[name]().double(), images(1)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(lambda p, xi: functional_call(model, p, (xi[None],)).pow(2).sum()), in_dims=(None, 0))(
+        params, x
+    )
+    norms = torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (0.05 / (norms + 1e-6)).clamp(max=1.0)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model(x).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    for key, param in model.named_parameters():
+        expected = torch.tensordot(factors, per_sample[key], dims=1) / len(x)
+        torch.testing.assert_close(before[key] - param.detach(), expected, rtol=1e-8, atol=1e-12, msg=key)
+
+
+# -- Hugging Face's Trainer and Accelerate ------------------------------------------------------------
+
+
+def language_data(name: str, count: int) -> list[dict[str, torch.Tensor]]:
+    """Equal-length examples with position ids of their own (DP needs them batched), labels = inputs
+    (GPT-2's first label is never a target: masked, so every count of target tokens agrees)."""
+    ids = tokens(2, batch=count)
+    labels = ids.clone()
+    if name == "gpt2":
+        labels[:, 0] = -100
+    return [
+        {"input_ids": i, "labels": label, "position_ids": torch.arange(T)} for i, label in zip(ids, labels, strict=True)
+    ]
+
+
+def trainer_arguments(tmp_path: Any, **overrides: Any) -> Any:
+    settings = {
+        "output_dir": str(tmp_path),
+        "per_device_train_batch_size": B,
+        "max_steps": 2,
+        "learning_rate": 0.05,
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def quiet(name: str) -> nn.Module:
+    """A model without dropout (Trainer trains in train mode), in float64."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model.double()
+
+
+def test_hf_trainer_runs_foof_with_gradient_accumulation_on_gpt2(tmp_path: Any) -> None:
+    data = language_data("gpt2", 4 * B)
+    models = {}
+    for kind in ("foof", "stock"):
+        model = quiet("gpt2")
+        optimizer = (
+            FOOF(model, lr=0.05, update_every=1)
+            if kind == "foof"
+            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        )
+        arguments = trainer_arguments(tmp_path / kind, gradient_accumulation_steps=2)
+        trainer = transformers.Trainer(model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CoverageWarning)
+            trainer.train()
+        models[kind] = model
+        if kind == "foof":
+            assert optimizer.state[model.transformer.h[0].attn.c_attn.weight]["statistics_steps"] == 2
+            assert {row.module for row in optimizer.coverage().fallbacks()} == {"Embedding"}
+    stock = dict(models["stock"].named_parameters())
+    for key, param in models["foof"].named_parameters():
+        if key.endswith("c_attn.weight") or key.endswith("c_fc.weight"):
+            assert not torch.allclose(param, stock[key]), key
+
+
+def test_hf_trainer_runs_dp_on_bert_and_equals_per_sample_clipping(tmp_path: Any) -> None:
+    model = quiet("bert")
+    data = language_data("bert", B)  # one step over the whole set: the clipped mean ignores the order
+    batch = {k: torch.stack([d[k] for d in data]) for k in data[0]}
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of_one(p: dict[str, torch.Tensor], ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return functional_call(
+            model, p, (), {"input_ids": ids[None], "labels": ids[None], "position_ids": positions[None]}
+        ).loss
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, batch["input_ids"], batch["position_ids"])
+    norms = torch.sqrt(sum(g.reshape(B, -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.5, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    arguments = trainer_arguments(tmp_path, max_steps=1, learning_rate=1.0, max_grad_norm=0.0)  # DP clips itself
+    transformers.Trainer(model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None)).train()
+    for key, param in model.named_parameters():
+        expected = torch.tensordot(factors, per_sample[key], dims=1) / B
+        torch.testing.assert_close(before[key] - param.detach(), expected, rtol=1e-8, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "DPSGD"])
+def test_accelerate_prepare_and_accumulate_equal_one_step_on_the_whole_batch(rule: str) -> None:
+    accelerate = pytest.importorskip("accelerate")
+    x = torch.randn(8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y = torch.randn(8, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+    def make() -> tuple[nn.Module, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+        if rule == "FOOF":
+            return model, FOOF(model, lr=0.5, update_every=1)
+        return model, DPSGD(model, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=8)
+
+    whole, optimizer = make()
+    (whole(x) - y).pow(2).sum(1).mean().backward()
+    optimizer.step()
+
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model, optimizer = make()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward((model(inputs) - targets).pow(2).sum(1).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+    for got, expected in zip(model.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

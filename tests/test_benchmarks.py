@@ -16,7 +16,7 @@ for _module in ("matplotlib", "sklearn", "tqdm", "opacus"):  # the bench extra
     pytest.importorskip(_module)
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETED = {"hook_cost", "capture_overhead", "memory", "foof", "lazy_adamw", "grad_outputs", "kfac", "dp"}
+TARGETED = {"hook_cost", "capture_overhead", "memory", "foof", "lazy_adamw", "grad_outputs", "kfac", "dp", "monitor"}
 
 
 @pytest.fixture(scope="module")

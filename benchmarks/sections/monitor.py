@@ -25,7 +25,7 @@ DESCRIPTIONS = {
     PLAIN: "InputAwareAdamW with nothing reading its capture (no hook on the model): the baseline",
     EVERY_STEP: "input statistics of every module and parameter norms, logged at every step (to a callback)",
     EVERY_100: "the same, logged every 100 steps: the steps in between compute and keep nothing",
-    FINDER: "extrema of every module's inputs, outputs and their gradients, one finiteness check per step",
+    FINDER: "a sum of every module's inputs, outputs and their gradients, one finiteness check per step",
 }
 
 

@@ -15,7 +15,7 @@ class InputAwareAdamW(InputAwareOptimizer, torch.optim.AdamW):
     ``InputAwareAdamW(model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
     weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None, capturable=False,
     differentiable=False, fused=None, storage="reference", capture_grad_outputs=None, grad_scaler=None,
-    strict=False, process_group="infer")``
+    strict=False, process_group="infer", base=None)``
 
     Every hyperparameter is ``torch.optim.AdamW``'s, with its name, default and validation,
     and the update is torch's own kernel: with no rule, every step is bitwise identical to
@@ -32,6 +32,8 @@ class InputAwareAdamW(InputAwareOptimizer, torch.optim.AdamW):
         strict: Refuse, at the first step, any parameter a rule would leave to the stock update.
         process_group: The group rules combine input statistics over; ``"infer"`` (default) reads it
             from the model's DDP wrapper or FSDP2 mesh, ``None`` keeps them per rank.
+        base: Another stock ``torch.optim`` class whose ``step`` applies the update (bitwise that class
+            fed the rule's gradient); every other keyword argument then goes to it.
     """
 
     _stock = torch.optim.AdamW

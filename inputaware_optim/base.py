@@ -144,6 +144,7 @@ class InputAwareOptimizer(Optimizer):
         grad_scaler: Any = None,
         strict: bool = False,
         process_group: Any = "infer",
+        base: type[Optimizer] | None = None,
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
@@ -171,8 +172,15 @@ class InputAwareOptimizer(Optimizer):
             params = [p for p in self._model_params if p.requires_grad]
         if capture_grad_outputs is False and type(self).capture_grad_outputs:
             raise ValueError(f"{name} needs the output gradients of its layers; leave capture_grad_outputs unset")
+        if base is not None and not (isinstance(base, type) and issubclass(base, Optimizer)):
+            raise TypeError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass, say torch.optim.AdamW)")
+        if base is not None and issubclass(base, InputAwareOptimizer):
+            raise TypeError(f"Invalid base: {base.__name__} is input-aware itself; pass the stock optimizer class")
         try:
-            super().__init__(params, *args, **kwargs)  # torch validates the hyperparameters first
+            if base is None:
+                super().__init__(params, *args, **kwargs)  # torch validates the hyperparameters first
+            else:
+                self._compose(base, params, args, kwargs)
         except ValueError as error:
             if "empty parameter list" in str(error) and not any(p.requires_grad for p in self._model_params):
                 raise ValueError(
@@ -195,6 +203,31 @@ class InputAwareOptimizer(Optimizer):
         self._install_reductions()
         # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
         self._step_supports_amp_scaling = True
+
+    def _compose(self, base: type[Optimizer], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Take ``base``'s update instead of this class's stock one: a stock ``base`` instance
+        (which validates its hyperparameters) shares this optimizer's param groups, and its own
+        ``step`` applies the update to the gradients this rule leaves. So the result is bitwise
+        what ``base`` does with those gradients. Per-parameter state stays apart (``base`` keeps
+        its own, the rule ``self.state``), and ``state_dict()`` holds both: the rule's under
+        ``"rule_state"`` in each parameter's entry."""
+        inner = base(params, *args, **kwargs)
+        Optimizer.__init__(self, inner.param_groups, inner.defaults)
+        self.param_groups = inner.param_groups  # one list of the same group dicts
+        self.__dict__["_stock"] = base
+        self._base_optimizer = inner
+
+    def state_dict(self) -> dict[str, Any]:
+        """As ``torch.optim.Optimizer.state_dict``; with ``base=``, each parameter's entry is the base
+        optimizer's state plus the rule's under ``"rule_state"``."""
+        inner = self.__dict__.get("_base_optimizer")
+        if inner is None:
+            return super().state_dict()
+        combined = inner.state_dict()
+        for index, rule_state in Optimizer.state_dict(self)["state"].items():
+            if rule_state:
+                combined["state"].setdefault(index, {})["rule_state"] = rule_state
+        return combined
 
     # -- parameters and modules -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -239,7 +272,21 @@ class InputAwareOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, as torch does; groups saved by another optimizer (say, a stock
         ``torch.optim.SGD``) get this rule's hyperparameters from its defaults."""
-        super().load_state_dict(state_dict)
+        inner = self.__dict__.get("_base_optimizer")
+        if inner is None:
+            super().load_state_dict(state_dict)
+        else:  # the base optimizer's part to it, the rule's to this one; then one list of groups again
+            base_part = {**state_dict, "state": {}}
+            rule_part = {**state_dict, "state": {}}
+            for index, entry in state_dict["state"].items():
+                entry = dict(entry)
+                rule_state = entry.pop("rule_state", None)
+                base_part["state"][index] = entry
+                if rule_state:
+                    rule_part["state"][index] = rule_state
+            inner.load_state_dict(base_part)
+            super().load_state_dict(rule_part)
+            self.param_groups = inner.param_groups
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -573,6 +620,9 @@ class InputAwareOptimizer(Optimizer):
             closure: A closure that reevaluates the model and returns the loss.
             inputs: The inputs to hand to the rule; by default, those captured for this step.
         """
+        inner = self.__dict__.get("_base_optimizer")
+        if inner is not None:  # base=: the stock base optimizer's own step, on the shared state
+            return _unhooked(type(inner).step)(inner, closure)
         return _unhooked(self._stock.step)(self, closure)
 
     def register_inputs_hook(

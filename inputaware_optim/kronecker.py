@@ -15,6 +15,7 @@ step only the factor sums are held, never an input.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 from typing import Any, ClassVar
@@ -109,7 +110,12 @@ class KroneckerRule(InputAwareSGD):
         self._max_dim = max_dim
         self._distributed_inversion = distributed_inversion
         self._rule_defaults = {"damping": damping, "stat_decay": stat_decay, "update_every": update_every}
-        super().__init__(model, params, lr=lr, momentum=momentum, **sgd_kwargs)
+        base = sgd_kwargs.get("base")
+        if base is None or not isinstance(base, type) or "momentum" in inspect.signature(base).parameters:
+            sgd_kwargs["momentum"] = momentum  # (a base that is not a class is refused by name below)
+        elif momentum != 0.9:
+            raise ValueError(f"momentum={momentum} is an argument of SGD; {getattr(base, '__name__', base)} has none")
+        super().__init__(model, params, lr=lr, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)")
 
     def _build_reductions(self) -> dict[str, Reduction]:

@@ -148,6 +148,8 @@ class LazyAdamW(InputAwareAdamW):
         params: Any = None,
         **adamw_kwargs: Any,
     ) -> None:
+        if adamw_kwargs.get("base") is not None:
+            raise TypeError("LazyAdamW's row update is AdamW's own: it takes no base optimizer")
         for flag in ("capturable", "differentiable"):
             if adamw_kwargs.get(flag):
                 raise ValueError(f"LazyAdamW does not support {flag}=True (its row updates are data-dependent)")

@@ -14,7 +14,8 @@ class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
 
     ``InputAwareSGD(model, params=None, lr=1e-3, momentum=0, dampening=0, weight_decay=0,
     nesterov=False, *, maximize=False, foreach=None, differentiable=False, fused=None,
-    storage="reference", capture_grad_outputs=None, grad_scaler=None, strict=False, process_group="infer")``
+    storage="reference", capture_grad_outputs=None, grad_scaler=None, strict=False, process_group="infer",
+    base=None)``
 
     Every hyperparameter is ``torch.optim.SGD``'s, with its name, default and validation,
     and the update is torch's own kernel: with no rule, every step is bitwise identical to
@@ -31,6 +32,8 @@ class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
         strict: Refuse, at the first step, any parameter a rule would leave to the stock update.
         process_group: The group rules combine input statistics over; ``"infer"`` (default) reads it
             from the model's DDP wrapper or FSDP2 mesh, ``None`` keeps them per rank.
+        base: Another stock ``torch.optim`` class whose ``step`` applies the update (bitwise that class
+            fed the rule's gradient); every other keyword argument then goes to it.
     """
 
     _stock = torch.optim.SGD

@@ -60,7 +60,7 @@ class Coverage(list[Treatment]):
         return "; ".join(f"{r.name} ({r.module}): {r.reason}" for r in self.fallbacks())
 
 
-_RULES = ("FOOF", "K-FAC", "NLMS", "LazyAdamW", "DPSGD / DPAdamW")
+_RULES = ("FOOF", "K-FAC / Eva", "NLMS", "LazyAdamW", "DPSGD / DPAdamW")
 
 # Layers no registered kind describes, as every rule treats them (what the registry cannot say).
 _UNREGISTERED = (

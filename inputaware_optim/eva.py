@@ -28,13 +28,13 @@ class KroneckerVectors(FactorSums):
         entry = Captured([call])
         rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
         batch = float(layer.kind.batch_size(call.module, entry))
-        return (rows.sum(0), rows.new_tensor(float(rows.shape[0]))), batch
+        return (rows.sum(-2), rows.new_tensor(float(rows.shape[-2]))), batch  # one vector per block if grouped
 
     def backward(self, call: Call, kept: Any) -> Any:
         layer = self.layers[call.module]
         (input_sum, rows), batch = kept
         grads = layer.kind.output_grad_rows(call.module, Captured([call]))
-        return {"input": (input_sum, rows), "output_grad": (grads.sum(0), grads.new_tensor(batch))}
+        return {"input": (input_sum, rows), "output_grad": (grads.sum(-2), grads.new_tensor(batch))}
 
 
 class Eva(KroneckerRule):
@@ -190,7 +190,10 @@ class Eva(KroneckerRule):
 
 
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
-    """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` by Sherman-Morrison (no inverse)."""
-    right = matrix - torch.outer(matrix @ a, a) / (damping + a @ a)  # M (I - a aᵀ / (γ + aᵀa))
-    both = right - torch.outer(g, g @ right) / (damping + g @ g)  # (I - g gᵀ / (γ + gᵀg)) ...
+    """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` by Sherman-Morrison (no inverse);
+    with leading block dimensions (a grouped convolution), one such product per block."""
+    a_norm = (damping + (a * a).sum(-1))[..., None, None]
+    g_norm = (damping + (g * g).sum(-1))[..., None, None]
+    right = matrix - (matrix @ a[..., None]) * a[..., None, :] / a_norm  # M (I - a aᵀ / (γ + aᵀa))
+    both = right - g[..., :, None] * (g[..., None, :] @ right) / g_norm  # (I - g gᵀ / (γ + gᵀg)) ...
     return both / (damping * damping)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, LazyAdamW
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, Eva, LazyAdamW
 from inputaware_optim.coverage import supported_layers_table
 
 GROUPED = {
@@ -111,6 +111,31 @@ def test_grouped_convolution_is_preconditioned_block_by_block(name: str, rule: s
         torch.testing.assert_close(conv.bias.detach(), expected_bias, rtol=1e-10, atol=1e-12)
     if rule != "NLMS":
         assert optimizer.state[conv.weight]["input_second_moment"].shape[0] == conv.groups
+
+
+@pytest.mark.parametrize("name", ["conv2d depthwise", "conv1d groups=2"])
+def test_eva_on_a_grouped_convolution_is_one_rank_one_product_per_block(name: str) -> None:
+    conv, x = grouped(name)
+    twin, _ = grouped(name)
+    output = twin(x)
+    output.retain_grad()
+    output.pow(2).mean().backward()
+    expected_weight, expected_bias = twin.weight.detach().clone(), twin.bias.detach().clone()
+    for j in range(conv.groups):
+        rows = explicit_rows(twin, x, j)
+        rows = torch.cat([rows, torch.ones(len(rows), 1, dtype=rows.dtype)], 1)
+        matrix, channels = block(twin, j, True)
+        a = rows.mean(0)
+        g = output.grad[:, channels].movedim(1, -1).reshape(-1, channels.stop - channels.start).sum(0)
+        new = inverse(torch.outer(g, g), 0.03) @ matrix @ inverse(torch.outer(a, a), 0.03)
+        expected_weight[channels] -= new[:, :-1].reshape(expected_weight[channels].shape)
+        expected_bias[channels] -= new[:, -1]
+    optimizer = Eva(conv, lr=1.0, momentum=0.0, kl_clip=None)
+    conv(x).pow(2).mean().backward()
+    optimizer.step()
+    assert optimizer.state[conv.weight]["input_mean"].shape[0] == conv.groups
+    torch.testing.assert_close(conv.weight.detach(), expected_weight, rtol=1e-9, atol=1e-10)
+    torch.testing.assert_close(conv.bias.detach(), expected_bias, rtol=1e-9, atol=1e-10)
 
 
 def clipped_reference(model: nn.Module, x: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
@@ -382,7 +407,8 @@ def test_each_cell_of_the_table_is_what_the_optimizers_report() -> None:
     for name, module in made.items():
         weight = module.in_proj_weight if isinstance(module, nn.MultiheadAttention) else module.weight
         model = nn.ModuleList([module])
-        for rule, cell in zip((FOOF, KFAC, NLMS, LazyAdamW), cells[name], strict=False):
+        columns = ((FOOF, 0), (KFAC, 1), (Eva, 1), (NLMS, 2), (LazyAdamW, 3))
+        for rule, cell in ((rule, cells[name][column]) for rule, column in columns):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 row = next(r for r in rule(model, lr=0.1).coverage() if r.shape == tuple(weight.shape))

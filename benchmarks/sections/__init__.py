@@ -7,7 +7,7 @@ is that module plus its line in ``SECTIONS``.
 from __future__ import annotations
 
 from ..core import Section
-from . import capture_overhead, dp, foof, grad_outputs, hook_cost, kfac, lazy_adamw, memory, monitor, nlms
+from . import capture_overhead, distributed, dp, foof, grad_outputs, hook_cost, kfac, lazy_adamw, memory, monitor, nlms
 
 SECTIONS: list[Section] = [
     hook_cost.SECTION,
@@ -19,5 +19,6 @@ SECTIONS: list[Section] = [
     grad_outputs.SECTION,
     kfac.SECTION,
     dp.SECTION,
+    distributed.SECTION,
     monitor.SECTION,
 ]

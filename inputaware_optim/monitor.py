@@ -228,7 +228,9 @@ class Monitor:
             register = _plain_optimizer_hooks(optimizer, self.capture, self._removers)
         self._group = group
         root = self.capture._root
-        self._param_names = {p: n for n, p in root.named_parameters(remove_duplicate=False)}
+        self._param_names: dict[Tensor, str] = {}
+        for name, param in root.named_parameters(remove_duplicate=False):
+            self._param_names.setdefault(param, name)
         self._sinks = _Sinks(tensorboard, jsonl, csv, callback, self._writes(group()))
         self._pending: dict[str, Any] | None = None
         self._pre = register(self._before_update, when="pre", every=every, reads=self._reductions)
@@ -260,8 +262,9 @@ class Monitor:
         group = self._group()
         if group is not None and torch.distributed.is_initialized():
             _all_reduce_statistics(table, group)
-        params = [p for p in self._params() if p.grad is not None]
-        norms = _norms([_dense_values(p.grad) for p in params] + [p.detach() for p in params])
+        grads = {p: p.grad for p in self._params() if p.grad is not None}
+        params = list(grads)
+        norms = _norms([_dense_values(g) for g in grads.values()] + [p.detach() for p in params])
         self._pending = {"names": names, "kinds": kinds, "table": table, "params": params, "norms": norms}
 
     def _module_name(self, param: Tensor) -> str:
@@ -349,8 +352,8 @@ def _plain_optimizer_hooks(
 
     def before(opt: Any, args: Any, kwargs: Any) -> None:
         if registry.due():
-            state["inputs"] = capture.inputs()
-            registry.before_step(opt, state["inputs"])
+            inputs = state["inputs"] = capture.inputs()
+            registry.before_step(opt, inputs)
 
     def after(opt: Any, args: Any, kwargs: Any) -> None:
         inputs, state["inputs"] = state["inputs"], None

@@ -20,6 +20,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from inputaware_optim import (
+    FOOF,
+    KFAC,
+    NLMS,
     Capture,
     InputAwareAdamW,
     InputAwareSGD,
@@ -321,6 +324,48 @@ def test_monitor_every_100_computes_nothing_in_between() -> None:
         opt.step()
     assert [r["step"] for r in records] == [0]
     monitor.remove()
+
+
+RULES = {
+    "InputAwareSGD": lambda m: InputAwareSGD(m, lr=0.1, momentum=0.9),
+    "FOOF": lambda m: FOOF(m, lr=0.05, update_every=2),
+    "KFAC": lambda m: KFAC(m, lr=0.05, update_every=2, damping=1e-2),
+    "NLMS": lambda m: NLMS(m, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_monitoring_changes_nothing_about_training(rule: str) -> None:
+    trained = []
+    for monitored in (False, True):
+        model = mlp()
+        opt = RULES[rule](model)
+        if monitored:
+            Monitor(opt, every=2, grad_outputs=True)
+            NonFiniteFinder(opt)
+            opt.register_inputs_hook(lambda o, i: None, every=3)
+        for step in range(5):
+            opt.zero_grad()
+            model(batch(step)).pow(2).mean().backward()
+            opt.step()
+        trained.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*trained, strict=True):
+        assert torch.equal(a, b), rule
+
+
+def test_monitor_keeps_no_input_between_forward_and_step() -> None:
+    model = mlp()
+    opt = InputAwareSGD(model, lr=0.1)
+    monitor = Monitor(opt, grad_outputs=True)
+    activations: list[weakref.ref[Tensor]] = []
+    model[2].register_forward_pre_hook(lambda m, args: activations.append(weakref.ref(args[0])))
+    for step in range(3):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        gc.collect()
+        assert activations[-1]() is None  # freed by backward: the monitor holds only its statistics
+        opt.step()
+    assert monitor.last is not None and monitor.last["step"] == 2
 
 
 # -- sinks ----------------------------------------------------------------------------------

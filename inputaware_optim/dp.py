@@ -671,6 +671,12 @@ def _refuse_sharded_without_closed_form(optimizer: InputAwareOptimizer) -> None:
     whole weights (the generic ``vmap(grad)`` over the module's forward)."""
     names = {m: n for n, m in unwrap_model(optimizer.model).named_modules()}
     trained = {p for p in optimizer._params() if p.requires_grad}
+    meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
+    if meshes - {1}:  # HSDP: the batch count and the noise would be combined over one mesh dimension only
+        raise NotImplementedError(
+            f"{type(optimizer).__name__} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
+            "uses): its batch count and noise must be combined over every data-parallel rank"
+        )
     for module in optimizer._modules_to_capture(trained):
         if not any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
             continue

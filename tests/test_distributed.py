@@ -229,6 +229,12 @@ def fsdp_dp_worker(rank: int) -> None:
     fully_shard(model.norm, mesh=mesh)
     with pytest.raises(NotImplementedError, match="per-sample gradients of norm under FSDP2"):
         DPSGD(model, lr=0.1)
+    # HSDP (a 2-D mesh): the batch count and the noise would be combined over one dimension only.
+    model = sharded_net(init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard")))
+    with pytest.raises(NotImplementedError, match="over a 1-D mesh only"):
+        DPSGD(model, lr=0.1)
+    with pytest.raises(NotImplementedError, match="over a 2-D mesh, not on rows"):
+        FOOF(model, lr=0.1)
 
 
 def inversion_worker(rank: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -430,3 +431,24 @@ def test_dp_refuses_multihead_attention_at_the_step_by_name() -> None:
     with pytest.raises(RuntimeError, match=r"out_proj.*without calling its module"):
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(attention.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [lambda: nn.ConvTranspose1d(2, 3, 3, stride=2), lambda: nn.ConvTranspose2d(4, 4, 3, stride=2, groups=2, padding=1)],
+    ids=["1d", "2d grouped"],
+)
+def test_dp_on_transposed_convolutions_is_exact_through_torch_func(layer: Any) -> None:
+    torch.manual_seed(0)
+    conv = layer().double()
+    x = torch.randn(3, conv.in_channels, *([4] * (conv.weight.dim() - 2)), dtype=torch.float64)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    model(x)
+    expected = clipped_reference(model, x, clip=0.05)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model(x).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    assert "torch.func" in optimizer.coverage()[0].treatment
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(before[key] - param.detach(), expected[key], rtol=1e-8, atol=1e-12, msg=key)

@@ -148,7 +148,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             from opacus.accountants import create_accountant
         except ImportError as error:
             raise ImportError(
-                "privacy accounting uses Opacus's accountants: pip install opacus (the 'bench' extra has it)"
+                "privacy accounting uses Opacus's accountants: pip install opacus (or the 'privacy' extra: "
+                "pip install 'inputaware_optim[privacy]')"
             ) from error
         sigma = float(self.param_groups[0]["noise_multiplier"])
         if self._privacy_steps == 0:

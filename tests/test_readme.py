@@ -51,7 +51,7 @@ def test_readme_extras_match_pyproject() -> None:
 
     extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     text = README.read_text()
-    for extra in ("test", "bench", "integration", "monitor"):
+    for extra in ("test", "bench", "integration", "monitor", "privacy"):
         names = [re.split(r"[<>=\[ ]", requirement)[0] for requirement in extras[extra]]
         mention = re.search(rf"`{extra}` \(([^)]*)\)", text)
         assert mention, f"the README does not list the {extra} extra"

@@ -19,7 +19,16 @@ from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
 from .distributed import all_reduce_sum_, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
-from .layers import GENERIC, BlockRows, IndexedRows, Materialized, MatrixRows, PerSample, layer_kind
+from .layers import (
+    GENERIC,
+    BlockRows,
+    IndexedRows,
+    Materialized,
+    MatrixRows,
+    PerSample,
+    declared_refusal,
+    layer_kind,
+)
 from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
 
@@ -204,6 +213,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         for qualified, module in unwrap_model(self._model).named_modules():
             own = [n for n, p in module._parameters.items() if p is not None and p in trained]
             where = f"{qualified or 'the model'} ({type(module).__name__})"
+            refusal = declared_refusal(module)
+            if refusal is not None and any(p in trained for p in module.parameters()):
+                raise ValueError(f"{name} cannot compute per-sample gradients of {where}: {refusal}")
             if isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and own:
                 raise ValueError(
                     f"{name} cannot compute per-sample gradients of {where}: torch.func has no per-sample rule "
@@ -313,7 +325,6 @@ class _PerSampleClipping(InputAwareOptimizer):
             sums[param] = reduce_scatter_like(sums[param], param)
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
-
 
     def _check_sums_add_up(self, targets: list[Tensor], totals: dict[Tensor, Any]) -> None:
         """Refuse a gradient that the per-sample gradients do not add up to: part of it came from

@@ -82,6 +82,13 @@ def why_no_kind(module: nn.Module) -> str:
     return kind.unsupported(module)
 
 
+def declared_refusal(module: nn.Module) -> str | None:
+    """Why per-sample gradients of ``module`` cannot be computed, if its registered kind says so."""
+    base = registered_base(module)
+    kind = _registered(base) if base is not None else None
+    return kind.per_sample_refusal if kind is not None else None
+
+
 def explained(module: nn.Module | None, reason: str | None) -> str | None:
     """``reason``, or the registry's own explanation where ``module``'s registered kind declines it
     (say, ``nn.MultiheadAttention``'s ``in_proj_weight``, which is not a ``weight``)."""
@@ -483,7 +490,11 @@ class ConvTransposeKind(LayerKind):
 class MultiheadAttentionKind(LayerKind):
     """``nn.MultiheadAttention``: registered to say why no Kronecker rule covers ``in_proj_weight``."""
 
-    per_sample_refusal = "out_proj.weight is used without calling out_proj"
+    per_sample_refusal = (
+        "its out_proj.weight is used without calling out_proj, so no captured call carries its per-sample "
+        "gradient. Use opacus.layers.DPMultiheadAttention (a drop-in built from linear layers, exact here), or "
+        "build the attention from nn.Linear projections (as Hugging Face models do)"
+    )
 
     def supports(self, module: nn.Module) -> bool:
         return False

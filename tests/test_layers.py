@@ -417,20 +417,37 @@ def test_each_cell_of_the_table_is_what_the_optimizers_report() -> None:
             assert (row.treatment.startswith("stock"), row.fallback) == expected, (name, rule.__name__, row)
         dp = cells[name][4].rstrip(" |")
         if dp == "refused":
-            continue  # MultiheadAttention: test_dp_refuses_multihead_attention_at_the_step_by_name
+            with pytest.raises(ValueError, match="cannot compute per-sample gradients"):
+                DPSGD(model)
+            continue
         row = next(r for r in DPSGD(model).coverage() if r.shape == tuple(weight.shape))
         assert ("closed form" in row.treatment) == (dp == "exact (closed form)"), (name, row)
 
 
-def test_dp_refuses_multihead_attention_at_the_step_by_name() -> None:
-    attention = nn.MultiheadAttention(4, 2, batch_first=True)
-    optimizer = DPSGD(attention, lr=0.1)
-    before = [p.detach().clone() for p in attention.parameters()]
-    x = torch.randn(2, 3, 4)
-    attention(x, x, x)[0].sum().backward()
-    with pytest.raises(RuntimeError, match=r"out_proj.*without calling its module"):
-        optimizer.step()
-    assert all(torch.equal(p, q) for p, q in zip(attention.parameters(), before, strict=True))
+def test_dp_refuses_multihead_attention_by_name_and_opacus_drop_in_is_exact() -> None:
+    model = nn.Sequential(nn.MultiheadAttention(4, 2, batch_first=True))
+    with pytest.raises(ValueError, match=r"of 0 \(MultiheadAttention\): its out_proj.*DPMultiheadAttention"):
+        DPSGD(model, lr=0.1)
+    layers = pytest.importorskip("opacus.layers")
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.attention, self.head = layers.DPMultiheadAttention(4, 2, batch_first=True), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attention(x, x, x)[0].mean(1))
+
+    model = Attention().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = clipped_reference(model, x, clip=0.05)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model(x).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(before[key] - param.detach(), expected[key], rtol=1e-8, atol=1e-12, msg=key)
 
 
 @pytest.mark.parametrize(

@@ -187,9 +187,9 @@ def computed_once(
     rank runs it again itself and so raises the same error (after the collectives, so no rank
     is left waiting). Without a group, every job runs here.
     """
-    if group is None or not jobs:
-        return [job() for job in jobs]
     dist = torch.distributed
+    if group is None or not jobs or dist.get_world_size(group) == 1:
+        return [job() for job in jobs]
     world, me = dist.get_world_size(group), dist.get_rank(group)
     owners = owners_by_cost(costs, world)
     results: list[Tensor | None] = [None] * len(jobs)

@@ -180,6 +180,8 @@ class _Log:
         # The hot path: every call of every watched module runs this.
         if not (self.enabled and _grad_enabled()):
             return None
+        if not self.keep_calls and module not in self.readers:
+            return None  # nothing reads this module now (a reader paused, say between statistics steps)
         if _compiling():
             return self._record_compiled(module, args, kwargs, output)
         if _functorch_level() is not None:
@@ -768,8 +770,12 @@ class Capture:
                 log.readers[module] = (*log.readers.get(module, ()), reduction)
         self._sync_hooks()
 
-    def remove_reduction(self, reduction: Reduction) -> None:
-        """Stop computing ``reduction`` and drop what it holds."""
+    def remove_reduction(self, reduction: Reduction, *, keep_hooks: bool = False) -> None:
+        """Stop computing ``reduction`` and drop what it holds.
+
+        With ``keep_hooks``, the module hooks stay attached even if nothing reads any more (they
+        then return at once): for a reader that pauses and resumes (a rule's statistics schedule),
+        so that a compiled model is not retraced each time the hooks come back."""
         log = self._log
         if reduction not in log.reductions:
             return
@@ -782,7 +788,8 @@ class Capture:
                 del log.readers[module]
         for key in log.keys.values():
             key.totals.pop(reduction, None)
-        self._sync_hooks()
+        if not keep_hooks:
+            self._sync_hooks()
 
     @property
     def active(self) -> bool:

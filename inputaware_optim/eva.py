@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .base import evaluate_closure
 from .inputs import Call, Captured, Inputs
-from .kronecker import FactorSums, KroneckerRule
+from .kronecker import FactorSums, KroneckerRule, _statistics_due
 from .layers import Layer, weight_of
 from .sgd import InputAwareSGD
 
@@ -77,6 +77,8 @@ class Eva(KroneckerRule):
         damping: :math:`\gamma`, added to each rank-one factor (> 0).
         stat_decay: Decay of the running vectors, in [0, 1).
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping.
+        statistics_every: Collect the vectors every this many steps (>= 1, keyword-only); between
+            them the hooks keep nothing and the kept vectors precondition.
         batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
@@ -136,11 +138,16 @@ class Eva(KroneckerRule):
         """Precondition the gradients of the supported layers (then clip), and take the SGD step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        layers, sums = self._step_statistics(inputs)
+        due = [group for group in self.param_groups if _statistics_due(group)]
+        layers, sums = self._step_statistics(inputs, due) if due else ([], [])
         seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]  # a layer with no row keeps its state
         layers = [layer for layer, ok in zip(layers, seen, strict=True) if ok]
         sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
+        updated = len(layers)
+        for layer, kept in self._kept_vectors(due):  # between statistics steps: the vectors kept
+            layers.append(layer)
+            vectors.append(kept)
         directions = []
         for layer, (a, g) in zip(layers, vectors, strict=True):
             matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
@@ -154,14 +161,26 @@ class Eva(KroneckerRule):
                     "damping. No parameter was changed by this step"
                 )
         scales = self._kl_clip_scales(layers, directions)
-        for layer, (a, g), direction in zip(layers, vectors, directions, strict=True):
-            state = self.state[weight_of(layer.module)]
-            state["input_mean"], state["output_grad_mean"] = a, g
-            state["statistics_steps"] = state.get("statistics_steps", 0) + 1
+        for index, (layer, (a, g), direction) in enumerate(zip(layers, vectors, directions, strict=True)):
+            if index < updated:
+                state = self.state[weight_of(layer.module)]
+                state["input_mean"], state["output_grad_mean"] = a, g
+                state["statistics_steps"] = state.get("statistics_steps", 0) + 1
             nu = scales[id(layer.group)]
             layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
         InputAwareSGD.step(self, inputs=inputs)
+        self._advance_schedule()
         return loss
+
+    def _kept_vectors(self, due: list[dict[str, Any]]) -> list[tuple[Layer, tuple[Tensor, Tensor]]]:
+        out = []
+        for layer in self._layers("input_rows"):
+            if any(layer.group is group for group in due) or weight_of(layer.module).grad is None:
+                continue
+            state = self.state.get(weight_of(layer.module), {})
+            if "input_mean" in state and "output_grad_mean" in state:
+                out.append((layer, (state["input_mean"], state["output_grad_mean"])))
+        return out
 
     def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]

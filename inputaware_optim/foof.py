@@ -58,7 +58,9 @@ class FOOF(KroneckerRule):
             so it scales with the inputs' variance; the default suits standardized inputs, and
             values much smaller let rarely excited directions take very large steps.
         stat_decay: :math:`\beta`, the decay of the running second moment, in [0, 1).
-        update_every: Refresh the inverse every this many steps (>= 1).
+        update_every: Refresh the inverse every this many statistics steps (>= 1).
+        statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
+            them the hooks keep nothing and return at once, and the kept inverses precondition.
         max_dim: Leave layers whose factor is larger than this to plain SGD (None: no limit).
         distributed_inversion: Under data parallelism, invert each layer's factor on one rank
             and broadcast it (instead of every rank inverting every factor).

@@ -73,7 +73,9 @@ class KFAC(KroneckerRule):
         damping: :math:`\lambda`; each factor is damped by :math:`\sqrt\lambda` (>= 0). Without an
             adaptive trust region (KL clipping), small values let the update blow up.
         stat_decay: Decay of the running factors, in [0, 1).
-        update_every: Refresh the inverses every this many steps (>= 1).
+        update_every: Refresh the inverses every this many statistics steps (>= 1).
+        statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
+            them the hooks keep nothing and return at once, and the kept inverses precondition.
         max_dim: Leave layers with a factor larger than this to plain SGD (None: no limit).
         distributed_inversion: Under data parallelism, invert each factor on one rank and
             broadcast it (instead of every rank inverting every factor).

@@ -94,6 +94,7 @@ class KroneckerRule(InputAwareSGD):
         stat_decay: float = 0.95,
         update_every: int = 10,
         *,
+        statistics_every: int = 1,
         max_dim: int | None = None,
         distributed_inversion: bool = False,
         params: Any = None,
@@ -109,7 +110,13 @@ class KroneckerRule(InputAwareSGD):
             raise ValueError(f"Invalid distributed_inversion: {distributed_inversion!r} (must be True or False)")
         self._max_dim = max_dim
         self._distributed_inversion = distributed_inversion
-        self._rule_defaults = {"damping": damping, "stat_decay": stat_decay, "update_every": update_every}
+        _check_schedule(statistics_every)
+        self._rule_defaults = {
+            "damping": damping,
+            "stat_decay": stat_decay,
+            "update_every": update_every,
+            "statistics_every": statistics_every,
+        }
         base = sgd_kwargs.get("base")
         if base is None or not isinstance(base, type) or "momentum" in inspect.signature(base).parameters:
             sgd_kwargs["momentum"] = momentum  # (a base that is not a class is refused by name below)
@@ -144,6 +151,7 @@ class KroneckerRule(InputAwareSGD):
         self._set_group_defaults(**self._rule_defaults)
         for group in self.param_groups:
             _check_hyperparameters(group["damping"], group["stat_decay"], group["update_every"])
+            _check_schedule(group["statistics_every"])
         self._check_sharded_layers()
 
     def _check_sharded_layers(self) -> None:
@@ -190,7 +198,8 @@ class KroneckerRule(InputAwareSGD):
         """Precondition the gradients of the supported layers, then take the SGD step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        layers, sums = self._step_statistics(inputs)
+        due = [group for group in self.param_groups if _statistics_due(group)]
+        layers, sums = self._step_statistics(inputs, due) if due else ([], [])
         # A layer that saw no row this step (an expert no token was routed to) has no statistics
         # to average: it takes the plain step (its gradient is zero) and keeps its running moments.
         seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
@@ -205,8 +214,35 @@ class KroneckerRule(InputAwareSGD):
                 state[f"{factor}_inverse"] = inverses[factor]
             state["statistics_steps"] = state.get("statistics_steps", 0) + 1
             self._set_preconditioned(layer, inverses)
+        for layer, inverses in self._kept_preconditioners(due):  # between statistics steps
+            self._set_preconditioned(layer, inverses)
         super().step(inputs=inputs)
+        self._advance_schedule()
         return loss
+
+    def _kept_preconditioners(self, due: list[dict[str, Any]]) -> list[tuple[Layer, dict[str, Tensor]]]:
+        """The layers of groups that collect no statistics this step, with the inverses they keep
+        (a layer with none yet takes the plain step)."""
+        out = []
+        for layer in self._layers("input_rows"):
+            if any(layer.group is group for group in due) or weight_of(layer.module).grad is None:
+                continue
+            state = self.state.get(weight_of(layer.module), {})
+            inverses = {factor: state.get(f"{factor}_inverse") for factor in self.factors}
+            if all(inverse is not None for inverse in inverses.values()):
+                out.append((layer, inverses))
+        return out
+
+    def _advance_schedule(self) -> None:
+        """Count the step in each group, and read statistics at the next step only if one is due:
+        between statistics steps the hooks keep nothing and return at once."""
+        for group in self.param_groups:
+            group["schedule_step"] = group.get("schedule_step", 0) + 1
+        capture = self.capture
+        if any(_statistics_due(group) for group in self.param_groups):
+            capture.add_reduction(self._statistics)
+        else:
+            capture.remove_reduction(self._statistics, keep_hooks=True)
 
     def _set_preconditioned(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         """Replace the layer's gradient by the preconditioned one (under FSDP2, this rank's rows of it)."""
@@ -223,11 +259,16 @@ class KroneckerRule(InputAwareSGD):
             new = self._precondition_rows(layer, full, inverses, row_range(weight))
         set_local_matrix_rows(weight, bias, new, layer.homogeneous)
 
-    def _step_statistics(self, inputs: Inputs) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
-        """This step's factor sums for every layer with gradients and captured calls, summed over ranks."""
+    def _step_statistics(
+        self, inputs: Inputs, due: list[dict[str, Any]] | None = None
+    ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
+        """This step's factor sums for every layer (of the ``due`` groups, default all) with gradients
+        and captured calls, summed over ranks."""
         layers, sums = [], []
         totals = inputs.reduced(self._statistics)
         for layer in self._layers("input_rows"):
+            if due is not None and not any(layer.group is group for group in due):
+                continue
             weight, bias = weight_of(layer.module), bias_of(layer.module)
             if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
                 continue
@@ -308,6 +349,16 @@ def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
             "increase damping. No parameter was changed by this step"
         )
     return torch.cholesky_inverse(factor).to(matrix.dtype).contiguous()
+
+
+def _statistics_due(group: dict[str, Any]) -> bool:
+    """Whether the group's layers collect statistics at its coming step."""
+    return group.get("schedule_step", 0) % group["statistics_every"] == 0
+
+
+def _check_schedule(statistics_every: int) -> None:
+    if isinstance(statistics_every, bool) or not isinstance(statistics_every, numbers.Integral) or statistics_every < 1:
+        raise ValueError(f"Invalid statistics_every: {statistics_every!r} (must be an integer >= 1)")
 
 
 def _check_hyperparameters(damping: float, stat_decay: float, update_every: int) -> None:

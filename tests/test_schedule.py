@@ -1,0 +1,119 @@
+"""Statistics on a schedule: collected every ``statistics_every`` steps, nothing held in between."""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from inputaware_optim import FOOF, KFAC, Eva
+
+
+def net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+
+def train_step(model: nn.Module, optimizer: Any, step: int) -> None:
+    optimizer.zero_grad()
+    model(batch(step)).pow(2).mean().backward()
+    optimizer.step()
+
+
+def foof_reference(model: nn.Sequential, steps: int, every: int, lr: float, damping: float, decay: float) -> None:
+    """FOOF by hand: A from the inputs on steps 0, every, 2 every, ...; the last inverse in between."""
+    layers = [model[0], model[2]]
+    moments: dict[int, torch.Tensor] = {}
+    inverses: dict[int, torch.Tensor] = {}
+    for step in range(steps):
+        inputs: dict[int, torch.Tensor] = {}
+
+        def keep(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor, seen: dict = inputs) -> None:
+            seen[id(module)] = args[0]
+
+        handles = [m.register_forward_hook(keep) for m in layers]
+        model.zero_grad()
+        model(batch(step)).pow(2).mean().backward()
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for layer in layers:
+                if step % every == 0:
+                    rows = torch.cat([inputs[id(layer)], torch.ones(len(inputs[id(layer)]), 1)], dim=1)
+                    moment = rows.T @ rows / len(rows)
+                    if id(layer) in moments:
+                        moment = decay * moments[id(layer)] + (1 - decay) * moment
+                    moments[id(layer)] = moment
+                    inverses[id(layer)] = torch.linalg.inv(moment + damping * torch.eye(len(moment)))
+                grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1) @ inverses[id(layer)]
+                layer.weight -= lr * grad[:, :-1]
+                layer.bias -= lr * grad[:, -1]
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_foof_collects_statistics_on_schedule_and_keeps_its_inverse_between(every: int) -> None:
+    model = net()
+    reference = copy.deepcopy(model)
+    optimizer = FOOF(model, lr=0.1, momentum=0.0, damping=0.3, stat_decay=0.8, update_every=1, statistics_every=every)
+    for step in range(7):
+        train_step(model, optimizer, step)
+    foof_reference(reference, 7, every, lr=0.1, damping=0.3, decay=0.8)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-7, atol=1e-9)  # inv vs Cholesky, 7 steps
+    assert optimizer.state[model[0].weight]["statistics_steps"] == len(range(0, 7, every))
+
+
+@pytest.mark.parametrize("rule", [FOOF, KFAC, Eva])
+def test_between_statistics_steps_the_hooks_hold_nothing(rule: type) -> None:
+    model = net()
+    optimizer = rule(model, lr=0.05, statistics_every=4)
+    handles = len(optimizer.capture._handles)
+    for step in range(8):
+        optimizer.zero_grad()
+        model(batch(step)).pow(2).mean().backward()
+        held = (
+            optimizer.capture.reduced(optimizer._statistics)
+            if optimizer._statistics in optimizer.capture.reductions
+            else {}
+        )
+        assert bool(held) == (step % 4 == 0), step  # statistics only on steps 0 and 4
+        assert not optimizer.capture._log.tasks  # nothing pending either
+        optimizer.step()
+        assert len(optimizer.capture._handles) == handles  # the hooks stay: a compiled model is not retraced
+    assert optimizer.state[model[0].weight]["statistics_steps"] == 2
+
+
+@pytest.mark.parametrize("rule", [FOOF, Eva])
+def test_resume_mid_schedule_is_bitwise(rule: type) -> None:
+    def make(model: nn.Module) -> Any:
+        return rule(model, lr=0.05, statistics_every=3)
+
+    model, resumed_model = net(), net()
+    uninterrupted = make(model)
+    for step in range(7):
+        train_step(model, uninterrupted, step)
+    first = make(resumed_model)
+    for step in range(4):
+        train_step(resumed_model, first, step)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = make(resumed_model)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    for step in range(4, 7):
+        train_step(resumed_model, resumed, step)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_statistics_every_must_be_a_positive_integer(value: Any) -> None:
+    with pytest.raises(ValueError, match="statistics_every"):
+        FOOF(net(), lr=0.1, statistics_every=value)

@@ -469,3 +469,54 @@ def test_dp_on_transposed_convolutions_is_exact_through_torch_func(layer: Any) -
     assert "torch.func" in optimizer.coverage()[0].treatment
     for key, param in model.named_parameters():
         torch.testing.assert_close(before[key] - param.detach(), expected[key], rtol=1e-8, atol=1e-12, msg=key)
+
+
+# -- a user's layer type, registered once, joins every rule ------------------------------------
+
+
+class MyLinear(nn.Module):
+    """A linear layer that is not an nn.Linear (a user's own type, say from another package)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(weight.clone()), nn.Parameter(bias.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.parametrize("rule", [FOOF, KFAC, NLMS, Eva, DPSGD], ids=lambda c: c.__name__)
+def test_registering_a_kind_for_a_new_layer_makes_every_rule_use_it(rule: type) -> None:
+    from inputaware_optim import register_layer
+    from inputaware_optim.layers import _REGISTRY, LinearKind
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    mine = nn.Sequential(
+        MyLinear(reference[0].weight.detach(), reference[0].bias.detach()),
+        nn.Tanh(),
+        MyLinear(reference[2].weight.detach(), reference[2].bias.detach()),
+    )
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    settings = {"lr": 0.5, "max_grad_norm": 0.1, "noise_multiplier": 0.0} if rule is DPSGD else {"lr": 0.5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        unregistered = rule(mine, **settings)
+    assert all(row.treatment.startswith("stock") for row in unregistered.coverage() if rule is not DPSGD)
+    del unregistered  # its hooks go with it
+    register_layer(MyLinear)(type("MyLinearKind", (LinearKind,), {}))
+    try:
+        results = []
+        for model in (reference, mine):
+            optimizer = rule(model, **settings)
+            model(x).pow(2).sum(1).mean().backward()
+            optimizer.step()
+            treatments = [row.treatment for row in optimizer.coverage()]
+            results.append([p.detach().clone() for p in model.parameters()])
+        assert not any(t.startswith("stock") for t in treatments), treatments
+        if rule is DPSGD:
+            assert all("closed form for MyLinear" in t for t in treatments)
+        for got, expected in zip(results[1], results[0], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+    finally:
+        del _REGISTRY[MyLinear]

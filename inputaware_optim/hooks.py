@@ -192,11 +192,10 @@ class StepHooks:
         before, self._before = self._before, None
         if before is not None:
             with torch.no_grad():
-                params = list(before)
-                changes = list(before.values())
-                torch._foreach_sub_(changes, params)  # before - after, in place: no second copy
-                torch._foreach_neg_(changes)
-                updates = dict(zip(params, changes, strict=True))
+                params = [p.detach() for p in before]
+                changes = torch._foreach_sub(params, list(before.values()))  # one pass; the copies go
+                updates = dict(zip(before, changes, strict=True))
+                del before
         for entry in due:
             entry.hook(optimizer, inputs, updates if entry.updates else None)
 

@@ -60,7 +60,7 @@ _SUMMED = slice(0, 5)
 
 
 def _summary(tensors: Iterable[Any]) -> Tensor | None:
-    """``[count, sum, sum of squares, zeros, non-finite, max |x|]`` over the floating-point tensors."""
+    """``[count, sum, sum of squares, zeros, non-finite, max |x|]`` (float64) over the floating-point tensors."""
     total: Tensor | None = None
     for t in tensors:
         if not isinstance(t, Tensor) or not t.is_floating_point() or t.numel() == 0:
@@ -68,44 +68,49 @@ def _summary(tensors: Iterable[Any]) -> Tensor | None:
         x = t.detach().reshape(-1)
         if x.dtype in (torch.float16, torch.bfloat16):
             x = x.float()
-        total_sum = x.sum()
-        zeros, nonfinite = _zeros_and_nonfinite(x, total_sum)
-        low, high = torch.aminmax(x)
-        row = torch.stack(
-            [
-                total_sum.new_full((), float(x.numel())),
-                total_sum,
-                torch.dot(x, x),
-                zeros.to(total_sum.dtype),
-                nonfinite.to(total_sum.dtype),
-                torch.maximum(high, -low),
-            ]
-        ).double()
+        row = _cpu_summary(x) if x.device.type == "cpu" and x.dtype in _BITS else _device_summary(x)
         total = row if total is None else _combine(total, row)
     return total
+
+
+def _device_summary(x: Tensor) -> Tensor:
+    """The summary of flat ``x`` on an accelerator: plain counts, no host synchronization."""
+    low, high = torch.aminmax(x)
+    return torch.stack(
+        [
+            x.new_full((), float(x.numel())),
+            x.sum(),
+            torch.dot(x, x),
+            (x == 0).sum().to(x.dtype),
+            torch.isfinite(x).logical_not_().sum().to(x.dtype),
+            torch.maximum(high, -low),
+        ]
+    ).double()
 
 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
-def _zeros_and_nonfinite(x: Tensor, total_sum: Tensor) -> tuple[Tensor, Tensor]:
-    """How many elements of the flat float32/float64 ``x`` are zero, and how many are not finite.
+def _cpu_summary(x: Tensor) -> Tensor:
+    """The summary of flat float32/float64 ``x`` on CPU, where reading a value is free and ``isfinite``,
+    ``== 0`` and ``count_nonzero`` on floats are several times slower than a sum.
 
-    On an accelerator, the plain counts (no host synchronization). On CPU, where reading a value is
-    free and ``isfinite``, ``== 0`` and ``count_nonzero`` on floats are slow, cheaper passes: +0.0 is
-    the only float whose bits are all zero, and -0.0 (the most negative integer) is counted exactly
-    only where the smallest integer view says there is one; non-finite values only where the sum
-    (NaN or infinite whenever one is) says there are some.
+    +0.0 is the only float whose bits are all zero: zeros are counted on the integer view, and
+    exactly only where its smallest value says there is a -0.0 (the most negative integer).
+    Non-finite values are counted only where the sum, NaN or infinite whenever one is, says so.
     """
-    if x.device.type != "cpu" or x.dtype not in _BITS:
-        return (x == 0).sum(), torch.isfinite(x).logical_not_().sum()
+    count = x.numel()
+    total = x.sum().item()
     bits = x.view(_BITS[x.dtype])
     if bits.amin().item() == torch.iinfo(bits.dtype).min:  # a -0.0
-        zeros = (x == 0).sum()
+        zeros = int((x == 0).sum())
     else:
-        zeros = x.numel() - torch.count_nonzero(bits)
-    finite = math.isfinite(total_sum.item())
-    return zeros, total_sum.new_zeros(()) if finite else torch.isfinite(x).logical_not_().sum()
+        zeros = count - int(torch.count_nonzero(bits))
+    nonfinite = 0 if math.isfinite(total) else int(torch.isfinite(x).logical_not_().sum())
+    low, high = torch.aminmax(x)
+    largest = torch.maximum(high, -low).item()  # NaN where x holds one
+    squares = torch.dot(x, x).item()
+    return torch.tensor([count, total, squares, zeros, nonfinite, largest], dtype=torch.float64)
 
 
 def _combine(a: Tensor | None, b: Tensor | None) -> Tensor | None:

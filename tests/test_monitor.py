@@ -545,3 +545,17 @@ def test_ddp_statistics_over_two_ranks_equal_one_process_on_the_whole_batch() ->
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     run_spawned(ddp_worker, args=(port,), world=WORLD, timeout=120)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_shortcuts_count_as_the_plain_kernels_do(dtype: torch.dtype) -> None:
+    from inputaware_optim.monitor import _cpu_summary, _device_summary
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0), dtype=dtype)
+    x[::7] = 0.0
+    for values in ({}, {3: -0.0}, {5: math.nan, 9: math.inf}, {2: -math.inf, 4: -0.0}):
+        y = x.clone()
+        for index, value in values.items():
+            y[index] = value
+        assert torch.equal(_cpu_summary(y).isnan(), _device_summary(y).isnan())
+        torch.testing.assert_close(_cpu_summary(y), _device_summary(y), equal_nan=True, rtol=1e-6, atol=1e-9)

@@ -141,7 +141,7 @@ def fsdp_worker(rank: int) -> None:
 def assert_same_on_every_rank(tensors: list[torch.Tensor], what: str) -> None:
     """Bitwise the same tensors on every rank (replicated state)."""
     flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
-    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     for other in gathered[1:]:
         assert torch.equal(gathered[0], other), f"{what} differs between ranks"
@@ -159,8 +159,9 @@ def sharded_net(mesh: Any, dtype: torch.dtype = torch.float64, **shard_kwargs: A
 
 
 def train_sharded(rule: str, model: nn.Module, rank: int) -> Any:
-    part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    optimizer = RULES[rule](model, BATCH // WORLD)
+    local = BATCH // dist.get_world_size()
+    part = slice(rank * local, (rank + 1) * local)
+    optimizer = RULES[rule](model, local)
     for tokens, target in batches():
         optimizer.zero_grad()
         loss_of(model, tokens[part], target[part].double()).backward()
@@ -280,10 +281,27 @@ def inversion_worker(rank: int) -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
-def _entry(rank: int, directory: str, port: int, worker: Callable[[int], None]) -> None:
+def four_rank_worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # 3 output rows over 4 ranks: one rank holds none of the out layer; FOOF's 2 factors leave
+    # two ranks nothing to invert.
+    mesh = init_device_mesh("cpu", (4,))
+    for rule in ("FOOF-shared", "KFAC-shared", "DPSGD"):
+        model = sharded_net(mesh)
+        optimizer = train_sharded(rule, model, rank)
+        factors = [v for p in model.parameters() for k, v in optimizer.state[p].items() if k.endswith("_inverse")]
+        assert_same_on_every_rank(factors or [torch.zeros(1)], f"{rule}'s factors")
+        full = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
+        if rank == 0:
+            for p, q in zip(full, train_whole(rule, torch.float64), strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=rule)
+
+
+def _entry(rank: int, directory: str, port: int, worker: Callable[[int], None], world: int = WORLD) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     worker(rank)
     dist.barrier()  # no rank leaves while another still uses the group
     mark_done(directory, rank)  # every check of this rank passed
@@ -294,10 +312,16 @@ def _entry(rank: int, directory: str, port: int, worker: Callable[[int], None]) 
 
 
 def run_two_processes(worker: Callable[[int], None]) -> None:
+    """Run ``worker(rank)`` on 2 gloo processes; raise if any rank failed."""
+    run_processes(worker, WORLD)
+
+
+def run_processes(worker: Callable[[int], None], world: int) -> None:
+    """Run ``worker(rank)`` on ``world`` gloo processes; raise if any rank failed."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_spawned(_entry, args=(port, worker), world=WORLD)
+    run_spawned(_entry, args=(port, worker, world), world=world)
 
 
 def test_ddp_replicas_stay_identical_and_match_one_process() -> None:
@@ -318,3 +342,7 @@ def test_fsdp2_dp_matches_one_process_and_its_noise_matches_ddp() -> None:
 
 def test_distributed_inversion_splits_the_work_and_changes_no_bit() -> None:
     run_two_processes(inversion_worker)
+
+
+def test_four_ranks_with_empty_shards_and_idle_inverters_match_one_process() -> None:
+    run_processes(four_rank_worker, 4)

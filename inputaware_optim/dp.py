@@ -245,7 +245,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         if module is None:
             return "refused at step", "not a parameter of any module: its per-sample gradient is unknown", True
         kind = layer_kind(module)
-        how = f"closed form for {type(module).__name__}" if kind is not None else "torch.func vmap(grad) of its forward"
+        closed = kind is not None and kind.provides("per_sample")
+        how = f"closed form for {type(module).__name__}" if closed else "torch.func vmap(grad) of its forward"
         return f"{type(self).__name__}: per-sample clipping ({how})", None, False
 
     def _build_reductions(self) -> dict[str, Reduction]:

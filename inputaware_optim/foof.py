@@ -30,9 +30,10 @@ class FOOF(KroneckerRule):
 
     For each layer with input rows (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Conv1d/2d/3d``
     through their unfolded input patches, as K-FAC does; a grouped convolution one block per
-    group, each with its own factor), with :math:`\tilde x` the input with a constant 1 appended when
-    the layer's bias is trained (the homogeneous coordinate) and :math:`\tilde G` the weight
-    gradient with the bias gradient as its last column:
+    group, each with its own factor; a transposed one as the convolution it equals), with
+    :math:`\tilde x` the input with a constant 1 appended when the layer's bias is trained (the
+    homogeneous coordinate) and :math:`\tilde G` the weight gradient with the bias gradient as
+    its last column:
 
     .. math::
         A_t = \frac{1}{N}\sum_{n=1}^{N} \tilde x_n \tilde x_n^\top, \qquad

@@ -41,7 +41,7 @@ class KFAC(KroneckerRule):
     batch_averaged=True, max_dim=None, distributed_inversion=False, params=None, **sgd_kwargs)``
 
     For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
-    ``nn.Conv1d/2d/3d``; a grouped convolution one block per group, each with its own factors),
+    ``nn.Conv1d/2d/3d`` and their transposes; a grouped convolution one block per group),
     with :math:`\tilde x` the input rows (a 1 appended when the bias is trained), :math:`g` the
     gradient that reached the layer's output (one row per sample and position), :math:`B` the
     batch size and :math:`\tilde G` the weight-and-bias gradient:

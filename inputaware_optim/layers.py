@@ -364,17 +364,9 @@ class ConvKind(_MatrixPerSample):
         """``(batch, positions, C * prod(kernel))`` rows, in the weight's layout (channels outermost,
         so group ``j``'s columns are the ``j``-th of ``groups`` equal slices)."""
         assert isinstance(module, nn.modules.conv._ConvNd)
-        spatial = len(module.kernel_size)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)  # pad as the layer does
-        for d, (k, s, dil) in enumerate(zip(module.kernel_size, module.stride, module.dilation, strict=True)):
-            x = x.unfold(2 + d, dil * (k - 1) + 1, s)  # windows along spatial dim d, appended last
-            if dil > 1:
-                x = x[..., ::dil]
-        # (B, C, *out, *kernel) -> (B, *out, C, *kernel)
-        order = [0, *range(2, 2 + spatial), 1, *range(2 + spatial, 2 + 2 * spatial)]
-        x = x.permute(order)
-        return x.reshape(x.shape[0], -1, module.in_channels * math.prod(module.kernel_size))
+        return _windows(x, module.kernel_size, module.stride, module.dilation)
 
     def _spatial(self, module: nn.Module) -> int:
         assert isinstance(module, nn.modules.conv._ConvNd)
@@ -428,6 +420,19 @@ class ConvKind(_MatrixPerSample):
         _set_matrix_grad(weight_of(module), bias_of(module), matrix.reshape(-1, matrix.shape[-1]), homogeneous)
 
 
+def _windows(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> Tensor:
+    """The windows of an already padded ``(B, C, *spatial)`` input as rows ``(B, positions, C * prod(kernel))``,
+    channels outermost (the layout of a convolution's weight)."""
+    spatial, channels = len(kernel), x.shape[1]
+    for d, (k, s, dil) in enumerate(zip(kernel, stride, dilation, strict=True)):
+        x = x.unfold(2 + d, dil * (k - 1) + 1, s)  # windows along spatial dim d, appended last
+        if dil > 1:
+            x = x[..., ::dil]
+    # (B, C, *out, *kernel) -> (B, *out, C, *kernel)
+    x = x.permute([0, *range(2, 2 + spatial), 1, *range(2 + spatial, 2 + 2 * spatial)])
+    return x.reshape(x.shape[0], -1, channels * math.prod(kernel))
+
+
 class BlockRows(PerSample):
     """``MatrixRows`` for a block-diagonal layer (a grouped convolution): inputs ``(batch, blocks,
     positions, in)`` and output gradients ``(batch, blocks, positions, out)``; block ``j`` owns
@@ -471,19 +476,93 @@ class BlockRows(PerSample):
 
 
 @register_layer(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-class ConvTransposeKind(LayerKind):
-    """``nn.ConvTranspose1d/2d/3d``: registered to say why no Kronecker rule covers it (per-sample
-    gradients go through ``torch.func``, which is exact for it)."""
+class ConvTransposeKind(ConvKind):
+    """``nn.ConvTranspose1d/2d/3d``: the convolution it equals, on rows. A transposed convolution
+    is an ordinary one (stride 1, its dilation) over its input with ``stride - 1`` zeros inserted
+    between elements and ``dilation * (kernel - 1) - padding`` padded on each side (plus
+    ``output_padding`` at the end), with the weight ``W'[o, c] = flip(W[c, o])`` (per group). The
+    Kronecker view is that convolution's: rows of the zero-inserted input's windows, the bias a
+    column. Per-sample gradients go through ``torch.func``."""
 
     def supports(self, module: nn.Module) -> bool:
-        return False
+        return getattr(module, "padding_mode", "zeros") == "zeros"
 
     def unsupported(self, module: nn.Module) -> str:
-        return (
-            f"{type(module).__name__} spreads each input position over a window of outputs, so its bias is not "
-            "a column of a matrix on input rows; no Kronecker form is implemented for it (DP is exact through "
-            "torch.func)"
-        )
+        return f"{type(module).__name__} with padding_mode={module.padding_mode!r} is not supported"
+
+    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
+        assert isinstance(module, nn.modules.conv._ConvTransposeNd)
+        groups = module.groups
+        per_group = module.in_channels // groups * math.prod(module.kernel_size)
+        return module.out_channels // groups, per_group + int(homogeneous)
+
+    def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
+        dims = self._spatial(module) + 2
+        rows = []
+        for call in entry.calls:
+            x = _statistics_dtype(_batched(call.input, dims))
+            rows.append(self._upsampled_patches(module, x, _output_size(call)))
+        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]))
+        if not homogeneous:
+            return rows
+        return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
+
+    def _upsampled_patches(self, module: nn.Module, x: Tensor, output_size: Sequence[int] | None) -> Tensor:
+        assert isinstance(module, nn.modules.conv._ConvTransposeNd)
+        spatial = len(module.kernel_size)
+        sizes = x.shape[2:]
+        up = x.new_zeros(*x.shape[:2], *[(n - 1) * s + 1 for n, s in zip(sizes, module.stride, strict=True)])
+        up[(slice(None), slice(None), *[slice(None, None, s) for s in module.stride])] = x
+        pads: list[int] = []
+        for d in reversed(range(spatial)):  # F.pad lists the last dimension first
+            k, s, p, dil = module.kernel_size[d], module.stride[d], module.padding[d], module.dilation[d]
+            extra = module.output_padding[d]
+            if output_size is not None:  # the call chose its output size: that is its output padding
+                extra = int(output_size[-spatial + d]) - ((sizes[d] - 1) * s - 2 * p + dil * (k - 1) + 1)
+            pads += [dil * (k - 1) - p, dil * (k - 1) - p + extra]
+        up = F.pad(up, pads)  # negative padding crops
+        return _windows(up, module.kernel_size, [1] * spatial, module.dilation)
+
+    per_sample = LayerKind.per_sample  # torch.func's, exact (no closed form here yet)
+
+    def _as_conv(self, module: nn.Module, weight: Tensor) -> Tensor:
+        """``W (C_in, C_out / g, *k)`` -> the equivalent convolution's ``W' (C_out, C_in / g, *k)``."""
+        groups, spatial = self.blocks(module), self._spatial(module)
+        w = weight.reshape(groups, -1, *weight.shape[1:]).transpose(1, 2)
+        return w.flip(list(range(3, 3 + spatial))).reshape(-1, *w.shape[2:])
+
+    def _from_conv(self, module: nn.Module, weight: Tensor) -> Tensor:
+        """The inverse of ``_as_conv``."""
+        groups, spatial = self.blocks(module), self._spatial(module)
+        w = weight.reshape(groups, -1, *weight.shape[1:]).flip(list(range(3, 3 + spatial))).transpose(1, 2)
+        return w.reshape(-1, *w.shape[2:])
+
+    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
+        weight, bias = weight_of(module), bias_of(module)
+        assert weight.grad is not None
+        matrix = self._as_conv(module, weight.grad).reshape(module.out_channels, -1)
+        if homogeneous:
+            assert bias is not None and bias.grad is not None
+            matrix = torch.cat([matrix, bias.grad.reshape(-1, 1)], dim=1)
+        groups = self.blocks(module)
+        return matrix if groups == 1 else matrix.reshape(groups, -1, matrix.shape[1])
+
+    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
+        weight, bias = weight_of(module), bias_of(module)
+        assert weight.grad is not None
+        matrix = matrix.reshape(-1, matrix.shape[-1])
+        columns = matrix.shape[1] - int(homogeneous)
+        conv_shape = (module.out_channels, weight.shape[0] // self.blocks(module), *weight.shape[2:])
+        weight.grad.copy_(self._from_conv(module, matrix[:, :columns].reshape(conv_shape)))
+        if homogeneous:
+            assert bias is not None and bias.grad is not None
+            bias.grad.copy_(matrix[:, columns])
+
+
+def _output_size(call: Call) -> Sequence[int] | None:
+    """The ``output_size`` a transposed convolution was called with, if any."""
+    size = call.args[1] if len(call.args) > 1 else call.kwargs.get("output_size")
+    return None if size is None else [int(n) for n in size]
 
 
 @register_layer(nn.MultiheadAttention)

@@ -217,7 +217,7 @@ def test_lazy_adamw_moves_only_the_rows_the_bags_read() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::inputaware_optim.UncapturedInputsWarning")
-def test_multihead_attention_and_transposed_convolutions_are_reported_with_their_reason() -> None:
+def test_multihead_attention_is_reported_with_its_reason_beside_a_covered_transposed_convolution() -> None:
     class Model(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -233,7 +233,7 @@ def test_multihead_attention_and_transposed_convolutions_are_reported_with_their
         optimizer = rule(model, lr=0.1)
         reasons = {row.name: row.reason or "" for row in optimizer.coverage()}
         assert "applies in_proj_weight to query, key and value" in reasons["attention.in_proj_weight"]
-        assert "ConvTranspose1d spreads each input position" in reasons["up.weight"]
+        assert reasons["up.weight"] == ""  # covered: the convolution it equals
         model(torch.randn(2, 5, 4)).sum().backward()
         with pytest.warns(CoverageWarning, match=r"attention\.in_proj_weight"):
             optimizer.step()
@@ -520,3 +520,79 @@ def test_registering_a_kind_for_a_new_layer_makes_every_rule_use_it(rule: type) 
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
     finally:
         del _REGISTRY[MyLinear]
+
+
+# -- transposed convolutions: the convolution they equal ---------------------------------------
+
+TRANSPOSED = {
+    "1d stride 3 dilated": (lambda: nn.ConvTranspose1d(2, 3, 3, stride=3, dilation=2, padding=1), (6,), None),
+    "2d grouped output padding": (
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, padding=1, output_padding=1),
+        (4, 5),
+        None,
+    ),
+    "2d output_size given": (lambda: nn.ConvTranspose2d(2, 2, 2, stride=2, bias=False), (3, 3), (7, 7)),
+    "3d": (lambda: nn.ConvTranspose3d(2, 2, 2, stride=(1, 2, 1), padding=(0, 1, 0)), (2, 3, 2), None),
+}
+
+
+def equivalent_convolution(
+    transposed: nn.Module, x: torch.Tensor, output_size: tuple[int, ...] | None
+) -> tuple[nn.Module, torch.Tensor]:
+    """The ordinary convolution a transposed one equals, and its input: ``stride - 1`` zeros between
+    input elements, ``dilation * (kernel - 1) - padding`` padded around (more at the end for the
+    output padding), weight transposed per group and flipped."""
+    assert isinstance(transposed, nn.modules.conv._ConvTransposeNd)
+    spatial = x.dim() - 2
+    sizes = [(n - 1) * s + 1 for n, s in zip(x.shape[2:], transposed.stride, strict=True)]
+    up = torch.zeros(*x.shape[:2], *sizes, dtype=x.dtype)
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in x.shape[2:]]).reshape(-1, spatial).tolist():
+        up[(slice(None), slice(None), *[i * s for i, s in zip(index, transposed.stride, strict=True)])] = x[
+            (slice(None), slice(None), *index)
+        ]
+    expected_output = transposed(x, output_size=output_size) if output_size else transposed(x)
+    pads = []
+    for d in reversed(range(spatial)):
+        k, p, dil = transposed.kernel_size[d], transposed.padding[d], transposed.dilation[d]
+        before = dil * (k - 1) - p
+        after = expected_output.shape[2 + d] - (up.shape[2 + d] + before - dil * (k - 1))
+        pads += [before, after]
+    up = F.pad(up, pads)
+    conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[spatial]
+    groups = transposed.groups
+    conv = conv_type(
+        transposed.in_channels,
+        transposed.out_channels,
+        transposed.kernel_size,
+        dilation=transposed.dilation,
+        groups=groups,
+        bias=transposed.bias is not None,
+    ).double()
+    w = transposed.weight.detach().reshape(groups, -1, *transposed.weight.shape[1:]).transpose(1, 2)
+    with torch.no_grad():
+        conv.weight.copy_(w.flip(list(range(3, 3 + spatial))).reshape(conv.weight.shape))
+        if conv.bias is not None:
+            conv.bias.copy_(transposed.bias)
+    torch.testing.assert_close(conv(up), expected_output.detach(), rtol=1e-12, atol=1e-12)
+    return conv, up
+
+
+@pytest.mark.parametrize("rule", [FOOF, KFAC, NLMS, Eva], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", list(TRANSPOSED))
+def test_transposed_convolution_takes_the_step_of_the_convolution_it_equals(name: str, rule: type) -> None:
+    make, spatial, output_size = TRANSPOSED[name]
+    torch.manual_seed(0)
+    transposed = make().double()
+    x = torch.randn(3, transposed.in_channels, *spatial, dtype=torch.float64)
+    conv, up = equivalent_convolution(transposed, x, output_size)
+    settings = {"lr": 1.0, "momentum": 0.0}
+    for layer, inputs, kwargs in ((transposed, x, {"output_size": output_size} if output_size else {}), (conv, up, {})):
+        optimizer = rule(layer, **settings)
+        layer(inputs, **kwargs).pow(2).mean().backward()
+        optimizer.step()
+        assert not optimizer.coverage()[0].treatment.startswith("stock")
+    w = transposed.weight.detach().reshape(transposed.groups, -1, *transposed.weight.shape[1:]).transpose(1, 2)
+    as_conv = w.flip(list(range(3, 3 + len(spatial)))).reshape(conv.weight.shape)
+    torch.testing.assert_close(as_conv, conv.weight.detach(), rtol=1e-10, atol=1e-12)
+    if conv.bias is not None:
+        torch.testing.assert_close(transposed.bias.detach(), conv.bias.detach(), rtol=1e-10, atol=1e-12)

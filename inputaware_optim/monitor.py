@@ -415,8 +415,10 @@ class _Sinks:
                 self.writer.add_scalar(f"{statistic}/{name}", value, step)
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()  # a run that dies (say, of a NaN) keeps its log
         if self.csv_writer is not None:
             self.csv_writer.writerows([(step, *row) for row in rows])
+            self.csv.flush()
         if self.callback is not None:
             self.callback(record)
 
@@ -510,6 +512,11 @@ def _finite(values: list[Tensor]) -> bool:
     return not values or bool(torch.isfinite(torch.stack(values)).all())
 
 
+# Calls kept between two steps at most (forwards that never reach a step, say in evaluation with
+# grad enabled, stop adding once there are this many; the first non-finite value is in the first).
+_MAX_CHECKS = 100_000
+
+
 class NonFiniteFinder:
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
@@ -574,7 +581,7 @@ class NonFiniteFinder:
 
     # -- hooks ------------------------------------------------------------------------------
     def _record(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or len(self._checks) >= _MAX_CHECKS:
             return
         call = self._counts.get(module, 0)
         self._counts[module] = call + 1
@@ -631,7 +638,10 @@ class NonFiniteFinder:
             origin = self._origin()
             self.found = origin
             message = "the gradient is not finite; " + (
-                origin.describe() if origin else f"step {self.step}: no watched module call explains it"
+                origin.describe()
+                if origin
+                else f"step {self.step}: no module call of this process explains it (under data parallelism, "
+                "another rank's report names it)"
             )
             if self.action == "raise":
                 raise NonFiniteError(message, origin)

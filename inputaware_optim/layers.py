@@ -381,8 +381,8 @@ class ConvKind(_MatrixPerSample):
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         dims = self._spatial(module) + 2
-        rows = [self._patches(module, _statistics_dtype(_batched(x, dims))) for x in entry.inputs()]
-        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]))
+        patches = [self._patches(module, _statistics_dtype(_batched(x, dims))) for x in entry.inputs()]
+        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches]))
         if not homogeneous:
             return rows
         return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
@@ -498,11 +498,11 @@ class ConvTransposeKind(ConvKind):
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         dims = self._spatial(module) + 2
-        rows = []
+        patches = []
         for call in entry.calls:
             x = _statistics_dtype(_batched(call.input, dims))
-            rows.append(self._upsampled_patches(module, x, _output_size(call)))
-        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in rows]))
+            patches.append(self._upsampled_patches(module, x, _output_size(call)))
+        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches]))
         if not homogeneous:
             return rows
         return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
@@ -512,10 +512,11 @@ class ConvTransposeKind(ConvKind):
         spatial = len(module.kernel_size)
         sizes = x.shape[2:]
         up = x.new_zeros(*x.shape[:2], *[(n - 1) * s + 1 for n, s in zip(sizes, module.stride, strict=True)])
-        up[(slice(None), slice(None), *[slice(None, None, s) for s in module.stride])] = x
+        every_stride = (slice(None), slice(None), *[slice(None, None, s) for s in module.stride])
+        up[every_stride] = x
         pads: list[int] = []
         for d in reversed(range(spatial)):  # F.pad lists the last dimension first
-            k, s, p, dil = module.kernel_size[d], module.stride[d], module.padding[d], module.dilation[d]
+            k, s, p, dil = module.kernel_size[d], module.stride[d], int(module.padding[d]), module.dilation[d]
             extra = module.output_padding[d]
             if output_size is not None:  # the call chose its output size: that is its output padding
                 extra = int(output_size[-spatial + d]) - ((sizes[d] - 1) * s - 2 * p + dil * (k - 1) + 1)
@@ -538,6 +539,7 @@ class ConvTransposeKind(ConvKind):
         return w.reshape(-1, *w.shape[2:])
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
+        assert isinstance(module, nn.modules.conv._ConvTransposeNd)
         weight, bias = weight_of(module), bias_of(module)
         assert weight.grad is not None
         matrix = self._as_conv(module, weight.grad).reshape(module.out_channels, -1)
@@ -548,6 +550,7 @@ class ConvTransposeKind(ConvKind):
         return matrix if groups == 1 else matrix.reshape(groups, -1, matrix.shape[1])
 
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
+        assert isinstance(module, nn.modules.conv._ConvTransposeNd)
         weight, bias = weight_of(module), bias_of(module)
         assert weight.grad is not None
         matrix = matrix.reshape(-1, matrix.shape[-1])

@@ -26,6 +26,7 @@ from .layers import (
     Materialized,
     MatrixRows,
     PerSample,
+    _functional_per_sample_grads,
     declared_refusal,
     layer_kind,
 )
@@ -416,9 +417,11 @@ class ClippedSums(Reduction):
     def finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
         by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
         for _, call in entries:
-            call = _batch_first(call, self.batch_dim)
             by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
-        samples = {f: _samples(calls, self.name) for f, calls in by_forward.items()}
+        samples = {
+            f: _samples({m: [_batch_first(c, self.batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
+            for f, calls in by_forward.items()
+        }
         if self.root_batches is not None:
             for forward, count in samples.items():
                 self.root_batches.check(forward, count, by_forward[forward], self.name)
@@ -455,6 +458,16 @@ class ClippedSums(Reduction):
             "overlap": a["overlap"] or b["overlap"] or bool(a["forwards"] & b["forwards"]),
         }
 
+    def _per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
+        """One call's per-sample gradients: its kind's closed form (on the call with the batch moved
+        first), or ``vmap(grad)`` over the module's forward, called as it was (batch along ``batch_dim``)."""
+        kind = layer_kind(module)
+        if kind is not None and kind.provides("per_sample"):
+            return kind.per_sample(module, _batch_first(call, self.batch_dim), names)
+        if self.batch_dim == 0:
+            return (kind or GENERIC).per_sample(module, call, names)
+        return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
+
     def _clipped_sums(
         self, calls: dict[nn.Module, list[Call]], scale: float
     ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
@@ -464,12 +477,10 @@ class ClippedSums(Reduction):
         for module, module_calls in calls.items():
             names = self.names.get(module)
             if names:
-                per = _merged([(layer_kind(module) or GENERIC).per_sample(module, c, names) for c in module_calls])
+                per = _merged([self._per_sample(module, c, names) for c in module_calls])
                 pieces.append((per, {n: module._parameters[n] for n in names}))  # type: ignore[misc]
         for param, uses in self.shared.items():  # a weight several modules use: add their shares
-            shares = [
-                (layer_kind(m) or GENERIC).per_sample(m, c, [n]).grads()[n] for m, n in uses for c in calls.get(m, ())
-            ]
+            shares = [self._per_sample(m, c, [n]).grads()[n] for m, n in uses for c in calls.get(m, ())]
             if shares:
                 pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))
         squared = sum(_robust_sq_norms(per) for per, _ in pieces)
@@ -608,12 +619,19 @@ def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
 
 
 def _batch_first(call: Call, batch_dim: int) -> Call:
-    """``call`` with the batch dimension of every tensor argument and output gradient moved to the front."""
+    """``call`` with the batch dimension moved to the front, in every tensor argument and output
+    gradient that has the batch (the size of the first tensor argument along ``batch_dim``) there;
+    others (a mask shared by the batch) stay as they are."""
     if batch_dim == 0:
         return call
+    first = next((t for t in tree_flatten(call.args)[0] if isinstance(t, Tensor) and t.dim() > batch_dim), None)
+    if first is None:
+        return call
+    batch = first.shape[batch_dim]
 
     def moved(x: Any) -> Any:
-        return x.movedim(batch_dim, 0) if isinstance(x, Tensor) and x.dim() > batch_dim else x
+        batched = isinstance(x, Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch
+        return x.movedim(batch_dim, 0) if batched else x
 
     args = tuple(moved(a) for a in call.args)
     kwargs = {k: moved(v) for k, v in call.kwargs.items()}

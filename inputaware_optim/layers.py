@@ -739,33 +739,46 @@ GENERIC = LayerKind()
 """The kind of any module without a registered one: only the generic per-sample capabilities."""
 
 
-def _functional_per_sample_grads(module: nn.Module, call: Call, names: Sequence[str]) -> dict[str, Tensor]:
+def _functional_per_sample_grads(
+    module: nn.Module, call: Call, names: Sequence[str], batch_dim: int = 0
+) -> dict[str, Tensor]:
+    """``vmap(grad)`` over the module's forward, one sample (along ``batch_dim`` of every argument
+    and output gradient that has the batch there) at a time: ``(batch, *parameter shape)`` each."""
     from torch.func import functional_call, grad, vmap
 
     if call.grad_outputs is None:
         raise RuntimeError(f"no output gradients were captured for {call!r}")
-    batch = _batch_of(call)
+    if batch_dim:
+        first = next((t for t in tree_flatten(call.args)[0] if isinstance(t, Tensor) and t.dim() > batch_dim), None)
+        if first is None:
+            raise RuntimeError(f"cannot tell the batch size of {call!r}: no tensor argument has dim {batch_dim}")
+        batch = int(first.shape[batch_dim])
+    else:
+        batch = _batch_of(call)
     params = dict(module.named_parameters(recurse=False))
     wanted = {n: params[n].detach() for n in names}
     fixed = {n: t.detach() for n, t in [*params.items(), *module.named_buffers(recurse=False)] if n not in wanted}
     leaves, spec = tree_flatten((call.args, call.kwargs))
-    batched = [i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == batch]
+    batched = [
+        i for i, t in enumerate(leaves) if isinstance(t, Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == batch
+    ]
     reached = [(i, g) for i, g in enumerate(call.grad_outputs) if g is not None]
 
     def one_sample(weights: dict[str, Tensor], samples: list[Tensor], grads: list[Tensor]) -> Tensor:
         # The module's output for one sample (as a batch of one), dotted with its output gradient.
         full = list(leaves)
         for i, sample in zip(batched, samples, strict=True):
-            full[i] = sample.unsqueeze(0)
+            full[i] = sample.unsqueeze(batch_dim)
         args, kwargs = tree_unflatten(full, spec)
         outputs = [t for t in tree_flatten(functional_call(module, {**weights, **fixed}, args, kwargs))[0]]
         outputs = [t for t in outputs if isinstance(t, Tensor)]
         total = torch.zeros((), dtype=grads[0].dtype if grads else torch.float32)
         for (i, _), g in zip(reached, grads, strict=True):
-            total = total + (outputs[i] * g.unsqueeze(0)).sum()
+            total = total + (outputs[i] * g.unsqueeze(batch_dim)).sum()
         return total
 
-    return vmap(grad(one_sample), in_dims=(None, 0, 0))(wanted, [leaves[i] for i in batched], [g for _, g in reached])
+    samples = [leaves[i] for i in batched]
+    return vmap(grad(one_sample), in_dims=(None, batch_dim, batch_dim))(wanted, samples, [g for _, g in reached])
 
 
 def _batch_of(call: Call) -> int:

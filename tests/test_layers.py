@@ -596,3 +596,41 @@ def test_transposed_convolution_takes_the_step_of_the_convolution_it_equals(name
     torch.testing.assert_close(as_conv, conv.weight.detach(), rtol=1e-10, atol=1e-12)
     if conv.bias is not None:
         torch.testing.assert_close(transposed.bias.detach(), conv.bias.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_dp_with_batch_dim_1_leaves_arguments_shared_by_the_batch_in_place() -> None:
+    """A layer called with (T, B, D) and a (T, T) mask (not batched): the mask is not moved."""
+
+    class Mixing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return torch.einsum("st,tbd,ed->sbe", mask, x, self.weight)  # mixes positions, never samples
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.mix, self.head = Mixing(), nn.Linear(4, 2).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = torch.tril(torch.ones(x.shape[0], x.shape[0], dtype=x.dtype))
+            return self.head(torch.tanh(self.mix(x, mask))).mean(0)
+
+    model = Model()
+    x = torch.randn(5, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # (T, B, D)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    per_sample = vmap(grad(lambda p, one: functional_call(model, p, (one[:, None],)).pow(2).sum()), in_dims=(None, 1))(
+        params, x
+    )
+    norms = torch.sqrt(sum(g.reshape(3, -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (0.05 / (norms + 1e-6)).clamp(max=1.0)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0, batch_dim=1)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model(x).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    for key, param in model.named_parameters():
+        expected = torch.tensordot(factors, per_sample[key], dims=1) / 3
+        torch.testing.assert_close(before[key] - param.detach(), expected, rtol=1e-8, atol=1e-12, msg=key)

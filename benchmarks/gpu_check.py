@@ -30,7 +30,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +51,7 @@ from .core import Config
 from .timing import interleave
 
 CHECKS = ("kernels", "storage", "amp", "compile")
-IMPLEMENTATIONS: dict[str, dict[str, bool]] = {
+IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "for-loop": {"foreach": False},
     "foreach": {"foreach": True},
     "fused": {"fused": True},
@@ -334,8 +334,8 @@ def _compile_rows(setup: Setup) -> list[Row]:
             eager_model, model = Net(setup).to(setup.device), Net(setup).to(setup.device)
             eager, optimizer = make(eager_model), make(model)
             if hasattr(eager, "_generator"):  # DP: the same noise for both runs
-                optimizer._generator.set_state(eager._generator.get_state())
-            compiled = torch.compile(model, backend=setup.compile_backend)
+                cast(Any, optimizer)._generator.set_state(cast(Any, eager)._generator.get_state())
+            compiled = cast(nn.Module, torch.compile(model, backend=setup.compile_backend))
             for batch in batches:
                 _train_step(eager_model, eager, batch)
                 _train_step(compiled, optimizer, batch)
@@ -349,7 +349,7 @@ def _compile_rows(setup: Setup) -> list[Row]:
             rows.append(Row("compile", name, False, f"{type(failure).__name__}: {failure}"[:120]))
             continue
         stock_model = Net(setup).to(setup.device)
-        stock_compiled = torch.compile(stock_model, backend=setup.compile_backend)
+        stock_compiled = cast(nn.Module, torch.compile(stock_model, backend=setup.compile_backend))
         ratio = _ratio(
             setup,
             _cycling(compiled, optimizer, batches[:1]),

@@ -53,7 +53,7 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> tor
 
 # Each maker takes the model and the samples one step of one process averages over (DP's
 # expected_batch_size: under accumulation the micro-batches of a step cannot tell it otherwise).
-RULES: dict[str, Callable[[nn.Module, int], Any]] = {
+RULES: dict[str, Callable[..., Any]] = {
     "InputAwareSGD": lambda m, b, **kw: InputAwareSGD(m, **kw, lr=0.1, momentum=0.9),
     "InputAwareAdamW": lambda m, b, **kw: InputAwareAdamW(m, **kw, lr=0.01),
     "FOOF": lambda m, b, **kw: FOOF(m, **kw, lr=0.05, update_every=2),
@@ -207,10 +207,11 @@ def fsdp_dp_worker(rank: int) -> None:
     # The noise is drawn once, in full, on rank 0: each rank's shard is its slice of what DDP adds.
     part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
     trained = []
-    for model in (sharded_net(mesh), DistributedDataParallel(Net().double())):
+    engines: list[nn.Module] = [sharded_net(mesh), DistributedDataParallel(Net().double())]
+    for engine in engines:
         generator = torch.Generator().manual_seed(7)  # the same seed on every rank; only rank 0 draws
         optimizer = DPSGD(
-            model,
+            engine,
             lr=0.5,
             max_grad_norm=0.1,
             noise_multiplier=1.0,
@@ -219,17 +220,17 @@ def fsdp_dp_worker(rank: int) -> None:
         )
         for tokens, target in batches():
             optimizer.zero_grad()
-            loss_of(model, tokens[part], target[part].double()).backward()
+            loss_of(engine, tokens[part], target[part].double()).backward()
             optimizer.step()
-        trained.append([p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()])
+        trained.append([p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in engine.parameters()])
     for p, q in zip(*trained, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg="noise under FSDP2 and DDP")
     assert_same_on_every_rank(trained[0], "DPSGD's noised parameters")
     # A sharded layer without a closed form (its per-sample gradients need the whole weights).
-    model = nn.Sequential(OrderedDict(proj=nn.Linear(3, 4), norm=nn.LayerNorm(4)))
-    fully_shard(model.norm, mesh=mesh)
+    norm = nn.LayerNorm(4)
+    fully_shard(norm, mesh=mesh)
     with pytest.raises(NotImplementedError, match="per-sample gradients of norm under FSDP2"):
-        DPSGD(model, lr=0.1)
+        DPSGD(nn.Sequential(OrderedDict(proj=nn.Linear(3, 4), norm=norm)), lr=0.1)
     # HSDP (a 2-D mesh): the batch count and the noise would be combined over one dimension only.
     model = sharded_net(init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard")))
     with pytest.raises(NotImplementedError, match="over a 1-D mesh only"):

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,8 +38,8 @@ def test_dry_run_on_cpu_passes_every_check(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_a_difference_from_stock_fails_the_row() -> None:
-    a = [torch.zeros(3), {"step": torch.tensor(2.0), "n": 1}]
-    b = [torch.zeros(3), {"step": torch.tensor(2.0), "n": 1}]
+    a: list[Any] = [torch.zeros(3), {"step": torch.tensor(2.0), "n": 1}]
+    b: list[Any] = [torch.zeros(3), {"step": torch.tensor(2.0), "n": 1}]
     assert gpu_check._same(a, b)
     b[0][1] = 1e-30
     assert not gpu_check._same(a, b)

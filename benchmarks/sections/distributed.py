@@ -191,13 +191,14 @@ def rule_bytes(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
     out: dict[str, Any] = {}
     for name, make in _rules().items():
         for engine in ("DDP", "FSDP2"):
-            model: nn.Module = _Net(options["width"])
+            net = _Net(options["width"])
+            model: nn.Module = net
             if engine == "DDP":
-                model = DistributedDataParallel(model)
+                model = DistributedDataParallel(net)
             else:
-                for layer in (model.embed, model.hidden, model.out):
+                for layer in (net.embed, net.hidden, net.out):
                     fully_shard(layer, mesh=mesh)
-                fully_shard(model, mesh=mesh)
+                fully_shard(net, mesh=mesh)
             optimizer = make(model)
             sent[0] = 0
             for _ in range(steps):

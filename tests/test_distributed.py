@@ -347,3 +347,16 @@ def test_distributed_inversion_splits_the_work_and_changes_no_bit() -> None:
 
 def test_four_ranks_with_empty_shards_and_idle_inverters_match_one_process() -> None:
     run_processes(four_rank_worker, 4)
+
+
+def test_owners_by_cost_puts_the_costliest_first_on_the_least_loaded_rank() -> None:
+    from inputaware_optim.distributed import computed_once, owners_by_cost
+
+    assert owners_by_cost([27.0, 8.0, 27.0, 1.0, 1.0], 2) == [0, 0, 1, 1, 1]  # loads 35 and 29; ties to rank 0
+    assert owners_by_cost([5.0, 5.0], 4) == [0, 1]  # ranks 2 and 3 idle
+    assert owners_by_cost([], 3) == []
+    jobs = [lambda: torch.ones(2), lambda: torch.zeros(3)]
+    assert [t.tolist() for t in computed_once(jobs, [torch.ones(2), torch.zeros(3)], [1.0, 1.0], None)] == [
+        [1.0, 1.0],
+        [0.0, 0.0, 0.0],
+    ]

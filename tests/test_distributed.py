@@ -171,6 +171,7 @@ def train_sharded(rule: str, model: nn.Module, rank: int) -> Any:
 
 def fsdp_kronecker_worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
@@ -186,6 +187,27 @@ def fsdp_kronecker_worker(rank: int) -> None:
         if rank == 0:
             for p, q in zip(full, train_whole(rule, torch.float64), strict=True):
                 torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=rule)
+    # A convolution's rows are its output channels: (out, in, kh, kw) sharded on dim 0.
+    images = torch.randn(BATCH, 2, 5, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    local = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
+    for rule in ("FOOF", "KFAC-shared"):
+        trained = []
+        for sharded in (True, False):
+            torch.manual_seed(0)
+            conv = nn.Sequential(nn.Conv2d(2, 5, 3), nn.Tanh(), nn.Flatten(), nn.Linear(45, 3)).double()
+            if sharded:
+                for layer in (conv[0], conv[3], conv):
+                    fully_shard(layer, mesh=mesh)
+            whole = {} if sharded else {"process_group": None}  # the reference: this rank alone, on the whole batch
+            optimizer = RULES[rule](conv, BATCH // WORLD if sharded else BATCH, **whole)
+            for _ in range(STEPS):
+                optimizer.zero_grad()
+                conv(images[local] if sharded else images).pow(2).sum(1).mean().backward()
+                optimizer.step()
+            trained.append([p.full_tensor() if sharded else p.detach() for p in conv.parameters()])  # type: ignore[attr-defined]
+        if rank == 0:
+            for p, q in zip(*trained, strict=True):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=f"{rule} on a convolution")
     # A layer sharded on its columns: its rows are not held whole, refused by name.
     model = sharded_net(mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     with pytest.raises(NotImplementedError, match="cannot precondition hidden under FSDP2: sharded as"):

@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from inputaware_optim import (
@@ -559,3 +561,21 @@ def test_the_cpu_shortcuts_count_as_the_plain_kernels_do(dtype: torch.dtype) -> 
             y[index] = value
         assert torch.equal(_cpu_summary(y).isnan(), _device_summary(y).isnan())
         torch.testing.assert_close(_cpu_summary(y), _device_summary(y), equal_nan=True, rtol=1e-6, atol=1e-9)
+
+
+SPECIAL = st.sampled_from([0.0, -0.0, math.nan, math.inf, -math.inf])
+VALUES = st.lists(st.floats(-1e6, 1e6, width=32) | SPECIAL, min_size=1, max_size=60)
+
+
+@given(VALUES, st.sampled_from([torch.float32, torch.float64]))
+def test_summary_statistics_equal_float64_by_hand(values: list[float], dtype: torch.dtype) -> None:
+    from inputaware_optim.monitor import _describe, _summary
+
+    x = torch.tensor(values, dtype=dtype)
+    summary = _summary([x])
+    assert summary is not None
+    got = {f"input_{k}": v for k, v in _describe(summary.tolist()).items()}
+    want = by_hand([x])
+    scale = max((abs(v) for v in values if math.isfinite(v)), default=1.0) * len(values)
+    for name, value in want.items():
+        assert got[f"input_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6 * scale, nan_ok=True), name

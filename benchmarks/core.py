@@ -7,6 +7,7 @@ with their measured values, plot data (rendered to PNG by ``plots``) and the raw
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -15,6 +16,7 @@ from typing import Any, Literal
 from tqdm import tqdm
 
 __all__ = [
+    "NOT_MEASURED_AT_QUICK_SIZE",
     "SIZES",
     "Config",
     "Panel",
@@ -33,6 +35,7 @@ __all__ = [
 
 Size = Literal["quick", "default", "large"]
 SIZES: tuple[Size, ...] = ("quick", "default", "large")
+NOT_MEASURED_AT_QUICK_SIZE = "not measured at quick size"
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class Target:
 
     Build one with ``at_most`` or ``at_least``, or directly with ``passed`` decided by the
     caller. ``measured`` is ``None`` when the quantity was never reached (the target is missed).
+    ``unjudged`` says why this run does not judge the target (then ``passed`` is ``False`` and
+    the report shows that reason instead of a verdict); see ``full_size_only``.
     """
 
     name: str
@@ -114,6 +119,7 @@ class Target:
     detail: str = ""
     limit: float | None = None
     source: str = "issue 4"
+    unjudged: str = ""
 
     @classmethod
     def at_most(
@@ -139,6 +145,16 @@ class Target:
         """``measured >= limit``."""
         ok = measured is not None and math.isfinite(measured) and measured >= limit
         return cls(name, f"≥ {limit:g} {unit}".rstrip(), measured, unit, ok, detail, limit, source)
+
+    def full_size_only(self, config: Config) -> Target:
+        """This target, or in a quick run the same figure left unjudged ("not measured at quick size").
+
+        For targets a smoke-sized run cannot measure: ratios tighter than its few short samples
+        resolve, or quantities defined at the full model size (training to an accuracy).
+        """
+        if config.size != "quick":
+            return self
+        return dataclasses.replace(self, passed=False, unjudged=NOT_MEASURED_AT_QUICK_SIZE)
 
     @property
     def shown(self) -> str:

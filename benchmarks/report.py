@@ -30,8 +30,10 @@ def all_targets(run: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _status(target: dict[str, Any]) -> str:
-    return "met" if target["passed"] else "MISSED"
+def _status(target: dict[str, Any], missed: str = "MISSED") -> str:
+    if target.get("unjudged"):
+        return str(target["unjudged"])
+    return "met" if target["passed"] else missed
 
 
 def _text_table(title: str, columns: list[str], rows: list[list[str]]) -> str:
@@ -84,7 +86,8 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
     """The report as Markdown; ``images`` maps each section to its image paths relative to the report."""
     machine, config = run["machine"], run["config"]
     targets = all_targets(run)
-    missed = [t for t in targets if not t["passed"]]
+    missed = [t for t in targets if not t["passed"] and not t.get("unjudged")]
+    unjudged = [t for t in targets if t.get("unjudged")]
     lines = [
         "# Benchmarks",
         "",
@@ -111,15 +114,23 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
     for _, plot, path in headline[:1]:
         lines += [f"![{plot['title']}]({path})", ""]
     lines += ["## Targets", ""]
+    judged = len(targets) - len(unjudged)
     if missed:
         lines += [
-            f"**{len(missed)} of {len(targets)} targets missed:** "
+            f"**{len(missed)} of {judged} targets missed:** "
             + "; ".join(f"{t['name']} measured {t['shown']} against {t['requirement']}" for t in missed)
             + ".",
             "",
         ]
     else:
-        lines += [f"All {len(targets)} targets met.", ""]
+        lines += [f"All {judged} targets {'judged in this run ' if unjudged else ''}met.", ""]
+    if unjudged:
+        lines += [
+            f"{len(unjudged)} targets not judged in this run: "
+            + "; ".join(f"{t['name']} ({t['unjudged']})" for t in unjudged)
+            + ".",
+            "",
+        ]
     lines += _markdown_table(
         ["section", "target", "required", "measured", "result", "how measured"],
         [
@@ -128,7 +139,7 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
                 t["name"],
                 t["requirement"],
                 t["shown"],
-                "met" if t["passed"] else "**MISSED**",
+                _status(t, "**MISSED**"),
                 t["detail"],
             ]
             for t in targets
@@ -145,7 +156,7 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
             if table.get("note"):
                 lines += [table["note"], ""]
         for target in section.get("targets", []):
-            verdict = "met" if target["passed"] else "**MISSED**"
+            verdict = _status(target, "**MISSED**")
             lines.append(
                 f"- Target: {target['name']} {target['requirement']}: measured {target['shown']}, {verdict}. "
                 f"{target['detail']}".rstrip()

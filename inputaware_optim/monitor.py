@@ -385,8 +385,12 @@ class _Sinks:
         if not writes:
             return
         if isinstance(tensorboard, (str, Path)):
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as error:
+                raise ImportError(
+                    "Monitor(tensorboard=...) needs the tensorboard package: pip install 'inputaware_optim[monitor]'"
+                ) from error
             self.writer, self.own_writer = SummaryWriter(str(tensorboard)), True
         else:
             self.writer = tensorboard

@@ -172,7 +172,9 @@ class Monitor:
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
         model: The model (or a ``Capture`` of it) for a plain ``torch.optim`` optimizer; its modules
-            that own an optimized parameter are watched.
+            that own an optimized parameter are watched. The capture is cleared after each step, as
+            an input-aware optimizer's step does. Torch runs a plain optimizer's step hooks before
+            its closure: step with a closure through an input-aware optimizer instead.
         every: Log every ``every`` steps, from the first; nothing is computed on the others.
         grad_outputs: Also log statistics of the output gradients.
         tensorboard: A ``torch.utils.tensorboard.SummaryWriter``, or a log folder for one.

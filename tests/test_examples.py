@@ -14,6 +14,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 RUNS = {
     "foof_digits.py": (["--steps", "40"], ("above", 0.6)),
     "kfac_digits_cnn.py": (["--steps", "10"], ("above", 0.0)),
+    "eva_digits_cnn.py": (["--steps", "10"], ("above", 0.0)),
     "nlms_system_identification.py": (["--steps", "300"], ("below", 1e-2)),
     "lazy_adamw_bag_of_words.py": (["--steps", "5"], ("above", 0.0)),
     "dp_sgd_digits.py": (["--epochs", "1"], ("above", 0.0)),

@@ -6,8 +6,9 @@ gradients, with ``grad_outputs=True``), and per parameter the gradient norm, the
 and the update-to-weight ratio. The module statistics are a ``Reduction``: computed in the
 hooks, summed over the calls in each parameter's gradient, and no input is kept; on steps
 ``every`` skips nothing is computed at all. Under data parallelism they are summed over the
-ranks, so every rank holds the statistics of the whole batch; rank 0 writes them to the sinks
-(a TensorBoard ``SummaryWriter``, JSON lines, CSV, a callback).
+ranks, so every rank holds the statistics of the whole batch (output gradients: those of each
+rank's own loss); rank 0 writes them to the sinks (a TensorBoard ``SummaryWriter``, JSON lines,
+CSV, a callback).
 
 ``NonFiniteFinder`` names, when a step's gradient is not finite, the first module call whose
 inputs were finite and whose output was not (forward), or else the first, in backward order,

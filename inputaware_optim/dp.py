@@ -217,6 +217,12 @@ class _PerSampleClipping(InputAwareOptimizer):
             refusal = declared_refusal(module)
             if refusal is not None and any(p in trained for p in module.parameters()):
                 raise ValueError(f"{name} cannot compute per-sample gradients of {where}: {refusal}")
+            if getattr(module, "scale_grad_by_freq", False) and own:
+                raise ValueError(
+                    f"{name} cannot compute per-sample gradients of {where}: scale_grad_by_freq=True divides each "
+                    "row's gradient by how often the whole batch used it, so a sample's gradient depends on the "
+                    "others. Construct it with scale_grad_by_freq=False"
+                )
             if isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and own:
                 raise ValueError(
                     f"{name} cannot compute per-sample gradients of {where}: torch.func has no per-sample rule "

@@ -267,6 +267,8 @@ def test_dp_refuses_what_it_cannot_clip_by_module_name() -> None:
         DPSGD(old_style)
     with pytest.raises(ValueError, match="batch_dim"):
         DPSGD(nn.Linear(2, 2), batch_dim=2)
+    with pytest.raises(ValueError, match=r"0 \(EmbeddingBag\): scale_grad_by_freq=True.*depends on the others"):
+        DPSGD(nn.Sequential(nn.EmbeddingBag(5, 2, scale_grad_by_freq=True)))
 
 
 def test_dp_on_opacus_dplstm_equals_per_sample_clipping() -> None:

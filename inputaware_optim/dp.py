@@ -648,7 +648,11 @@ def _batch_first(call: Call, batch_dim: int) -> Call:
 
 class _RootBatches:
     """A forward pre-hook on the root model: the sizes along ``batch_dim`` of its tensor arguments,
-    by forward number, so that each forward's sample count can be checked against them."""
+    by forward number, so that each forward's sample count can be checked against them.
+
+    Only eager forwards with grad enabled are recorded, and each record is read once: compiled
+    forwards do not advance the forward count, so they are not checked rather than checked against
+    another forward's batch."""
 
     _KEEP = 256  # forwards remembered (a step reads the last few)
 
@@ -658,7 +662,7 @@ class _RootBatches:
         self.root: nn.Module | None = None
 
     def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
         self.root = module
         leaves = tree_flatten((args, kwargs))[0]
@@ -669,7 +673,7 @@ class _RootBatches:
             del self.sizes[next(iter(self.sizes))]
 
     def check(self, forward: Any, samples: int, calls: dict[nn.Module, list[Call]], names: Any) -> None:
-        sizes = self.sizes.get(forward)
+        sizes = self.sizes.pop(forward, None)
         if not sizes or samples in sizes or any(m is self.root for m in calls):
             return  # agrees, or the model is itself a layer whose call says what its samples are
         layers = ", ".join(names(m) for m in list(calls)[:3])

@@ -636,3 +636,24 @@ def test_dp_with_batch_dim_1_leaves_arguments_shared_by_the_batch_in_place() -> 
     for key, param in model.named_parameters():
         expected = torch.tensordot(factors, per_sample[key], dims=1) / 3
         torch.testing.assert_close(before[key] - param.detach(), expected, rtol=1e-8, atol=1e-12, msg=key)
+
+
+def test_dp_batch_check_ignores_evaluation_forwards_and_compiled_ones() -> None:
+    """An eval forward (no grad, another batch size) before compiled training steps refuses nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    twin = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    twin.load_state_dict(model.state_dict())
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0)
+    reference = DPSGD(twin, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        model(torch.randn(7, 3))
+    x = torch.randn(4, 3)
+    for net, opt in ((compiled, optimizer), (twin, reference)):
+        for _ in range(2):
+            opt.zero_grad()
+            net(x).pow(2).sum(1).mean().backward()
+            opt.step()
+    for got, expected in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, expected)

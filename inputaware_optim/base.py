@@ -36,7 +36,7 @@ from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
 from .hooks import InputsHook, InputsHookHandle, Reads, StepHooks, When
 from .inputs import Inputs
-from .layers import Layer, bias_of, layer_kind, weight_of, why_no_kind
+from .layers import Layer, bias_of, layer_kind, weight_of, weight_or_none, why_no_kind
 from .reduction import Reduction
 
 __all__ = ["InputAwareOptimizer", "evaluate_closure"]
@@ -370,7 +370,7 @@ class InputAwareOptimizer(Optimizer):
         owners: dict[Tensor, list[nn.Module]] = {}
         for module in self.capture.modules:
             kind = layer_kind(module)
-            weight = getattr(module, "weight", None)
+            weight = weight_or_none(module)
             if kind is not None and kind.provides(capability) and isinstance(weight, Tensor) and weight in groups:
                 owners.setdefault(weight, []).append(module)
         layers = []
@@ -378,8 +378,8 @@ class InputAwareOptimizer(Optimizer):
             if len(self._owners_in_model(weight)) != len(modules):
                 continue  # shared with a module whose calls give no statistics: see _layer_treatment
             kinds = {type(layer_kind(m)) for m in modules}
-            biases = {id(getattr(m, "bias", None)) for m in modules}
-            bias = getattr(modules[0], "bias", None)
+            biases = {id(bias_of(m)) for m in modules}
+            bias = bias_of(modules[0])
             homogeneous = isinstance(bias, Tensor) and bias in groups and len(biases) == 1
             if len(kinds) == 1:
                 kind = layer_kind(modules[0])
@@ -453,8 +453,8 @@ class InputAwareOptimizer(Optimizer):
         matrix = param.dim() >= 2  # a weight matrix is what such a rule is for; a scale or bias alone is not
         if module is None:
             return stock, "not a parameter of any module (used functionally)", matrix
-        if param is not getattr(module, "weight", None):
-            if param is getattr(module, "bias", None) and layer_kind(module) is not None:
+        if param is not weight_or_none(module):
+            if param is bias_of(module) and layer_kind(module) is not None:
                 return stock, "its layer is not covered, or the bias is trained apart from the weight", False
             return stock, f"{type(module).__name__}.{_param_name(module, param)} is not a weight matrix", matrix
         kind = layer_kind(module)

@@ -90,6 +90,7 @@ class Eva(KroneckerRule):
 
     factors = ("input", "output_grad")
     statistics = KroneckerVectors
+    reads_capability = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
 
     def __init__(
         self,
@@ -174,7 +175,7 @@ class Eva(KroneckerRule):
 
     def _kept_vectors(self, due: list[dict[str, Any]]) -> list[tuple[Layer, tuple[Tensor, Tensor]]]:
         out = []
-        for layer in self._layers("input_rows"):
+        for layer in self._layers(self.reads_capability):
             if any(layer.group is group for group in due) or weight_of(layer.module).grad is None:
                 continue
             state = self.state.get(weight_of(layer.module), {})

@@ -91,6 +91,7 @@ class KFAC(KroneckerRule):
 
     factors = ("input", "output_grad")
     statistics = KroneckerFactors
+    reads_capability = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
 
     def __init__(
         self, model: nn.Module, lr: float | None = None, *args: Any, batch_averaged: bool = True, **kwargs: Any

@@ -77,7 +77,7 @@ class KroneckerRule(InputAwareSGD):
     holds; another gathers one layer's gradient at a time and keeps its own rows of the result.
     """
 
-    reads_capability = "input_rows"
+    reads_capability: ClassVar[str] = "input_rows"  # K-FAC and Eva: "output_grad_rows" (and input rows)
     reads_calls = False
     factors: tuple[str, ...] = ()
     # Whether ``_precondition`` maps each row of G̃ by itself (G̃ A⁻¹): then a rank holding some
@@ -123,10 +123,11 @@ class KroneckerRule(InputAwareSGD):
         elif momentum != 0.9:
             raise ValueError(f"momentum={momentum} is an argument of SGD; {getattr(base, '__name__', base)} has none")
         super().__init__(model, params, lr=lr, **sgd_kwargs)
-        self._warn_if_no_layers("input_rows", "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)")
+        wanted = "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)"
+        self._warn_if_no_layers(self.reads_capability, wanted)
 
     def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_statistics": self.statistics(self._layers("input_rows"))}
+        return {"_statistics": self.statistics(self._layers(self.reads_capability))}
 
     def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
         """The sizes of this rule's Kronecker factors for ``layer`` (default: the input side only)."""
@@ -141,9 +142,9 @@ class KroneckerRule(InputAwareSGD):
         return f"a Kronecker factor of size {max(dims)} exceeds max_dim={self._max_dim} (memory ~ size², time ~ size³)"
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        layers = self._layers("input_rows")
+        layers = self._layers(self.reads_capability)
         what, reason, fallback = self._layer_treatment(
-            param, module, layers, "input_rows", f"{type(self).__name__}: Kronecker"
+            param, module, layers, self.reads_capability, f"{type(self).__name__}: Kronecker"
         )
         return what, explained(module, reason), fallback
 
@@ -224,7 +225,7 @@ class KroneckerRule(InputAwareSGD):
         """The layers of groups that collect no statistics this step, with the inverses they keep
         (a layer with none yet takes the plain step)."""
         out = []
-        for layer in self._layers("input_rows"):
+        for layer in self._layers(self.reads_capability):
             if any(layer.group is group for group in due) or weight_of(layer.module).grad is None:
                 continue
             state = self.state.get(weight_of(layer.module), {})
@@ -266,7 +267,7 @@ class KroneckerRule(InputAwareSGD):
         and captured calls, summed over ranks."""
         layers, sums = [], []
         totals = inputs.reduced(self._statistics)
-        for layer in self._layers("input_rows"):
+        for layer in self._layers(self.reads_capability):
             if due is not None and not any(layer.group is group for group in due):
                 continue
             weight, bias = weight_of(layer.module), bias_of(layer.module)

@@ -42,6 +42,7 @@ def register_layer(*module_types: type[nn.Module] | str) -> Any:
         kind = cls()
         for module_type in module_types:
             _REGISTRY[module_type] = kind
+        _NAMES.clear()  # what a type's weight is called may have changed
         return cls
 
     return register
@@ -105,6 +106,8 @@ class LayerKind:
     """
 
     per_sample_refusal: str | None = None
+    weight_name = "weight"  # the attribute holding the weight matrix W
+    bias_name = "bias"  # the attribute holding the bias (its last column in W̃)
 
     def supports(self, module: nn.Module) -> bool:
         """Whether this particular module (its configuration) is handled."""
@@ -206,16 +209,39 @@ class Materialized(PerSample):
         return self._grads
 
 
+def _names_of(module: nn.Module) -> tuple[str, str]:
+    """The attribute names of ``module``'s weight matrix and bias (its registered kind's, or
+    ``weight`` and ``bias``), cached per type."""
+    cls = type(module)
+    names = _NAMES.get(cls)
+    if names is None:
+        base = registered_base(module)
+        kind = _registered(base) if base is not None else None
+        names = (kind.weight_name, kind.bias_name) if kind is not None else ("weight", "bias")
+        _NAMES[cls] = names
+    return names
+
+
+_NAMES: dict[type, tuple[str, str]] = {}
+
+
 def weight_of(module: nn.Module) -> Tensor:
-    """``module.weight``, typed."""
-    weight = module.weight
-    assert isinstance(weight, Tensor), f"{type(module).__name__}.weight is not a tensor"
+    """The weight matrix of ``module`` (``module.weight``, or the attribute its kind names), typed."""
+    name = _names_of(module)[0]
+    weight = getattr(module, name)
+    assert isinstance(weight, Tensor), f"{type(module).__name__}.{name} is not a tensor"
     return weight
 
 
+def weight_or_none(module: nn.Module) -> Tensor | None:
+    """``weight_of(module)``, or ``None`` where the module has no such tensor."""
+    weight = getattr(module, _names_of(module)[0], None)
+    return weight if isinstance(weight, Tensor) else None
+
+
 def bias_of(module: nn.Module) -> Tensor | None:
-    """``module.bias`` if the module has one, else ``None``."""
-    bias = getattr(module, "bias", None)
+    """The bias of ``module`` (``module.bias``, or the attribute its kind names), else ``None``."""
+    bias = getattr(module, _names_of(module)[1], None)
     return bias if isinstance(bias, Tensor) else None
 
 
@@ -570,8 +596,15 @@ def _output_size(call: Call) -> Sequence[int] | None:
 
 @register_layer(nn.MultiheadAttention)
 class MultiheadAttentionKind(LayerKind):
-    """``nn.MultiheadAttention``: registered to say why no Kronecker rule covers ``in_proj_weight``."""
+    """``nn.MultiheadAttention``'s ``in_proj_weight`` (``3E x E``, with ``in_proj_bias``): three blocks,
+    the query, key and value projections, each a linear map on rows of its own input (the call's
+    ``query``, ``key`` and ``value``). Only the input side is known (the projections' outputs stay
+    inside the call), so FOOF and NLMS cover it and K-FAC does not; ``out_proj.weight`` is used
+    without calling ``out_proj`` and stays the stock update. Where the blocks' inputs hold different
+    numbers of rows (cross-attention), the shorter ones are scaled and zero-padded so that every
+    block's second moment is the mean over its own rows."""
 
+    weight_name, bias_name = "in_proj_weight", "in_proj_bias"
     per_sample_refusal = (
         "its out_proj.weight is used without calling out_proj, so no captured call carries its per-sample "
         "gradient. Use opacus.layers.DPMultiheadAttention (a drop-in built from linear layers, exact here), or "
@@ -579,14 +612,52 @@ class MultiheadAttentionKind(LayerKind):
     )
 
     def supports(self, module: nn.Module) -> bool:
-        return False
+        return isinstance(module, nn.MultiheadAttention) and bool(module._qkv_same_embed_dim)
 
     def unsupported(self, module: nn.Module) -> str:
         return (
-            "MultiheadAttention applies in_proj_weight to query, key and value inside its forward and uses "
-            "out_proj.weight without calling out_proj; no Kronecker form is implemented for them. Build the "
-            "attention from nn.Linear projections (as Hugging Face models do) for FOOF, K-FAC, NLMS and DP"
+            "MultiheadAttention with kdim or vdim other than embed_dim keeps separate q/k/v_proj_weight; no "
+            "Kronecker form is implemented for them"
         )
+
+    def blocks(self, module: nn.Module) -> int:
+        return 3
+
+    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
+        weight = weight_of(module)
+        return int(weight.shape[0]) // 3, int(weight.shape[1]) + int(homogeneous)
+
+    def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
+        per_call = []
+        for call in entry.calls:
+            rows = [
+                _with_ones(_statistics_dtype(x.reshape(-1, x.shape[-1])), homogeneous) for x in _attention_inputs(call)
+            ]
+            width = max(r.shape[0] for r in rows)
+            # A block with fewer rows (cross-attention): scaled and zero-padded to the same count,
+            # so that its (1 / count) sum of x xᵀ is still the mean over its own rows.
+            rows = [
+                r
+                if r.shape[0] == width
+                else torch.cat([r * math.sqrt(width / max(r.shape[0], 1)), r.new_zeros(width - r.shape[0], r.shape[1])])
+                for r in rows
+            ]
+            per_call.append(torch.stack(rows))
+        return torch.cat(per_call, dim=1)
+
+    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
+        matrix = _matrix_grad(weight_of(module), bias_of(module), homogeneous)
+        return matrix.reshape(3, -1, matrix.shape[1])
+
+    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
+        _set_matrix_grad(weight_of(module), bias_of(module), matrix.reshape(-1, matrix.shape[-1]), homogeneous)
+
+
+def _attention_inputs(call: Call) -> tuple[Tensor, Tensor, Tensor]:
+    """``(query, key, value)`` of an ``nn.MultiheadAttention`` call, positional or keyword."""
+    names = ("query", "key", "value")
+    found = [call.args[i] if i < len(call.args) else call.kwargs[n] for i, n in enumerate(names)]
+    return found[0], found[1], found[2]
 
 
 @register_layer("transformers.pytorch_utils.Conv1D")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, Eva, LazyAdamW
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Eva, LazyAdamW
 from inputaware_optim.coverage import supported_layers_table
 
 GROUPED = {
@@ -217,27 +217,48 @@ def test_lazy_adamw_moves_only_the_rows_the_bags_read() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::inputaware_optim.UncapturedInputsWarning")
-def test_multihead_attention_is_reported_with_its_reason_beside_a_covered_transposed_convolution() -> None:
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.attention = nn.MultiheadAttention(4, 2, batch_first=True)
-            self.up = nn.ConvTranspose1d(4, 4, 3, stride=2)
+@pytest.mark.parametrize("rule", ["FOOF", "NLMS"])
+@pytest.mark.parametrize("cross, batch_first", [(False, True), (True, True), (True, False)])
+def test_multihead_attention_in_proj_is_three_blocks_on_query_key_and_value(
+    rule: str, cross: bool, batch_first: bool
+) -> None:
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(4, 2, batch_first=batch_first).double()
+    twin = nn.MultiheadAttention(4, 2, batch_first=batch_first).double()
+    twin.load_state_dict(attention.state_dict())
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 5, 4, dtype=torch.float64, generator=generator)
+    memory = torch.randn(3, 7, 4, dtype=torch.float64, generator=generator) if cross else query
+    if not batch_first:
+        query, memory = query.transpose(0, 1), memory.transpose(0, 1)
+    twin(query, memory, memory)[0].pow(2).mean().backward()
+    expected_weight, expected_bias = twin.in_proj_weight.detach().clone(), twin.in_proj_bias.detach().clone()
+    for j, x in enumerate((query, memory, memory)):
+        rows = torch.cat([x.reshape(-1, 4), torch.ones(x.numel() // 4, 1, dtype=x.dtype)], 1)
+        block = slice(4 * j, 4 * j + 4)
+        matrix = torch.cat([twin.in_proj_weight.grad[block], twin.in_proj_bias.grad[block, None]], 1)
+        if rule == "FOOF":
+            new = matrix @ inverse(rows.T @ rows / len(rows), 0.1)
+        else:
+            new = matrix / (1e-6 + rows.pow(2).sum() / len(rows))
+        expected_weight[block] -= new[:, :4]
+        expected_bias[block] -= new[:, 4]
+    optimizer = {"FOOF": FOOF, "NLMS": NLMS}[rule](attention, lr=1.0, momentum=0.0)
+    attention(query, memory, memory)[0].pow(2).mean().backward()
+    optimizer.step()
+    torch.testing.assert_close(attention.in_proj_weight.detach(), expected_weight, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(attention.in_proj_bias.detach(), expected_bias, rtol=1e-10, atol=1e-12)
+    treatments = {row.name: row.treatment for row in optimizer.coverage()}
+    assert not treatments["in_proj_weight"].startswith("stock")
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.attention(x, x, x)[0]
-            return self.up(h.transpose(1, 2))
 
-    model = Model()
-    for rule in (FOOF, KFAC, NLMS):
-        optimizer = rule(model, lr=0.1)
-        reasons = {row.name: row.reason or "" for row in optimizer.coverage()}
-        assert "applies in_proj_weight to query, key and value" in reasons["attention.in_proj_weight"]
-        assert reasons["up.weight"] == ""  # covered: the convolution it equals
-        model(torch.randn(2, 5, 4)).sum().backward()
-        with pytest.warns(CoverageWarning, match=r"attention\.in_proj_weight"):
-            optimizer.step()
-        optimizer.zero_grad()
+def test_kronecker_rules_with_output_gradients_report_multihead_attention_by_reason() -> None:
+    attention = nn.MultiheadAttention(4, 2, batch_first=True)
+    for rule in (KFAC, Eva):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            reasons = {row.name: row.reason or "" for row in rule(attention, lr=0.1).coverage()}
+        assert "MultiheadAttention has no output grad rows" in reasons["in_proj_weight"]
 
 
 def test_kronecker_rules_without_lr_name_themselves() -> None:

@@ -653,6 +653,23 @@ class MultiheadAttentionKind(LayerKind):
         _set_matrix_grad(weight_of(module), bias_of(module), matrix.reshape(-1, matrix.shape[-1]), homogeneous)
 
 
+@register_layer(nn.modules.linear.NonDynamicallyQuantizableLinear)
+class AttentionOutputKind(LayerKind):
+    """``nn.MultiheadAttention.out_proj``: registered to say that its weight is used without calling
+    it, so no rule sees its inputs (it would otherwise pass for a covered ``nn.Linear``)."""
+
+    per_sample_refusal = MultiheadAttentionKind.per_sample_refusal
+
+    def supports(self, module: nn.Module) -> bool:
+        return False
+
+    def unsupported(self, module: nn.Module) -> str:
+        return (
+            "nn.MultiheadAttention uses out_proj.weight without calling out_proj, so its inputs are never "
+            "captured. Build the attention from nn.Linear projections (as Hugging Face models do) to cover it"
+        )
+
+
 def _attention_inputs(call: Call) -> tuple[Tensor, Tensor, Tensor]:
     """``(query, key, value)`` of an ``nn.MultiheadAttention`` call, positional or keyword."""
     names = ("query", "key", "value")

@@ -248,8 +248,9 @@ def test_multihead_attention_in_proj_is_three_blocks_on_query_key_and_value(
     optimizer.step()
     torch.testing.assert_close(attention.in_proj_weight.detach(), expected_weight, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(attention.in_proj_bias.detach(), expected_bias, rtol=1e-10, atol=1e-12)
-    treatments = {row.name: row.treatment for row in optimizer.coverage()}
-    assert not treatments["in_proj_weight"].startswith("stock")
+    rows = {row.name: row for row in optimizer.coverage()}
+    assert not rows["in_proj_weight"].treatment.startswith("stock")
+    assert rows["out_proj.weight"].fallback and "without calling out_proj" in (rows["out_proj.weight"].reason or "")
 
 
 def test_kronecker_rules_with_output_gradients_report_multihead_attention_by_reason() -> None:
@@ -411,6 +412,7 @@ def instances() -> dict[str, nn.Module]:
         "`nn.ConvTranspose2d`": nn.ConvTranspose2d(2, 2, 1),
         "`nn.ConvTranspose3d`": nn.ConvTranspose3d(2, 2, 1),
         "`nn.MultiheadAttention`": nn.MultiheadAttention(4, 2),
+        "`nn.NonDynamicallyQuantizableLinear`": nn.modules.linear.NonDynamicallyQuantizableLinear(4, 4),
         "`nn.Embedding`": nn.Embedding(5, 2),
         "`nn.EmbeddingBag`": nn.EmbeddingBag(5, 2),
     }

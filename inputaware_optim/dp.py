@@ -238,8 +238,9 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "(torch.nn.utils.parametrize.remove_parametrizations), or normalize activations instead "
                     "(LayerNorm, GroupNorm)"
                 )
-            unknown = [n for n in own if n not in ("weight", "bias")]
-            if layer_kind(module) is not None and unknown:
+            kind = layer_kind(module)
+            unknown = [n for n in own if kind is not None and n not in (kind.weight_name, kind.bias_name)]
+            if unknown:
                 raise ValueError(
                     f"{name} cannot compute per-sample gradients of {where}: its parameters "
                     f"{', '.join(unknown)} are not the weight and bias its layer is computed with (the "

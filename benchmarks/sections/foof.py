@@ -95,7 +95,7 @@ def run(config: Config, progress: Progress) -> Result:
                 1.25,
                 "×",
                 f"pairs {foof_ratio['low']:.3f}–{foof_ratio['high']:.3f}; batch {BATCH}",
-            )
+            ).full_size_only(config)
         )
         foof_reach, adamw_reach = reach[foof_name]["seconds"], reach["AdamW"]["seconds"]
         targets.append(
@@ -109,7 +109,7 @@ def run(config: Config, progress: Progress) -> Result:
                 f"FOOF {shared.at_step(reach[foof_name]['step'])} (best FOOF accuracy "
                 f"{100 * max(best[foof_name]['test_accuracy']):.1f}%)",
                 strict=True,
-            )
+            ).full_size_only(config)
         )
         data[model_name] = {
             "description": description,

@@ -86,7 +86,7 @@ def run(config: Config, progress: Progress) -> Result:
                 + (f"; K-FAC diverged at lr {', '.join(diverged)}" if diverged else ""),
                 strict=True,
                 source="informational (issue 6)",
-            )
+            ).full_size_only(config)
         )
         data[model_name] = {
             "description": description,

@@ -1,4 +1,4 @@
-"""Section 1: what one forward hook costs per module call, and that un-owned modules pay nothing."""
+"""Section 1: capture's cost per captured call beside PyTorch's empty forward hook; un-watched modules pay nothing."""
 
 from __future__ import annotations
 
@@ -10,30 +10,67 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from inputaware_optim import InputAwareAdamW
+from inputaware_optim import Capture, InputAwareAdamW, Layer, Reduction, layer_kind
+from inputaware_optim.foof import InputSecondMoment
 
 from ..core import Config, Progress, Result, Section, Table, Target
-from ..timing import interleave
+from ..timing import Ratio, Timing, interleave
 
-CALLS = 100  # module calls per timed function call, so the Python call of the function itself is negligible
+CALLS = 16  # module calls per backward pass (and per timed call): per-pass costs are shared as in a model
+
+PLAIN = "plain"
+EMPTY_HOOK = "empty hook"
+EMPTY_BOTH = "empty hooks both ways"
+DROP_IN = "drop-in"
+NO_OP = "no-op reduction"
+FOOF = "FOOF reduction"
+VARIANTS: dict[str, str] = {
+    PLAIN: "Linear, no hook",
+    EMPTY_HOOK: "Linear with an empty forward hook (PyTorch's dispatch of any hook)",
+    EMPTY_BOTH: "Linear with a forward hook that puts an empty pre-hook on the output's autograd node",
+    DROP_IN: "Linear in a model with InputAwareAdamW, no rule (no hook attached)",
+    NO_OP: "Linear captured with a no-op Reduction (the capture's own cost)",
+    FOOF: "Linear captured with FOOF's InputSecondMoment reduction",
+}
 
 
-def _repeat(module: nn.Module, x: Tensor, after: Callable[[], None] | None = None) -> Callable[[], None]:
-    def call() -> None:
-        for _ in range(CALLS):
-            module(x)
-        if after is not None:
-            after()
+def _passes(module: nn.Module, x: Tensor) -> Callable[[], None]:
+    """``CALLS`` calls of ``module``, one backward through all of them, then the gradients cleared."""
+    params = [p for p in module.parameters()]
 
-    return call
+    def one_pass() -> None:
+        total = module(x)
+        for _ in range(CALLS - 1):
+            total = total + module(x)
+        total.sum().backward()
+        for p in params:
+            p.grad = None  # as zero_grad does: the capture drops what it held at the next pass
+
+    return one_pass
 
 
-def _no_grad(call: Callable[[], None]) -> Callable[[], None]:
-    def wrapped() -> None:
-        with torch.no_grad():
-            call()
+def _empty_node_prehook(module: nn.Module, args: Any, output: Tensor) -> None:
+    """The least a capture must do to follow a call into backward: a hook on its output's node."""
+    if output.grad_fn is not None:
+        output.grad_fn.register_prehook(lambda grads: None)
 
-    return wrapped
+
+def _captured(linear: nn.Linear, reduction: Reduction) -> tuple[nn.Module, Capture]:
+    """``linear`` inside a holder model whose capture runs ``reduction`` (and keeps no raw call).
+
+    The module is then called directly, so the root model's per-forward hook is not counted:
+    it runs once per forward of a whole model, not once per captured call.
+    """
+    holder = nn.Sequential(linear)
+    capture = Capture(holder, keep_calls=False)
+    capture.add_reduction(reduction)
+    return holder, capture
+
+
+def _per_call_us(timing: Timing, name: str) -> Ratio:
+    """The time ``name`` adds per call over ``plain``, in µs, per pair."""
+    added = timing.difference(name, PLAIN)
+    return Ratio.of([d / CALLS * 1e6 for d in added.rounds])
 
 
 def run(config: Config, progress: Progress) -> Result:
@@ -41,115 +78,140 @@ def run(config: Config, progress: Progress) -> Result:
     # noise of the call itself stays small in absolute terms) and over more rounds than usual.
     config = dataclasses.replace(config, pairs=config.pick(config.pairs, max(config.pairs, 31)))
     torch.manual_seed(config.seed)
-    width, batch = config.pick(32, 32), config.pick(4, 8)
-    plain = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
-    hooked = copy.deepcopy(plain)
-    optimizer = InputAwareAdamW(hooked, lr=1e-3)
-    # Captured calls pile up until a step; dropping them is part of what capture costs.
-    release = optimizer.capture.clear
-    # PyTorch's own price for a module with any forward hook (its slower call path), for reference.
-    empty_hook = copy.deepcopy(plain[0])
-    empty_hook.register_forward_hook(lambda module, args, kwargs, output: None, with_kwargs=True)
+    width, batch = 32, config.pick(4, 8)
+    plain = nn.Linear(width, width)
+    linears = {name: copy.deepcopy(plain) for name in VARIANTS}
+    linears[EMPTY_HOOK].register_forward_hook(lambda *args: None)
+    linears[EMPTY_BOTH].register_forward_hook(_empty_node_prehook)
+    holder = nn.Sequential(linears[DROP_IN], nn.ReLU())
+    drop_in = InputAwareAdamW(holder, lr=1e-3)
+    _, no_op = _captured(linears[NO_OP], Reduction())
+    kind = layer_kind(linears[FOOF])
+    assert kind is not None
+    second_moment = InputSecondMoment([Layer(linears[FOOF], kind, True, {}, (linears[FOOF],))])
+    _, foof = _captured(linears[FOOF], second_moment)
     x = torch.randn(batch, width)
-    hidden = plain[0](x).detach()
+    hooks = {name: len(linear._forward_hooks) for name, linear in linears.items()}
 
-    cases = [
-        ("Linear (owned by the optimizer: hooked)", "Linear", _repeat(plain[0], x), _repeat(hooked[0], x, release)),
-        (
-            "Linear with an empty forward hook (PyTorch's cost of any hook, for reference)",
-            "Linear empty hook",
-            _repeat(plain[0], x),
-            _repeat(empty_hook, x),
-        ),
-        ("ReLU (un-owned: no hook)", "ReLU", _repeat(plain[1], hidden), _repeat(hooked[1], hidden)),
-        (
-            "Linear under torch.no_grad() (hook returns early)",
-            "Linear no_grad",
-            _no_grad(_repeat(plain[0], x)),
-            _no_grad(_repeat(hooked[0], x, release)),
-        ),
-        (
-            "whole model: Linear, ReLU, Linear (2 hooked + root hooks)",
-            "model",
-            _repeat(plain, x),
-            _repeat(hooked, x, release),
-        ),
-    ]
-    progress.start(len(cases))
-    rows: list[list[str]] = []
-    data: dict[str, Any] = {}
-    for label, key, stock_call, hooked_call in cases:
-        progress.describe(key)
-        timing = interleave({"plain": stock_call, "hooked": hooked_call}, config)
-        ratio = timing.ratio("hooked", "plain")
-        added = timing.difference("hooked", "plain")
-        plain_us = timing.per_call("plain") / CALLS * 1e6
-        added_us = [d / CALLS * 1e6 for d in added.rounds]
-        added_us_median = added.median / CALLS * 1e6
-        data[key] = {
-            "description": label,
-            "plain_us_per_call": plain_us,
-            "ratio": ratio.__dict__,
-            "added_us_per_call": {
-                "median": added.median / CALLS * 1e6,
-                "low": added.low / CALLS * 1e6,
-                "high": added.high / CALLS * 1e6,
-                "rounds": added_us,
-            },
-            "timing": timing.to_json(),
-        }
+    # An un-watched module (nn.ReLU owns no parameter) in a model whose capture is active: no hook.
+    relu_model = nn.Sequential(nn.Linear(width, width), nn.ReLU())
+    relu_capture = Capture(relu_model, keep_calls=False)
+    relu_capture.add_reduction(Reduction())
+    hidden = torch.randn(batch, width)
+
+    def relu_calls(relu: nn.Module) -> Callable[[], None]:
+        def call() -> None:
+            for _ in range(CALLS):
+                relu(hidden)
+
+        return call
+
+    progress.start(2)
+    progress.describe(f"Linear, {len(VARIANTS)} ways")
+    timing = interleave({name: _passes(linear, x) for name, linear in linears.items()}, config)
+    progress.advance()
+    progress.describe("ReLU")
+    relu_timing = interleave({"plain": relu_calls(nn.ReLU()), "watched model": relu_calls(relu_model[1])}, config)
+    progress.advance()
+    for capture in (no_op, foof, relu_capture):
+        capture.remove()
+    drop_in_hooks = hooks[DROP_IN]
+    del drop_in
+
+    plain_us = timing.per_call(PLAIN) / CALLS * 1e6
+    added = {name: _per_call_us(timing, name) for name in VARIANTS if name != PLAIN}
+    arithmetic = Ratio.of([f - n for f, n in zip(added[FOOF].rounds, added[NO_OP].rounds, strict=True)])
+    rows = [[VARIANTS[PLAIN], str(hooks[PLAIN]), f"{plain_us:.2f}", "—"]]
+    for name, value in added.items():
         rows.append(
             [
-                label,
-                f"{plain_us:.2f}",
-                f"{added_us_median:+.2f} ({min(added_us):+.2f} to {max(added_us):+.2f})",
-                ratio.shown(),
+                VARIANTS[name],
+                str(hooks[name]),
+                f"{timing.per_call(name) / CALLS * 1e6:.2f}",
+                f"{value.median:+.2f} ({value.low:+.2f} to {value.high:+.2f})",
             ]
         )
-        progress.advance()
-
-    linear, relu = data["Linear"], data["ReLU"]
-    relu_ratio = relu["ratio"]
+    rows.append(
+        [
+            "FOOF's arithmetic alone (FOOF reduction − no-op reduction)",
+            "",
+            "",
+            f"{arithmetic.median:+.2f} ({arithmetic.low:+.2f} to {arithmetic.high:+.2f})",
+        ]
+    )
+    empty, own = added[EMPTY_HOOK].median, added[NO_OP].median
+    relative = own / empty if empty > 0 else float("inf")
+    relu_ratio = relu_timing.ratio("watched model", "plain")
+    relu_added = relu_timing.difference("watched model", "plain")
     targets = [
         Target.at_most(
-            "Hook cost per hooked nn.Linear call",
-            linear["added_us_per_call"]["median"],
+            "Capture's own cost per captured call (no-op Reduction), relative to PyTorch's empty forward hook",
+            relative,
             1.5,
-            "µs",
-            f"median over {config.pairs} interleaved pairs; the call itself takes "
-            f"{linear['plain_us_per_call']:.2f} µs, and an empty hook adds "
-            f"{data['Linear empty hook']['added_us_per_call']['median']:.2f} µs",
-        ),
+            "×",
+            f"medians over {config.pairs} interleaved rounds: the capture adds {own:+.2f} µs per call (pairs "
+            f"{added[NO_OP].low:+.2f} to {added[NO_OP].high:+.2f}), an empty forward hook {empty:+.2f} µs (pairs "
+            f"{added[EMPTY_HOOK].low:+.2f} to {added[EMPTY_HOOK].high:+.2f}), and with an empty pre-hook on the "
+            f"output's autograd node as well {added[EMPTY_BOTH].median:+.2f} µs; FOOF's reduction adds "
+            f"{arithmetic.median:+.2f} µs of arithmetic on top; a Linear {width}→{width} call with its share of "
+            f"backward takes {plain_us:.2f} µs",
+            source="issue 9",
+        ).full_size_only(config),
         # "No change" means the pairs do not all fall on one side of 1 (a sign test at the pairs' resolution).
         Target(
-            "Un-hooked module (nn.ReLU) call time",
+            "Un-watched module (nn.ReLU) in a captured model: call time",
             "no change: pair ratios on both sides of 1",
-            relu_ratio["median"],
+            relu_ratio.median,
             "×",
-            relu_ratio["low"] <= 1.0 <= relu_ratio["high"],
-            f"pairs {relu_ratio['low']:.3f}–{relu_ratio['high']:.3f}; "
-            f"{relu['added_us_per_call']['median']:+.3f} µs per call",
+            relu_ratio.straddles(1.0),
+            f"pairs {relu_ratio.low:.3f}–{relu_ratio.high:.3f}; {relu_added.median / CALLS * 1e6:+.3f} µs per call",
             limit=1.0,
-        ),
+        ).full_size_only(config),
     ]
     table = Table(
-        f"Module call time with and without InputAwareAdamW attached (Linear {width}→{width}, batch {batch})",
-        ["module call", "without hooks (µs)", "added (µs per call)", "ratio with / without"],
+        f"Cost per captured call (Linear {width}→{width}, batch {batch}, forward and its share of backward)",
+        ["module call", "forward hooks", "per call (µs)", "added vs no hook (µs per call)"],
         rows,
-        f"Each timed call makes {CALLS} module calls with grad enabled; the hooked side also releases its "
-        "captures (as step() does), so that cost is included.",
+        f"Each timed call runs {CALLS} calls of the module, one backward pass through all of them and clears "
+        "the gradients (which drops what the capture held); the variants take turns. Added times are "
+        f"medians over {config.pairs} rounds of the per-round difference from the plain Linear, with the "
+        "range. The capture variants watch the Linear inside a holder model and call the Linear directly, "
+        "so the root model's once-per-forward hook is not counted.",
     )
+    data: dict[str, Any] = {
+        "calls_per_pass": CALLS,
+        "plain_us_per_call": plain_us,
+        "forward_hooks": hooks,
+        "drop_in_forward_hooks": drop_in_hooks,
+        "added_us_per_call": {name: value.__dict__ for name, value in added.items()},
+        "foof_arithmetic_us_per_call": arithmetic.__dict__,
+        "capture_vs_empty_hook": relative,
+        "timing": timing.to_json(),
+        "relu": {
+            "ratio": relu_ratio.__dict__,
+            "added_us_per_call": relu_added.median / CALLS * 1e6,
+            "timing": relu_timing.to_json(),
+        },
+    }
     return Result(tables=[table], targets=targets, data=data)
 
 
 SECTION = Section(
     name="hook_cost",
-    title="Hook cost per module call",
+    title="Capture cost per captured call",
     summary=(
-        "The same small model twice: once plain, once with an `InputAwareAdamW` attached (one forward hook "
-        "on each module that owns a parameter, plus the root model's bookkeeping hooks). Each module is "
-        "called directly, alternating plain and hooked; the added time per call comes from the per-pair "
-        "differences. An `nn.ReLU` owns no parameter, gets no hook, and must keep PyTorch's fast call path."
+        "With no rule, `InputAwareAdamW` attaches no hook: its calls cost what a plain module's do. "
+        "When a reader is declared, the capture watches each module that owns a parameter: a forward "
+        "hook runs the reader's `Reduction`, and a hook on the output's autograd node follows the call "
+        "into backward. Copies of one `nn.Linear` take turns: plain, with an empty "
+        "`register_forward_hook(lambda *a: None)` (PyTorch's own price for any hook), with a forward hook "
+        "that only puts an empty pre-hook on the output's autograd node (the floor of following a call "
+        "into backward), in a model with "
+        "`InputAwareAdamW` (no hook), captured with a no-op `Reduction` (the capture's own cost), and "
+        "captured with FOOF's `InputSecondMoment` (the capture plus FOOF's arithmetic, `x̃ᵀx̃` per call). "
+        "Each timed call runs the module several times with one backward through all calls; the added "
+        "time per call comes from the per-round differences. An `nn.ReLU` owns no parameter, gets no "
+        "hook, and must keep PyTorch's fast call path."
     ),
     run=run,
 )

@@ -43,7 +43,9 @@ Other semantics:
 
 from __future__ import annotations
 
+import collections
 import functools
+import inspect
 import itertools
 import warnings
 import weakref
@@ -67,7 +69,19 @@ _STORAGES = ("reference", "clone", "cpu")
 class _Record:
     """One forward call on its way: what readers keep of it until its backward pass is complete."""
 
-    __slots__ = ("args", "check", "forward", "index", "kept", "kwargs", "module", "slot", "task", "waiting")
+    __slots__ = (
+        "args",
+        "check",
+        "deferred",
+        "forward",
+        "index",
+        "kept",
+        "kwargs",
+        "module",
+        "slot",
+        "task",
+        "waiting",
+    )
 
     def __init__(self, module: nn.Module, index: int, forward: int) -> None:
         self.module = module
@@ -80,6 +94,7 @@ class _Record:
         self.kept: list[Any] | None = None  # per reduction: forward() result, then backward()'s
         self.task: int | None = None  # the backward pass that reached it
         self.waiting = 0  # outputs whose gradient has not arrived yet
+        self.deferred = False  # some reader's forward waits for checkpointing's recomputation
 
     def view(self) -> Call:
         return Call(self.module, _detached(self.args), _detached(self.kwargs or {}), self.slot, self.forward)
@@ -170,6 +185,8 @@ class _Log:
         # and recompile for every number of calls per step), and their records by key.
         self.head: Any = None
         self.compiled: dict[int, _Record] = {}
+        # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
+        self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
 
     # -- forward --------------------------------------------------------------------------
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -201,8 +218,14 @@ class _Log:
         if readers:
             if self.grad_outputs or any(r.grad_outputs for r in readers):
                 record.slot = [None] * len(outputs)
+            frame = _checkpoint_frame() if any(r.keeps_inputs for r in readers) else None
+            if frame is not None:  # activation checkpointing: the inputs come back when recomputed
+                record.deferred = True
+                self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
             call = Call(module, _detached(args), _detached(kwargs), None, record.forward)
-            record.kept = self.reduce(lambda: [r.forward(call) for r in readers])
+            record.kept = self.reduce(
+                lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
+            )
         elif self.grad_outputs:
             record.slot = [None] * len(outputs)
         for position, t in enumerate(outputs):
@@ -215,6 +238,31 @@ class _Log:
             else:
                 node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
         return None
+
+    def recomputed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Forward pre-hook: non-reentrant checkpointing re-runs a forward in backward. A call whose
+        readers keep inputs (``Reduction.keeps_inputs``) gets them now, from the re-run, so that
+        between forward and backward nothing outlives what checkpointing frees."""
+        if not self.awaiting or _graph_task_id() == -1 or not _recomputing_checkpointed_forward():
+            return
+        frame = _checkpoint_frame()
+        queue = self.awaiting.get((id(frame), module))
+        if not queue:
+            return
+        record = queue.popleft()  # a region re-runs its calls in their forward order
+        if not queue:
+            del self.awaiting[(id(frame), module)]
+        readers = self.readers.get(module, ())
+        if record.kept is None or len(readers) != len(record.kept):
+            return  # a reader came or went since: the pass's end reports what is missing
+        call = Call(module, _detached(args), _detached(kwargs), None, record.forward)
+        kept = record.kept
+        record.kept = self.reduce(
+            lambda: [r.forward(call) if k is _DEFERRED else k for r, k in zip(readers, kept, strict=True)]
+        )
+        record.deferred = False
+        if record.waiting == 0 and record.task is not None:  # its output gradients arrived first
+            self._reduce_backward(record, self.tasks[record.task].scale if record.task in self.tasks else None)
 
     def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.storage == "reference":
@@ -257,7 +305,7 @@ class _Log:
             )
             return
         record.waiting -= 1
-        if record.waiting == 0:
+        if record.waiting == 0 and not record.deferred:  # (a deferred one is reduced once recomputed)
             self._reduce_backward(record, task.scale)
 
     def _reduce_backward(self, record: _Record, scale: float | None) -> None:
@@ -278,7 +326,15 @@ class _Log:
         if task is None:
             return
         for record in task.records:
-            if record.waiting > 0:  # some output never got a gradient: reduce with what came
+            if record.deferred:
+                self.error = self.error or (
+                    f"the inputs of a checkpointed call of {type(record.module).__name__} were not recomputed in "
+                    "backward, so its per-call statistics are missing; run the module outside the checkpointed "
+                    "region, or checkpoint with use_reentrant=True"
+                )
+                record.kept = None
+                record.deferred = False
+            elif record.waiting > 0:  # some output never got a gradient: reduce with what came
                 self._reduce_backward(record, task.scale)
         finished: list[tuple[Reduction, dict[Tensor, Any]]] = []
         for reduction in self.reductions:
@@ -381,6 +437,7 @@ class _Log:
                 key.drop()
         self.head = None
         self.compiled.clear()
+        self.awaiting.clear()
         self.error = None
         self.generation += 1
 
@@ -392,6 +449,9 @@ class _Log:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["storage"], state["grad_outputs"])  # type: ignore[misc]
         self.enabled = False
+
+
+_DEFERRED = object()  # a reader's forward result still to come (checkpointing's re-run)
 
 
 class _Pending(nn.Module):
@@ -537,6 +597,22 @@ def _recomputing_checkpointed_forward() -> bool:
     return getattr(top[0], "__qualname__", "").startswith("_recomputation_hook")
 
 
+def _checkpoint_frame() -> Any:
+    """The non-reentrant checkpoint region running now (its original forward, or its re-run in
+    backward), or ``None``: read from the saved-tensor hooks torch.utils.checkpoint installs."""
+    top = _top_saved_tensors_hooks()
+    if top is None:
+        return None
+    pack = inspect.unwrap(top[0])  # the re-run's pack hook is wrapped by torch._dynamo.disable
+    for cell in getattr(pack, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, weakref.ref):  # the re-run's hook holds its region by weak reference
+            value = value()
+        if value is not None and hasattr(value, "recompute_fn") and hasattr(value, "weak_holders"):
+            return value
+    return None
+
+
 def _top_saved_tensors_hooks() -> Any:
     get = torch._C._autograd._top_saved_tensors_default_hooks
     try:
@@ -666,6 +742,7 @@ class Capture:
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
         self._removed = False
         self._hooked: set[int] = set()  # ids of the modules that carry our forward hook
+        self._prehooked: set[int] = set()  # ... and our pre-hook for checkpointing's re-run
         if modules is None:
             modules = [m for m in root.modules() if any(p is not None for p in m._parameters.values())]
         self.add_modules(modules)
@@ -806,6 +883,7 @@ class Capture:
                 handle.remove()
             self._handles.clear()
             self._hooked.clear()
+            self._prehooked.clear()
             return
         if not self._handles:
             self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
@@ -814,6 +892,9 @@ class Capture:
             if id(module) not in self._hooked:
                 self._hooked.add(id(module))
                 self._handles.append(module.register_forward_hook(log.record, with_kwargs=True))
+            if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
+                self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
+                self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
 
     def owners(self, param: Tensor) -> tuple[nn.Module, ...]:
         """The watched modules that directly own ``param`` (empty if none)."""

@@ -379,6 +379,7 @@ class ClippedSums(Reduction):
     """
 
     grad_outputs = True
+    keeps_inputs = True  # under activation checkpointing, the inputs of the re-run in backward
 
     def __init__(
         self,

@@ -59,6 +59,8 @@ class Reduction:
     * ``forward(call)``: runs in the forward hook, with ``call.module``, ``call.args`` and
       ``call.kwargs`` (detached; valid only during the call). Returns what to keep until the
       call's backward: small statistics, or a tensor the backward side needs.
+    * ``keeps_inputs`` (class attribute): ``forward`` keeps the inputs until the call's backward;
+      under activation checkpointing it then gets the inputs recomputed in backward.
     * ``backward(call, kept)``: runs when the call's output gradients have arrived
       (``call.grad_outputs``, with ``grad_outputs = True``). Returns the call's statistics
       (default: ``kept``).
@@ -75,6 +77,11 @@ class Reduction:
     """
 
     grad_outputs: ClassVar[bool] = False
+    # Whether ``forward`` keeps the call's inputs themselves until its backward (say, per-sample
+    # gradients that need inputs and output gradients together). Inside a non-reentrant
+    # activation-checkpointed region the capture then calls ``forward`` with the inputs of the
+    # re-run in backward instead of the original ones, so checkpointing keeps its savings.
+    keeps_inputs: ClassVar[bool] = False
 
     def wants(self, module: nn.Module) -> bool:
         return True

@@ -172,6 +172,8 @@ class _Log:
         self.keep_calls = False
         self.reductions: list[Reduction] = []
         self.readers: dict[nn.Module, tuple[Reduction, ...]] = {}  # module -> reductions that read it
+        # module -> what its readers need: (output gradients, inputs kept, a forward, a backward)
+        self.needs: dict[nn.Module, tuple[bool, bool, bool, bool]] = {}
         self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}
         self.keys: dict[Tensor, _Key] = {}
         self.tasks: dict[int, _Task] = {}
@@ -187,6 +189,20 @@ class _Log:
         self.compiled: dict[int, _Record] = {}
         # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
         self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
+
+    def set_readers(self, module: nn.Module, readers: tuple[Reduction, ...]) -> None:
+        """Who reads ``module`` now (none: forget it), and what they need of each call."""
+        if not readers:
+            self.readers.pop(module, None)
+            self.needs.pop(module, None)
+            return
+        self.readers[module] = readers
+        self.needs[module] = (
+            any(r.grad_outputs for r in readers),
+            any(r.keeps_inputs for r in readers),
+            any(type(r).forward is not Reduction.forward for r in readers),
+            any(type(r).backward is not Reduction.backward for r in readers),
+        )
 
     # -- forward --------------------------------------------------------------------------
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -206,26 +222,32 @@ class _Log:
         if _graph_task_id() != -1 and _recomputing_checkpointed_forward():
             return None
         if type(output) is Tensor:  # the common case, without the pytree machinery
+            if not output.requires_grad:
+                return None
             outputs: list[Any] = [output]
         else:
             outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-        if not any(t.requires_grad for t in outputs):
-            return None  # no gradient can come back through this call
+            if not any(t.requires_grad for t in outputs):
+                return None  # no gradient can come back through this call
         record = _Record(module, next(self.counter), self.forwards)
         if self.keep_calls:
             self._keep_arguments(record, args, kwargs)
         readers = self.readers.get(module)
         if readers:
-            if self.grad_outputs or any(r.grad_outputs for r in readers):
+            wants_grads, keeps_inputs, forward, _ = self.needs[module]
+            if self.grad_outputs or wants_grads:
                 record.slot = [None] * len(outputs)
-            frame = _checkpoint_frame() if any(r.keeps_inputs for r in readers) else None
-            if frame is not None:  # activation checkpointing: the inputs come back when recomputed
-                record.deferred = True
-                self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
-            call = Call(module, _detached(args), _detached(kwargs), None, record.forward)
-            record.kept = self.reduce(
-                lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
-            )
+            if not forward:  # no reader computes anything from the inputs
+                record.kept = [None] * len(readers)
+            else:
+                frame = _checkpoint_frame() if keeps_inputs else None
+                if frame is not None:  # activation checkpointing: the inputs come back when recomputed
+                    record.deferred = True
+                    self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
+                call = Call(module, _detached(args), _detached(kwargs), None, record.forward)
+                record.kept = self.reduce(
+                    lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
+                )
         elif self.grad_outputs:
             record.slot = [None] * len(outputs)
         for position, t in enumerate(outputs):
@@ -313,6 +335,9 @@ class _Log:
             record.slot = [None if g is None else g / scale for g in record.slot]
         readers = self.readers.get(record.module)
         if readers and record.kept is not None:
+            if not self.needs[record.module][3]:  # no reader's backward does anything
+                record.waiting = -1
+                return
             call = Call(record.module, (), {}, record.slot, record.forward)
             kept = record.kept
             record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
@@ -460,6 +485,7 @@ class _Pending(nn.Module):
 
 _PENDING = _Pending()
 _grad_enabled = torch.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
 _compiling = torch.compiler.is_compiling
 _graph_task_id = torch._C._current_graph_task_id
 _functorch_level = torch._C._functorch.peek_interpreter_stack
@@ -468,11 +494,15 @@ _functorch_level = torch._C._functorch.peek_interpreter_stack
 def _plain_math(compute: Any) -> Any:
     """``compute()`` with no autograd graph and no autocast: reductions keep the dtypes they choose
     (statistics in float32 under a bfloat16 autocast), and build no graph from the inputs."""
-    with torch.no_grad():
+    previous = _grad_enabled()
+    _set_grad_enabled(False)  # torch.no_grad() without the context manager's cost (hot path)
+    try:
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
                 return compute()
         return compute()
+    finally:
+        _set_grad_enabled(previous)
 
 
 def _loss_scale(scaler: Any) -> float | None:
@@ -778,7 +808,7 @@ class Capture:
             log.keys_of[module] = tuple(keys)
             for reduction in log.reductions:
                 if reduction.wants(module):
-                    log.readers[module] = (*log.readers.get(module, ()), reduction)
+                    log.set_readers(module, (*log.readers.get(module, ()), reduction))
         self._sync_hooks()
 
     def _name_modules(self) -> None:
@@ -844,7 +874,7 @@ class Capture:
         log.reductions.append(reduction)
         for module in self._modules:
             if reduction.wants(module):
-                log.readers[module] = (*log.readers.get(module, ()), reduction)
+                log.set_readers(module, (*log.readers.get(module, ()), reduction))
         self._sync_hooks()
 
     def remove_reduction(self, reduction: Reduction, *, keep_hooks: bool = False) -> None:
@@ -858,11 +888,7 @@ class Capture:
             return
         log.reductions.remove(reduction)
         for module, readers in list(log.readers.items()):
-            kept = tuple(r for r in readers if r is not reduction)
-            if kept:
-                log.readers[module] = kept
-            else:
-                del log.readers[module]
+            log.set_readers(module, tuple(r for r in readers if r is not reduction))
         for key in log.keys.values():
             key.totals.pop(reduction, None)
         if not keep_hooks:

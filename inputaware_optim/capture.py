@@ -453,6 +453,8 @@ class _Log:
             record = self.compiled.get(int(key))
             if record is not None:
                 record.module, record.args, record.kwargs = module, args, kwargs or None
+                if self.storage == "reference" and self.keep_calls:  # later reads check these versions
+                    record.check = _versions(args, kwargs or {})
 
     def clear(self) -> None:
         for key in self.keys.values():

@@ -200,3 +200,15 @@ def test_rules_under_a_compiled_model_match_eager(rule: str, backend: str) -> No
         results.append([p.detach().clone() for p in model.parameters()])
     for eager_param, compiled_param in zip(*results, strict=True):
         torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-5)
+
+
+def test_an_input_changed_in_place_after_a_compiled_call_is_detected() -> None:
+    model = MLP()
+    optimizer = CallReader(model, lr=0.1)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(5, 4)
+    compiled(x).sum().backward()
+    assert len(optimizer.capture.calls()) == 2  # a first read, then the change
+    x.add_(1.0)  # the caller reuses its input buffer
+    with pytest.raises(RuntimeError, match=r"modified in place.*storage='clone'"):
+        optimizer.capture.calls()

@@ -108,7 +108,9 @@ class Target:
     Build one with ``at_most`` or ``at_least``, or directly with ``passed`` decided by the
     caller. ``measured`` is ``None`` when the quantity was never reached (the target is missed).
     ``unjudged`` says why this run does not judge the target (then ``passed`` is ``False`` and
-    the report shows that reason instead of a verdict); see ``full_size_only``.
+    the report shows that reason instead of a verdict); see ``full_size_only``. ``source`` says
+    what kind of figure it is: ``"target"`` (a bar the project holds itself to), ``"README claim"``
+    (a number the README states) or ``"informational"`` (shown against a bar, not held to it).
     """
 
     name: str
@@ -118,7 +120,7 @@ class Target:
     passed: bool
     detail: str = ""
     limit: float | None = None
-    source: str = "issue 4"
+    source: str = "target"
     unjudged: str = ""
 
     @classmethod
@@ -131,7 +133,7 @@ class Target:
         detail: str = "",
         *,
         strict: bool = False,
-        source: str = "issue 4",
+        source: str = "target",
     ) -> Target:
         """``measured <= limit`` (``<`` when ``strict``)."""
         ok = measured is not None and math.isfinite(measured) and (measured < limit if strict else measured <= limit)
@@ -140,7 +142,7 @@ class Target:
 
     @classmethod
     def at_least(
-        cls, name: str, measured: float | None, limit: float, unit: str, detail: str = "", *, source: str = "issue 4"
+        cls, name: str, measured: float | None, limit: float, unit: str, detail: str = "", *, source: str = "target"
     ) -> Target:
         """``measured >= limit``."""
         ok = measured is not None and math.isfinite(measured) and measured >= limit

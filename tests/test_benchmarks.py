@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -86,6 +87,12 @@ def test_quick_run_dp_equals_opacus_and_kfac_trains_beside_the_others(quick_run:
         runs = sections["kfac"]["data"][model]["runs"]
         assert set(runs) == {"SGD (momentum 0.9)", "AdamW", "FOOF (update_every=10)", "K-FAC (update_every=10)"}
     assert sections["grad_outputs"]["data"]["in_place_relu"]["Capture(model, grad_outputs=True)"]["works"]
+
+
+def test_quick_run_outputs_name_no_issue_numbers(quick_run: Path) -> None:
+    # Targets say what they are ("target", "informational"), not which of this project's issues asked for them.
+    text = (quick_run / "results.json").read_text()
+    assert not re.search(r"\bissues?\s*#?\d", text, re.IGNORECASE)
 
 
 def test_report_renders_from_the_json(quick_run: Path, tmp_path: Path) -> None:

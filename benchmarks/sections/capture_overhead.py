@@ -143,7 +143,6 @@ def run(config: Config, progress: Progress) -> Result:
                 f"median of all {len(pooled.rounds)} pair ratios of the {len(mine)} optimizer/implementation "
                 f"combinations (pairs {pooled.low:.3f}–{pooled.high:.3f}); worst combination {worst['optimizer']} "
                 f"{worst['implementation']} {worst['ratio']['median']:.3f}×",
-                source="issue 9",
             ).full_size_only(config)
         )
     columns = ["stock step", "input-aware / stock", "added per step", "page faults per step: stock → input-aware"]

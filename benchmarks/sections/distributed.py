@@ -286,7 +286,6 @@ def run(config: Config, progress: Progress) -> Result:
             f"the busiest rank's CPU time in damped_inverse per step, {most} gloo ranks with "
             "distributed_inversion=True, against the same ranks each inverting every factor (as one process "
             "does; inverses refreshed every step)",
-            source="issue 14",
         ).full_size_only(config)
     ]
     tables = [

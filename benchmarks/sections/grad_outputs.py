@@ -207,20 +207,18 @@ def run(config: Config, progress: Progress) -> Result:
             beyond_inputs["median"],
             5.0,
             "µs",
-            f"issue 6: 'a tensor hook ... costs a few microseconds per call'; pairs {beyond_inputs['low']:+.2f} to "
+            f"the bar is a tensor hook's price, a few µs per call; pairs {beyond_inputs['low']:+.2f} to "
             f"{beyond_inputs['high']:+.2f} µs; Linear {width}→{width}, batch {batch}",
-            source="issue 6",
         ),
         Target.at_most(
             "Capture with output gradients, added per call, relative to an empty full backward hook's",
             versus_full.median,
             1.0,
             "×",
-            f"issue 6: a full backward hook 'costs tens' of µs; capture adds {added[GRAD_OUTPUTS]['median']:.2f} µs, "
+            f"capture adds {added[GRAD_OUTPUTS]['median']:.2f} µs, "
             f"the empty full backward hook {added[FULL_HOOK]['median']:.2f} µs; pairs "
             f"{versus_full.low:.2f}–{versus_full.high:.2f}×",
             strict=True,
-            source="issue 6",
         ),
     ]
     in_place_rows = [

@@ -155,7 +155,6 @@ def run(config: Config, progress: Progress) -> Result:
             f"output's autograd node as well {added[EMPTY_BOTH].median:+.2f} µs; FOOF's reduction adds "
             f"{arithmetic.median:+.2f} µs of arithmetic on top; a Linear {width}→{width} call with its share of "
             f"backward takes {plain_us:.2f} µs",
-            source="issue 9",
         ).full_size_only(config),
         # "No change" means the pairs do not all fall on one side of 1 (a sign test at the pairs' resolution).
         Target(

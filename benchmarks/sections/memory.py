@@ -317,7 +317,6 @@ def _targets(accumulation: dict[str, Any], checkpointed: dict[str, Any]) -> list
             + "; ".join(f"{n} {values[n] / KIB:+.1f} KiB" for n in values)
             + f". {what}",
             limits[worst] / KIB,
-            source="issue 9",
         )
 
     return [
@@ -420,7 +419,6 @@ def run(config: Config, progress: Progress) -> Result:
                 f"heap {growth[name]['heap_bytes'] / KIB:+.1f} KiB"
                 for name in variants
             ),
-            source="issue 4 (flat)",
         )
     )
     tables = [

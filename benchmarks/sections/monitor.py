@@ -81,7 +81,6 @@ def run(config: Config, progress: Progress) -> Result:
             1.03,
             "×",
             f"pairs {every_step.low:.3f}–{every_step.high:.3f}",
-            source="issue 13",
         ).full_size_only(config),
         Target.at_most(
             f"Monitor every 100 steps, {workload.name} training step",
@@ -89,7 +88,6 @@ def run(config: Config, progress: Progress) -> Result:
             1.005,
             "×",
             f"99 steps in between ({skipping.median:.3f}×) and one logged step ({every_step.median:.3f}×)",
-            source="issue 13",
         ).full_size_only(config),
         Target.at_most(
             f"NonFiniteFinder left on, {workload.name} training step",
@@ -97,7 +95,6 @@ def run(config: Config, progress: Progress) -> Result:
             1.02,
             "×",
             f"pairs {checking.low:.3f}–{checking.high:.3f}",
-            source="issue 13",
         ).full_size_only(config),
     ]
     return Result(

@@ -5,7 +5,8 @@ Examples::
     python -m benchmarks                          # the default run (under 10 minutes on 2 cores)
     python -m benchmarks --quick                  # everything small, under a minute
     python -m benchmarks --sections foof,nlms --repeats 9
-    python -m benchmarks --report                 # benchmarks/README.md from the latest run
+    python -m benchmarks --report                 # benchmarks/README.md from the latest (full) run
+    python -m benchmarks --report RUN --report-to /tmp/report   # any run's report, elsewhere
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         default=PACKAGE,
         help="folder that receives README.md and results/*.png (default: benchmarks/)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="let --report overwrite the committed report (benchmarks/) from a --quick, non-default size or "
+        "partial run",
     )
     return parser
 
@@ -180,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         source = _latest_run() if args.report == "latest" else Path(args.report)
         if source.is_dir():
             source = source / RESULTS_FILE
+        if not args.force:
+            run = json.loads(source.read_text())
+            refusal = report.overwrite_refusal(run, args.report_to, [s.name for s in SECTIONS], committed=PACKAGE)
+            if refusal:
+                raise SystemExit(refusal)
         destination = report.write(source, args.report_to)
         print(f"Wrote {destination}")
         return 0

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from . import plots
 
-__all__ = ["all_targets", "markdown", "text_section", "text_targets", "write"]
+__all__ = ["COMMITTED", "all_targets", "markdown", "overwrite_refusal", "text_section", "text_targets", "write"]
+
+COMMITTED = Path(__file__).resolve().parent  # the committed report: benchmarks/README.md and results/*.png
 
 METHODOLOGY = (
     "Every timing is a ratio against the stock optimizer (or the plain module) measured in the same "
@@ -170,6 +173,33 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
     lines += ["## Machine", "", *_markdown_table(["", ""], [[k, v] for k, v in machine.items()]), ""]
     lines += ["Run configuration:", "", *_markdown_table(["", ""], [[k, v] for k, v in config.items()]), ""]
     return "\n".join(lines)
+
+
+def overwrite_refusal(
+    run: dict[str, Any], destination: Path, sections: Iterable[str], committed: Path = COMMITTED
+) -> str | None:
+    """Why ``run`` must not replace the committed report, or ``None`` when it may.
+
+    Only a full run (size ``default``, every section in ``sections``) replaces the report in
+    ``committed``; any run may be written to another ``destination``.
+    """
+    if destination.resolve() != committed.resolve():
+        return None
+    reasons = []
+    size = run.get("config", {}).get("size")
+    if size != "default":
+        reasons.append(f"it was run at size {size!r}, not 'default'")
+    missing = [name for name in sections if name not in run.get("sections", {})]
+    if missing:
+        reasons.append(f"it lacks section(s) {', '.join(missing)}")
+    if not reasons:
+        return None
+    return (
+        f"not overwriting the committed report ({committed / 'README.md'} and {committed / 'results'}/*.png): "
+        + "; ".join(reasons)
+        + ". The committed report comes from a full `python -m benchmarks` run. Pass --force to overwrite it "
+        "anyway, or --report-to DIR to write this run's report elsewhere."
+    )
 
 
 def write(source: Path, destination: Path) -> Path:

@@ -108,3 +108,53 @@ def test_report_renders_from_the_json(quick_run: Path, tmp_path: Path) -> None:
         assert target["name"] in readme
     images = list((tmp_path / "results").glob("*.png"))
     assert images and all(f"results/{image.name}" in readme for image in images)
+
+
+def _fake_run(size: str, sections: list[str]) -> dict[str, Any]:
+    """The least of a run's JSON that ``--report`` reads."""
+    return {
+        "command": f"python -m benchmarks --size {size}",
+        "started": "2026-01-01T00:00:00+00:00",
+        "duration_seconds": 1.0,
+        "config": {"size": size, "pairs": 5, "sample_seconds": 0.005},
+        "machine": {"cpu": "test", "cpus_available": 1, "torch": "0", "torch_threads": 1, "python": "3"},
+        "sections": {
+            name: {"title": name, "summary": "", "tables": [], "targets": [], "plots": [], "notes": []}
+            for name in sections
+        },
+    }
+
+
+def test_report_refuses_a_quick_or_partial_run_over_the_committed_report(tmp_path: Path) -> None:
+    from benchmarks.report import overwrite_refusal
+
+    every = ["foof", "kfac"]
+    committed = tmp_path / "committed"
+    assert overwrite_refusal(_fake_run("default", every), committed, every, committed=committed) is None
+    quick = overwrite_refusal(_fake_run("quick", every), committed, every, committed=committed)
+    assert quick is not None and "'quick'" in quick and "--force" in quick
+    large = overwrite_refusal(_fake_run("large", every), committed, every, committed=committed)
+    assert large is not None and "'large'" in large
+    partial = overwrite_refusal(_fake_run("default", ["foof"]), committed, every, committed=committed)
+    assert partial is not None and "kfac" in partial
+    # Any run may be written somewhere else.
+    assert overwrite_refusal(_fake_run("quick", ["foof"]), tmp_path / "other", every, committed=committed) is None
+
+
+def test_report_cli_needs_force_to_overwrite_the_committed_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import benchmarks.__main__ as cli
+
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    (committed / "README.md").write_text("the committed report")
+    monkeypatch.setattr(cli, "PACKAGE", committed)  # never the real benchmarks/ folder
+    source = tmp_path / "run" / "results.json"
+    source.parent.mkdir()
+    source.write_text(json.dumps(_fake_run("quick", ["foof"])))
+    with pytest.raises(SystemExit, match="not overwriting the committed report"):
+        cli.main(["--report", str(source)])
+    assert (committed / "README.md").read_text() == "the committed report"
+    assert cli.main(["--report", str(source), "--force"]) == 0
+    assert "Do not edit by hand" in (committed / "README.md").read_text()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import plots, report
-from .core import SIZES, Config, Progress, Section, Size
+from .core import SIZES, Config, RunProgress, Section, Size
 from .machine import describe
 from .sections import SECTIONS
 
@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of every model and data set (default: 0)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: benchmarks/out/<timestamp>)")
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
     parser.add_argument(
         "--report",
@@ -142,19 +142,19 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
     }
     failed = False
     begin = time.perf_counter()
+    bar = RunProgress(sections, config.size, enabled=not args.no_progress)
     for section in sections:
-        progress = Progress(section.name, enabled=not args.no_progress)
         section_begin = time.perf_counter()
         try:
-            result = section.run(config, progress)
+            result = section.run(config, bar.section(section.name))
         except Exception:  # one broken section must not lose the others' numbers
-            progress.close()
+            bar.end_section()
             failed = True
             error = traceback.format_exc()
-            print(error, file=sys.stderr)
+            bar.write(error.rstrip(), file=sys.stderr)
             run["sections"][section.name] = {"title": section.title, "summary": section.summary, "error": error}
             continue
-        progress.close()
+        bar.end_section()
         entry = {
             "title": section.title,
             "summary": section.summary,
@@ -163,9 +163,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         }
         entry["images"] = [plots.render_to(plot, out / plots.file_name(section.name, plot)) for plot in result.plots]
         run["sections"][section.name] = entry
-        print(report.text_section(section.name, entry), flush=True)
+        bar.write(report.text_section(section.name, entry))
         run["duration_seconds"] = time.perf_counter() - begin
         _write(out / RESULTS_FILE, run)
+    bar.close()
     run["duration_seconds"] = time.perf_counter() - begin
     run["targets"] = report.all_targets(run)
     _write(out / RESULTS_FILE, run)

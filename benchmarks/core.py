@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TextIO
 
 from tqdm import tqdm
 
@@ -23,6 +24,7 @@ __all__ = [
     "Plot",
     "Progress",
     "Result",
+    "RunProgress",
     "Section",
     "Series",
     "Size",
@@ -67,28 +69,93 @@ class Config:
         return default
 
 
-class Progress:
-    """One progress bar for a section: ``start(total)``, then ``advance()`` per unit of work."""
+class _EstimatedBar(tqdm):
+    """A bar counted in estimated seconds: before any progress, the time left is the estimate itself."""
 
-    def __init__(self, name: str, enabled: bool = True) -> None:
-        self._bar = tqdm(desc=f"{name:<18}", total=1, unit="task", disable=not enabled, leave=True, dynamic_ncols=True)
+    @property
+    def format_dict(self) -> dict[str, Any]:
+        values = dict(super().format_dict)
+        if not values.get("n"):
+            values["rate"] = 1.0  # estimated seconds per second: remaining = the whole estimate
+        return values
 
-    def start(self, total: int) -> None:
-        """Set how many units of work the section will report."""
-        self._bar.reset(total=total)
 
-    def advance(self, what: str = "") -> None:
-        """Mark one unit done; ``what`` names the next (shown beside the bar)."""
-        self._bar.update()
-        if what:
-            self._bar.set_postfix_str(what, refresh=False)
+class RunProgress:
+    """One progress bar for a whole run, across its sections, with the time left.
 
-    def describe(self, what: str) -> None:
-        """Show what is running now."""
-        self._bar.set_postfix_str(what)
+    The bar counts estimated seconds: each section's share is its ``Section.estimate`` for the
+    run's size, split evenly over the units of work the section reports. The time left scales
+    the estimate still ahead by how long the estimate behind took, so a slower or faster machine
+    corrects it as the run goes.
+    """
+
+    def __init__(self, sections: list[Section], size: Size, enabled: bool = True, file: TextIO | None = None) -> None:
+        self._shares = {section.name: section.expected_seconds(size) for section in sections}
+        self._finished = 0
+        self._done = 0.0  # estimated seconds of the sections finished
+        self._current = 0.0  # the share of the section running
+        self._bar = _EstimatedBar(
+            total=sum(self._shares.values()),
+            disable=not enabled,
+            file=file,
+            smoothing=0,  # the average over the run so far: units of work vary too much for a moving rate
+            dynamic_ncols=True,
+            bar_format="{desc} {percentage:3.0f}%|{bar}| {elapsed} elapsed, about {remaining} left (estimate){postfix}",
+        )
+
+    def section(self, name: str) -> Progress:
+        """The progress handle of section ``name``, which runs now."""
+        self._current = self._shares[name]
+        self._bar.set_description_str(f"{self._finished + 1}/{len(self._shares)} {name}", refresh=False)
+        self._bar.set_postfix_str("", refresh=True)
+        return Progress(self._bar, self._done, self._current)
+
+    def end_section(self) -> None:
+        """Mark the running section done, however much of its work it reported."""
+        self._finished += 1
+        self._done += self._current
+        self._bar.update(self._done - self._bar.n)
+
+    def write(self, text: str, file: TextIO = sys.stdout) -> None:
+        """Print ``text`` above the bar (plainly when the bar is hidden)."""
+        self._bar.write(text, file=file)
+        file.flush()
+
+    @property
+    def position(self) -> float:
+        """Estimated seconds of work done so far."""
+        return float(self._bar.n)
 
     def close(self) -> None:
         self._bar.close()
+
+
+class Progress:
+    """A section's part of the run's progress bar: ``start(total)``, then ``advance()`` per unit of work.
+
+    Built without a bar (``Progress()``), it shows nothing: for running a section on its own.
+    """
+
+    def __init__(self, bar: tqdm | None = None, offset: float = 0.0, share: float = 1.0) -> None:
+        self._bar, self._offset, self._share = bar, offset, share
+        self._total, self._units = 1, 0
+
+    def start(self, total: int) -> None:
+        """Set how many units of work the section will report."""
+        self._total, self._units = max(1, total), 0
+
+    def advance(self, what: str = "") -> None:
+        """Mark one unit done; ``what`` names the next (shown beside the bar)."""
+        self._units = min(self._units + 1, self._total)
+        if self._bar is not None:
+            if what:
+                self._bar.set_postfix_str(what, refresh=False)
+            self._bar.update(self._offset + self._share * self._units / self._total - self._bar.n)
+
+    def describe(self, what: str) -> None:
+        """Show what is running now."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(what)
 
 
 @dataclass
@@ -225,12 +292,20 @@ class Section:
         title: Heading in the report.
         summary: What it measures and how, in a paragraph of Markdown.
         run: The measurement.
+        estimate: Seconds it takes at size quick and default on two cores (large: twice default);
+            only the progress bar's estimate of the time left reads it.
     """
 
     name: str
     title: str
     summary: str
     run: Callable[[Config, Progress], Result]
+    estimate: tuple[float, float] = (5.0, 60.0)
+
+    def expected_seconds(self, size: Size) -> float:
+        """How long the section is expected to take at ``size`` (for the progress bar's estimate)."""
+        quick, default = self.estimate
+        return {"quick": quick, "default": default, "large": 2 * default}[size]
 
 
 def finite_or_none(value: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -158,3 +159,28 @@ def test_report_cli_needs_force_to_overwrite_the_committed_report(
     assert (committed / "README.md").read_text() == "the committed report"
     assert cli.main(["--report", str(source), "--force"]) == 0
     assert "Do not edit by hand" in (committed / "README.md").read_text()
+
+
+def test_one_progress_bar_across_sections_counts_estimated_seconds() -> None:
+    from benchmarks.core import Result, RunProgress, Section
+
+    def section(name: str, estimate: tuple[float, float]) -> Section:
+        return Section(name, name, "", lambda config, progress: Result(), estimate)
+
+    shown = io.StringIO()
+    bar = RunProgress([section("a", (1.0, 30.0)), section("b", (1.0, 10.0))], "default", file=shown)
+    assert "about 00:40 left (estimate)" in shown.getvalue()  # before any work: the estimate itself
+    progress = bar.section("a")
+    progress.start(3)
+    progress.advance("second")
+    assert bar.position == pytest.approx(10.0)
+    for _ in range(5):  # more units than announced stay within the section's share
+        progress.advance()
+    assert bar.position == pytest.approx(30.0)
+    bar.end_section()
+    bar.section("b")  # reports no units: its share is counted when it ends
+    assert bar.position == pytest.approx(30.0)
+    bar.end_section()
+    assert bar.position == pytest.approx(40.0)
+    bar.close()
+    assert "2/2 b" in shown.getvalue() and "100%" in shown.getvalue()

@@ -200,4 +200,5 @@ SECTION = Section(
         "jemalloc/tcmalloc) removes glibc's page faults for every variant alike and makes all steps faster."
     ),
     run=run,
+    estimate=(4, 115),
 )

@@ -428,4 +428,5 @@ SECTION = Section(
         "then the MLP across batch sizes. Privacy accounting is out of scope for both here."
     ),
     run=run,
+    estimate=(3, 60),
 )

@@ -290,4 +290,5 @@ SECTION = Section(
         "`torch.optim.AdamW`."
     ),
     run=run,
+    estimate=(1, 30),
 )

@@ -213,4 +213,5 @@ SECTION = Section(
         "hook, and must keep PyTorch's fast call path."
     ),
     run=run,
+    estimate=(16, 25),
 )

@@ -331,4 +331,5 @@ SECTION = Section(
         "Then quality on a large-vocabulary bag-of-words task with a planted logistic model."
     ),
     run=run,
+    estimate=(1, 40),
 )

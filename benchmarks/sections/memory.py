@@ -537,4 +537,5 @@ SECTION = Section(
         "of a small GPT, stock AdamW, `InputAwareAdamW` and FOOF, which must stay flat."
     ),
     run=run,
+    estimate=(3, 75),
 )

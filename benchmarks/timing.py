@@ -39,10 +39,6 @@ class Ratio:
     def shown(self) -> str:
         return format_ratio(self.median, self.low, self.high)
 
-    def straddles(self, value: float) -> bool:
-        """Whether the rounds fall on both sides of ``value`` (no consistent change: a sign test)."""
-        return self.low <= value <= self.high
-
 
 @dataclass
 class Timing:

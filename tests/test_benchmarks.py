@@ -70,6 +70,8 @@ def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Pat
     for target in targets:
         assert isinstance(target["passed"], bool)
         assert target["requirement"] and target["shown"]
+        # Every target is a bound on its measured value, so it can fail (no "ratios on both sides of 1").
+        assert target["limit"] is not None and math.isfinite(target["limit"]), target["name"]
         if target["measured"] is None:
             assert not target["passed"], target["name"]
         else:

@@ -17,6 +17,7 @@ from ..core import Config, Progress, Result, Section, Table, Target
 from ..timing import Ratio, Timing, interleave
 
 CALLS = 16  # module calls per backward pass (and per timed call): per-pass costs are shared as in a model
+RELU_BOUND = 1.02  # median ratio of the un-watched ReLU's call time to a plain ReLU's
 
 PLAIN = "plain"
 EMPTY_HOOK = "empty hook"
@@ -143,6 +144,7 @@ def run(config: Config, progress: Progress) -> Result:
     relative = own / empty if empty > 0 else float("inf")
     relu_ratio = relu_timing.ratio("watched model", "plain")
     relu_added = relu_timing.difference("watched model", "plain")
+    relu_plain_us = relu_timing.per_call("plain") / CALLS * 1e6
     targets = [
         Target.at_most(
             "Capture's own cost per captured call (no-op Reduction), relative to PyTorch's empty forward hook",
@@ -156,15 +158,15 @@ def run(config: Config, progress: Progress) -> Result:
             f"{arithmetic.median:+.2f} µs of arithmetic on top; a Linear {width}→{width} call with its share of "
             f"backward takes {plain_us:.2f} µs",
         ).full_size_only(config),
-        # "No change" means the pairs do not all fall on one side of 1 (a sign test at the pairs' resolution).
-        Target(
-            "Un-watched module (nn.ReLU) in a captured model: call time",
-            "no change: pair ratios on both sides of 1",
+        # An un-watched module keeps PyTorch's fast call path: a hook on it would add about an empty
+        # hook's cost (several times a ReLU call's), far beyond this bound.
+        Target.at_most(
+            "Un-watched module (nn.ReLU) in a captured model: call time vs a plain ReLU",
             relu_ratio.median,
+            RELU_BOUND,
             "×",
-            relu_ratio.straddles(1.0),
-            f"pairs {relu_ratio.low:.3f}–{relu_ratio.high:.3f}; {relu_added.median / CALLS * 1e6:+.3f} µs per call",
-            limit=1.0,
+            f"median over {config.pairs} interleaved rounds, pairs {relu_ratio.low:.3f}–{relu_ratio.high:.3f}; "
+            f"{relu_added.median / CALLS * 1e6:+.3f} µs per call against {relu_plain_us:.2f} µs for the call",
         ).full_size_only(config),
     ]
     table = Table(

@@ -257,13 +257,18 @@ class Panel:
 
 @dataclass
 class Plot:
-    """A figure of one or more panels, saved as ``<section>-<name>.png``."""
+    """A figure of one or more panels, saved as ``<section>-<name>.png``.
+
+    ``caption`` is printed under it in the report: it explains every term of the legends and
+    says whether a time axis is measured or estimated.
+    """
 
     name: str
     title: str
     panels: list[Panel]
     columns: int = 2
     headline: bool = False
+    caption: str = ""
 
 
 @dataclass

@@ -25,6 +25,8 @@ from .timing import Timing, interleave
 __all__ = [
     "BATCH",
     "CONVERGENCE_COLUMNS",
+    "TEST_SIZE",
+    "VALIDATION_SIZE",
     "Convergence",
     "Digits",
     "Factory",
@@ -45,6 +47,7 @@ __all__ = [
 ]
 
 BATCH = 64
+VALIDATION_SIZE, TEST_SIZE = 200, 500
 
 Factory = Callable[[nn.Module, float], torch.optim.Optimizer]
 
@@ -56,6 +59,7 @@ class Sweep:
     name: str
     factory: Factory
     learning_rates: tuple[float, ...]
+    about: str = ""  # what the name stands for, for a plot's caption
 
 
 def sweep(config: Config, values: tuple[float, ...]) -> tuple[float, ...]:
@@ -70,11 +74,13 @@ def baseline_sweeps(config: Config) -> list[Sweep]:
             "SGD (momentum 0.9)",
             lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
             sweep(config, (0.01, 0.03, 0.1, 0.3)),
+            "torch.optim.SGD with momentum 0.9",
         ),
         Sweep(
             "AdamW",
             lambda model, lr: torch.optim.AdamW(model.parameters(), lr=lr),
             sweep(config, (3e-4, 1e-3, 3e-3, 1e-2)),
+            "torch.optim.AdamW with its defaults",
         ),
     ]
 
@@ -96,7 +102,7 @@ def load(seed: int, images: bool) -> Digits:
     if images:
         x = x.reshape(-1, 1, 8, 8)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    parts = order[:-700], order[-700:-500], order[-500:]
+    parts = order[: -VALIDATION_SIZE - TEST_SIZE], order[-VALIDATION_SIZE - TEST_SIZE : -TEST_SIZE], order[-TEST_SIZE:]
     train_split, validation, test = ((x[p], y[p]) for p in parts)
     return Digits(train_split, validation, test)
 
@@ -228,9 +234,20 @@ def step_times(
 
 
 def convergence_plot(
-    model: str, description: str, best_runs: dict[str, dict[str, Any]], per_step: dict[str, float], headline: bool
+    subject: str,
+    model: str,
+    description: str,
+    sweeps: list[Sweep],
+    best_runs: dict[str, dict[str, Any]],
+    per_step: dict[str, float],
+    headline: bool,
 ) -> Plot:
-    """Training loss and test accuracy of each optimizer's best run, against steps and against seconds."""
+    """Training loss and test accuracy of each optimizer's best run, against steps and against estimated seconds.
+
+    Args:
+        subject: What the plot is about, first in its title ("FOOF", "K-FAC").
+    """
+    seconds_label = "estimated seconds (steps × step time)"
 
     def series(key: str, seconds: bool) -> list[Series]:
         return [
@@ -242,16 +259,23 @@ def convergence_plot(
             for name, run in best_runs.items()
         ]
 
+    legend = "; ".join(f"{o.name}: {o.about}" for o in sweeps if o.about)
     return Plot(
         f"digits-{model.lower()}",
-        f"Digits, {description}: best learning rate of each optimizer",
+        f"{subject} on digits, {description}: best learning rate of each optimizer",
         [
             Panel("training loss", "step", "loss", series("train_loss", False), logy=True),
-            Panel("training loss", "seconds (step time × steps)", "loss", series("train_loss", True), logy=True),
+            Panel("training loss", seconds_label, "loss", series("train_loss", True), logy=True),
             Panel("test accuracy", "step", "%", series("test_accuracy", False)),
-            Panel("test accuracy", "seconds (step time × steps)", "%", series("test_accuracy", True)),
+            Panel("test accuracy", seconds_label, "%", series("test_accuracy", True)),
         ],
         headline=headline,
+        caption=(
+            f"{legend}. lr: the learning rate of the optimizer's best run in its sweep (by final validation "
+            "accuracy). Estimated seconds: steps × the optimizer's median training-step time from the "
+            "interleaved timing, an estimate, not the training runs' own wall-clock. Test accuracy on "
+            f"{TEST_SIZE} held-out digits (one digit is {100 / TEST_SIZE:.1f}%)."
+        ),
     )
 
 

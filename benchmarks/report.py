@@ -85,6 +85,14 @@ def _size(value: Any) -> str:
     return f"{value / 2**30:.1f} GiB" if isinstance(value, (int, float)) else "unknown"
 
 
+def _figure(plot: dict[str, Any], path: str) -> list[str]:
+    """A plot's image and its caption."""
+    lines = [f"![{plot['title']}]({path})", ""]
+    if plot.get("caption"):
+        lines += [f"*{plot['caption']}*", ""]
+    return lines
+
+
 def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> str:
     """The report as Markdown; ``images`` maps each section to its image paths relative to the report."""
     machine, config = run["machine"], run["config"]
@@ -115,7 +123,7 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
         if plot.get("headline")
     ]
     for _, plot, path in headline[:1]:
-        lines += [f"![{plot['title']}]({path})", ""]
+        lines += _figure(plot, path)
     lines += ["## Targets", ""]
     judged = len(targets) - len(unjudged)
     if missed:
@@ -169,7 +177,7 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
         for note in section.get("notes", []):
             lines += [note, ""]
         for plot, path in zip(section.get("plots", []), images.get(name, []), strict=False):
-            lines += [f"![{plot['title']}]({path})", ""]
+            lines += _figure(plot, path)
     lines += ["## Machine", "", *_markdown_table(["", ""], [[k, v] for k, v in machine.items()]), ""]
     lines += ["Run configuration:", "", *_markdown_table(["", ""], [[k, v] for k, v in config.items()]), ""]
     return "\n".join(lines)

@@ -65,6 +65,9 @@ def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Pat
             assert not any("nan" in cell.lower() for row in table["rows"] for cell in row), (name, table["title"])
         for plot in section["plots"]:
             assert (quick_run / f"{name}-{plot['name']}.png").stat().st_size > 0
+            # Every legend term is explained in the caption.
+            labels = {series["label"].split(" lr=")[0] for panel in plot["panels"] for series in panel["series"]}
+            assert all(label in plot["caption"] for label in labels), (name, plot["name"], labels)
     targets = run["targets"]
     assert {t["section"] for t in targets} >= TARGETED
     for target in targets:

@@ -409,6 +409,13 @@ def _run(config: Config, progress: Progress) -> Result:
             Panel("peak during the step", "batch", "MiB", memory_series("peak_in_step")),
         ],
         columns=3,
+        caption=(
+            f"{SGD}: torch.optim.SGD; {OURS}: inputaware_optim.DPSGD (per-sample clipping from the captured "
+            f"inputs and output gradients, then noise); {OPACUS}: Opacus's GradSampleModule (hooks mode) and "
+            "DPOptimizer around SGD. DPSGD / SGD and Opacus / SGD: median interleaved training-step time "
+            "ratios. Heap after backward: glibc's allocated bytes; peak during the step: the profiler's highest "
+            "CPU allocation level across forward, backward and step."
+        ),
     )
     data["max_grad_norm"] = clips
     data["worst_relative_difference"] = worst

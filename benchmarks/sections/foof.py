@@ -36,6 +36,8 @@ def foof_sweep(config: Config) -> Sweep:
         f"FOOF (update_every={TRAINED_UPDATE_EVERY})",
         foof(TRAINED_UPDATE_EVERY),
         shared.sweep(config, (0.003, 0.01, 0.03, 0.1)),
+        f"FOOF (the gradient preconditioned by the layer inputs' damped second moment), inverses refreshed every "
+        f"{TRAINED_UPDATE_EVERY} steps",
     )
 
 
@@ -121,7 +123,17 @@ def run(config: Config, progress: Progress) -> Result:
             "adamw_final_test_accuracy": goal,
             "time_to_adamw_accuracy": reach,
         }
-        plots.append(shared.convergence_plot(model_name, description, best, per_step, headline=model_name == "MLP"))
+        plots.append(
+            shared.convergence_plot(
+                "FOOF beside SGD and AdamW",
+                model_name,
+                description,
+                sweeps,
+                best,
+                per_step,
+                headline=model_name == "MLP",
+            )
+        )
     tables = [
         Table(
             "Training step time (zero_grad, forward, backward, step) on digits, ratio vs AdamW",

@@ -50,7 +50,13 @@ def run(config: Config, progress: Progress) -> Result:
     sweeps = [
         *shared.baseline_sweeps(config),
         foof_sweep(config),
-        Sweep(KFAC_NAME, kfac(TRAINED_UPDATE_EVERY), shared.sweep(config, (0.003, 0.01, 0.03, 0.1))),
+        Sweep(
+            KFAC_NAME,
+            kfac(TRAINED_UPDATE_EVERY),
+            shared.sweep(config, (0.003, 0.01, 0.03, 0.1)),
+            "K-FAC (Kronecker factors from the inputs and the output gradients, momentum 0.9), inverses refreshed "
+            f"every {TRAINED_UPDATE_EVERY} steps",
+        ),
     ]
     models = shared.models()
     steps, eval_every = config.pick(12, 360, 720), config.pick(6, 10, 20)
@@ -98,7 +104,11 @@ def run(config: Config, progress: Progress) -> Result:
             "adamw_final_test_accuracy": result.goal,
             "time_to_adamw_accuracy": reach,
         }
-        plots.append(shared.convergence_plot(model_name, description, best, per_step, headline=False))
+        plots.append(
+            shared.convergence_plot(
+                "K-FAC beside FOOF, SGD and AdamW", model_name, description, sweeps, best, per_step, headline=False
+            )
+        )
     tables = [
         Table(
             f"Training step time (zero_grad, forward, backward, step) on digits, batch {BATCH}, ratio vs AdamW",

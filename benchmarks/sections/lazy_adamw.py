@@ -309,6 +309,14 @@ def run(config: Config, progress: Progress) -> Result:
                 ],
             ),
         ],
+        caption=(
+            "AdamW (fused, dense): torch.optim.AdamW(fused=True), every row updated each step; LazyAdamW: "
+            "inputaware_optim.LazyAdamW, only the rows a step's tokens touched; SparseAdam + AdamW head: "
+            "torch.optim.SparseAdam on a sparse=True EmbeddingBag with AdamW on the linear head; lr: the "
+            "learning rate of each optimizer's best run by final test loss; planted model: the test loss of the "
+            "model that generated the labels (the floor). LazyAdamW and SparseAdam take nearly the same path, so "
+            "their lines may coincide; the markers show each."
+        ),
     )
     data = {
         "embedding": {"rows": timed["rows"], "width": EMBEDDING_WIDTH, "tokens": TOKENS},

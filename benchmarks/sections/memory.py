@@ -40,7 +40,7 @@ class _Rule:
 RULES = (
     _Rule("InputAwareAdamW (no rule)", lambda model, samples: InputAwareAdamW(model, lr=LR)),
     _Rule("FOOF", lambda model, samples: FOOF(model, lr=LR)),
-    _Rule("KFAC", lambda model, samples: KFAC(model, lr=LR)),
+    _Rule("K-FAC", lambda model, samples: KFAC(model, lr=LR)),
     _Rule("NLMS", lambda model, samples: NLMS(model, lr=LR)),
     _Rule("LazyAdamW", lambda model, samples: LazyAdamW(model, lr=LR)),
     _Rule(
@@ -491,6 +491,13 @@ def run(config: Config, progress: Progress) -> Result:
                     ],
                 ),
             ],
+            caption=(
+                "One line per input-aware optimizer at its defaults: InputAwareAdamW (no rule), FOOF, K-FAC, NLMS, "
+                "LazyAdamW and DPSGD (noise 0) (no noise drawn). Every value is heap bytes (glibc's mallinfo2) "
+                "beyond stock torch.optim.AdamW on the same model, minus the statistics the rule keeps until step: "
+                "0 means it holds exactly its statistics. Lines that lie on top of each other near 0 are told apart "
+                "by their markers, largest first."
+            ),
         ),
         Plot(
             "rss",
@@ -509,6 +516,11 @@ def run(config: Config, progress: Progress) -> Result:
                     [_since_start(name, x, v["heap_bytes"], KIB) for name, v in variants.items()],
                 ),
             ],
+            caption=(
+                f"{STOCK}: torch.optim.AdamW; InputAwareAdamW: the drop-in with no rule; FOOF: the FOOF rule. "
+                "Resident set size from the process's statistics, heap bytes from glibc's mallinfo2, each as the "
+                "change since the first sample."
+            ),
         ),
     ]
     return Result(

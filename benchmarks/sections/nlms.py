@@ -143,6 +143,12 @@ def run(config: Config, progress: Progress) -> Result:
                 f"System identification ({TAPS} taps), {description}",
                 [Panel("relative error of the identified filter", "step", "|w − h| / |h|", panel_series, logy=True)],
                 columns=1,
+                caption=(
+                    "NLMS: normalized least mean squares (inputaware_optim.NLMS, each step divided by the input's "
+                    "power); SGD: torch.optim.SGD without momentum; lr: the learning rate. Solid lines: each "
+                    "optimizer's best learning rate by geometric-mean error; dotted: SGD's other learning rates "
+                    "that did not diverge. w: the identified filter; h: the unknown system in force at that step."
+                ),
             )
         )
     progress.describe("step time")

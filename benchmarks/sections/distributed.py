@@ -323,5 +323,5 @@ SECTION = Section(
         "its own collectives carry per step, beside the gradient's size."
     ),
     run=run,
-    estimate=(7, 60),
+    estimate=(7, 35),
 )

@@ -435,5 +435,5 @@ SECTION = Section(
         "then the MLP across batch sizes. Privacy accounting is out of scope for both here."
     ),
     run=run,
-    estimate=(3, 60),
+    estimate=(3, 30),
 )

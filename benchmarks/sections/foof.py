@@ -176,5 +176,5 @@ SECTION = Section(
         "outputs, large batches on an accelerator), and the convergence rows show what the extra work buys."
     ),
     run=run,
-    estimate=(3, 90),
+    estimate=(3, 285),
 )

@@ -290,5 +290,5 @@ SECTION = Section(
         "`torch.optim.AdamW`."
     ),
     run=run,
-    estimate=(1, 30),
+    estimate=(1, 11),
 )

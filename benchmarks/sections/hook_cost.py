@@ -215,5 +215,5 @@ SECTION = Section(
         "hook, and must keep PyTorch's fast call path."
     ),
     run=run,
-    estimate=(16, 25),
+    estimate=(16, 26),
 )

@@ -145,5 +145,5 @@ SECTION = Section(
         "accuracy. Curves against steps and against seconds (steps × the interleaved step time)."
     ),
     run=run,
-    estimate=(2, 90),
+    estimate=(2, 35),
 )

@@ -139,5 +139,5 @@ SECTION = Section(
         "once (inputs that are another module's output are not summed again) and each gradient once."
     ),
     run=run,
-    estimate=(0.5, 30),
+    estimate=(0.5, 180),
 )

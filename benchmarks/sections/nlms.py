@@ -218,5 +218,5 @@ SECTION = Section(
         "run with the lowest geometric-mean error is shown."
     ),
     run=run,
-    estimate=(0.5, 15),
+    estimate=(0.5, 10),
 )

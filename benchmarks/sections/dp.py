@@ -20,8 +20,8 @@ from ..machine import allocated_bytes, has_allocation_probe
 from ..models import Workload, training_step, workloads
 from ..timing import Timing, interleave
 
-SGD, OURS, OPACUS = "SGD (no privacy)", "DPSGD", "Opacus"
-VARIANTS = (SGD, OURS, OPACUS)
+SGD, OURS, OPACUS, GHOST = "SGD (no privacy)", "DPSGD", "Opacus", "Opacus ghost"
+VARIANTS = (SGD, OURS, OPACUS, GHOST)
 EQUALITY_STEPS, EQUALITY_LR = 5, 0.1
 TIMING_LR, NOISE_MULTIPLIER = 1e-3, 1.0
 TOLERANCE = 1e-5
@@ -102,15 +102,51 @@ def _opacus(
     return wrapped, optimizer
 
 
+def _opacus_ghost(
+    model: nn.Module, workload: Workload, lr: float, clip: float, noise: float, seed: int
+) -> tuple[nn.Module, torch.optim.Optimizer, Workload]:
+    """Opacus's ghost clipping (``grad_sample_mode="ghost"``), and ``workload`` with its loss for it.
+
+    Opacus's fastest mode: per-sample gradient norms without per-sample gradients, then a second
+    backward pass of the loss reweighted by each sample's clipping factor. It needs the loss per
+    sample, so its workload's loss is cross-entropy through Opacus's ``DPLossFastGradientClipping``.
+    """
+    from opacus.grad_sample import GradSampleModuleFastGradientClipping
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+
+    wrapped = GradSampleModuleFastGradientClipping(
+        model, loss_reduction="mean", max_grad_norm=clip, use_ghost_clipping=True
+    )
+    optimizer = DPOptimizerFastGradientClipping(
+        torch.optim.SGD(wrapped.parameters(), lr=lr),
+        noise_multiplier=noise,
+        max_grad_norm=clip,
+        expected_batch_size=_batch_size(workload),
+        loss_reduction="mean",
+        generator=torch.Generator().manual_seed(seed),
+    )
+    criterion = DPLossFastGradientClipping(wrapped, optimizer, nn.CrossEntropyLoss(), loss_reduction="mean")
+
+    def loss(module: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        return criterion(module(batch[0]), batch[1])  # type: ignore[no-any-return]
+
+    return wrapped, optimizer, Workload(workload.name, workload.description, workload.build, workload.batch, loss)
+
+
 def _trio(
     workload: Workload, lr: float, clip: float, noise: float, seed: int, dtype: torch.dtype = torch.float32
-) -> dict[str, tuple[nn.Module, torch.optim.Optimizer]]:
-    """Plain SGD, DPSGD and Opacus, each on its own copy of the same model, with the same clipping and noise."""
+) -> dict[str, tuple[nn.Module, torch.optim.Optimizer, Workload]]:
+    """Plain SGD, DPSGD, Opacus and Opacus's ghost clipping, each on its own copy of the same model.
+
+    Each comes with the workload its training step runs (the same batch; the ghost mode's loss
+    goes through Opacus's per-sample loss wrapper). Same clipping and noise for all the private ones.
+    """
     torch.manual_seed(seed)
     base = workload.build().to(dtype)
-    plain, ours, theirs = (copy.deepcopy(base) for _ in VARIANTS)
+    plain, ours, theirs, ghost = (copy.deepcopy(base) for _ in VARIANTS)
     return {
-        SGD: (plain, torch.optim.SGD(plain.parameters(), lr=lr)),
+        SGD: (plain, torch.optim.SGD(plain.parameters(), lr=lr), workload),
         OURS: (
             ours,
             DPSGD(
@@ -120,8 +156,10 @@ def _trio(
                 noise_multiplier=noise,
                 generator=torch.Generator().manual_seed(seed),
             ),
+            workload,
         ),
-        OPACUS: _opacus(theirs, lr, clip, noise, _batch_size(workload), seed),
+        OPACUS: (*_opacus(theirs, lr, clip, noise, _batch_size(workload), seed), workload),
+        GHOST: _opacus_ghost(ghost, workload, lr, clip, noise, seed),
     }
 
 
@@ -142,12 +180,12 @@ def _median_sample_norm(workload: Workload, seed: int) -> float:
 
 def _equality(workload: Workload, clip: float, dtype: torch.dtype, seed: int) -> dict[str, Any]:
     """DPSGD and Opacus with noise off, ``EQUALITY_STEPS`` steps from the same weights: how far apart they end."""
-    trio = _trio(workload, EQUALITY_LR, clip, 0.0, seed, dtype)
-    start = [p.detach().clone() for p in trio[OPACUS][0].parameters()]
     casted = Workload(workload.name, workload.description, workload.build, _cast(workload.batch, dtype), workload.loss)
+    trio = _trio(casted, EQUALITY_LR, clip, 0.0, seed, dtype)
+    start = [p.detach().clone() for p in trio[OPACUS][0].parameters()]
     for _ in range(EQUALITY_STEPS):
         for name in (OURS, OPACUS):
-            training_step(*trio[name], casted)()
+            training_step(*trio[name])()
     ours = [p.detach() for p in trio[OURS][0].parameters()]
     theirs = [p.detach() for p in trio[OPACUS][0].parameters()]
     difference = max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True))
@@ -203,7 +241,7 @@ def _peak_in_step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: 
 def _measure(workload: Workload, clip: float, config: Config, memory_samples: int) -> dict[str, Any]:
     """Interleaved step times of the three, then their heap after backward and their peak during the step."""
     trio = _trio(workload, TIMING_LR, clip, NOISE_MULTIPLIER, config.seed)
-    steps = {name: training_step(model, optimizer, workload) for name, (model, optimizer) in trio.items()}
+    steps = {name: training_step(*variant) for name, variant in trio.items()}
     timing = interleave(steps, config)
     out: dict[str, Any] = {"batch": _batch_size(workload), "timing": timing}
     if has_allocation_probe():
@@ -212,12 +250,12 @@ def _measure(workload: Workload, clip: float, config: Config, memory_samples: in
         gc.disable()  # no collection mid-step: freeing unrelated garbage there would show up as a difference
         try:
             for _ in range(memory_samples):
-                for name, (model, optimizer) in trio.items():
-                    heap[name].append(_heap_after_backward(model, optimizer, workload))
+                for name, variant in trio.items():
+                    heap[name].append(_heap_after_backward(*variant))
         finally:
             gc.enable()
         out["heap_after_backward"] = {name: int(statistics.median(v)) for name, v in heap.items()}
-    out["peak_in_step"] = {name: _peak_in_step(model, optimizer, workload) for name, (model, optimizer) in trio.items()}
+    out["peak_in_step"] = {name: _peak_in_step(*variant) for name, variant in trio.items()}
     parameters = sum(p.numel() for p in trio[SGD][0].parameters())
     out["parameters"] = parameters
     out["per_sample_gradient_bytes"] = out["batch"] * parameters * 4
@@ -231,8 +269,10 @@ def _mib(value: int | None) -> str:
 def _ratios(timing: Timing) -> dict[str, Any]:
     return {
         "dpsgd_vs_opacus": timing.ratio(OURS, OPACUS),
+        "dpsgd_vs_opacus_ghost": timing.ratio(OURS, GHOST),
         "dpsgd_vs_sgd": timing.ratio(OURS, SGD),
         "opacus_vs_sgd": timing.ratio(OPACUS, SGD),
+        "opacus_ghost_vs_sgd": timing.ratio(GHOST, SGD),
     }
 
 
@@ -290,8 +330,10 @@ def _run(config: Config, progress: Progress) -> Result:
                 workload.name,
                 *(format_seconds(timing.per_call(name)) for name in VARIANTS),
                 ratios["dpsgd_vs_opacus"].shown(),
+                ratios["dpsgd_vs_opacus_ghost"].shown(),
                 ratios["dpsgd_vs_sgd"].shown(),
                 ratios["opacus_vs_sgd"].shown(),
+                ratios["opacus_ghost_vs_sgd"].shown(),
             ]
         )
         heap = measured.get("heap_after_backward", {})
@@ -355,13 +397,24 @@ def _run(config: Config, progress: Progress) -> Result:
         ),
         Table(
             "Training step (zero_grad, forward, backward, step), interleaved",
-            ["model", *(f"{name} step" for name in VARIANTS), "DPSGD / Opacus", "DPSGD / SGD", "Opacus / SGD"],
+            [
+                "model",
+                *(f"{name} step" for name in VARIANTS),
+                "DPSGD / Opacus",
+                "DPSGD / Opacus ghost",
+                "DPSGD / SGD",
+                "Opacus / SGD",
+                "Opacus ghost / SGD",
+            ],
             timing_rows,
             "; ".join(f"{w.name}: {w.description}" for w in models)
             + f". lr {TIMING_LR:g}, noise_multiplier {NOISE_MULTIPLIER:g} (the noise is drawn in both), the same "
             "max_grad_norm as above. DPSGD computes per-sample norms from the captured inputs and output "
             "gradients (closed forms for Linear, Conv2d and Embedding, the ghost norm for sequence inputs, "
-            "torch.func for LayerNorm); Opacus materializes every per-sample gradient.",
+            "torch.func for LayerNorm); Opacus (hooks mode) materializes every per-sample gradient; Opacus ghost "
+            "(grad_sample_mode='ghost': GradSampleModuleFastGradientClipping, DPOptimizerFastGradientClipping and "
+            "DPLossFastGradientClipping around cross-entropy) computes per-sample norms without them "
+            "and runs a second backward pass of the loss reweighted by the clipping factors.",
         ),
         Table(
             "Memory: heap bytes after backward (before step) and peak during the step, MiB above the state "
@@ -371,11 +424,13 @@ def _run(config: Config, progress: Progress) -> Result:
                 *(f"after backward: {name}" for name in VARIANTS),
                 *(f"peak in step: {name}" for name in VARIANTS),
                 "batch × parameters × 4 B",
-                "page faults per step: SGD / DPSGD / Opacus",
+                "page faults per step: " + " / ".join(VARIANTS),
             ],
             memory_rows,
             "After backward: glibc's mallinfo2 (uordblks + hblkhd), median over interleaved steps; Opacus holds "
-            "every per-sample gradient there, DPSGD the captured inputs and output gradients. Peak in step: the "
+            "every per-sample gradient there, DPSGD the captured inputs and output gradients; Opacus ghost's "
+            "zero_grad zeroes the gradients in place instead of freeing them, so its parameter gradients are not "
+            "counted there. Peak in step: the "
             "highest level of torch's CPU allocations from the profiler's memory events across forward, backward "
             "and step, which includes DPSGD's work inside step(). Page faults: the process's minor page faults per "
             "step during the timing above (median), memory malloc took from the kernel afresh and faulted in.",
@@ -403,7 +458,11 @@ def _run(config: Config, progress: Progress) -> Result:
                 "training step time relative to plain SGD",
                 "batch",
                 "× SGD's step",
-                [ratio_series("dpsgd_vs_sgd", "DPSGD / SGD"), ratio_series("opacus_vs_sgd", "Opacus / SGD")],
+                [
+                    ratio_series("dpsgd_vs_sgd", "DPSGD / SGD"),
+                    ratio_series("opacus_vs_sgd", "Opacus / SGD"),
+                    ratio_series("opacus_ghost_vs_sgd", "Opacus ghost / SGD"),
+                ],
             ),
             Panel("heap after backward", "batch", "MiB", memory_series("heap_after_backward")),
             Panel("peak during the step", "batch", "MiB", memory_series("peak_in_step")),
@@ -412,8 +471,10 @@ def _run(config: Config, progress: Progress) -> Result:
         caption=(
             f"{SGD}: torch.optim.SGD; {OURS}: inputaware_optim.DPSGD (per-sample clipping from the captured "
             f"inputs and output gradients, then noise); {OPACUS}: Opacus's GradSampleModule (hooks mode) and "
-            "DPOptimizer around SGD. DPSGD / SGD and Opacus / SGD: median interleaved training-step time "
-            "ratios. Heap after backward: glibc's allocated bytes; peak during the step: the profiler's highest "
+            f"DPOptimizer around SGD; {GHOST}: Opacus's ghost clipping (grad_sample_mode='ghost', per-sample "
+            "norms without per-sample gradients, two backward passes). DPSGD / SGD, Opacus / SGD and Opacus "
+            "ghost / SGD: median interleaved training-step time ratios. Heap after backward: glibc's allocated "
+            "bytes; peak during the step: the profiler's highest "
             "CPU allocation level across forward, backward and step."
         ),
     )
@@ -427,13 +488,14 @@ SECTION = Section(
     title="DP-SGD against Opacus",
     summary=(
         "`inputaware_optim.DPSGD` against Opacus (`GradSampleModule` + `DPOptimizer` around `torch.optim.SGD`, "
-        '`loss_reduction="mean"`, `expected_batch_size` = the batch size) on the same model, batch and '
-        "clipping bound: first with the noise off, the parameters after a few steps compared; then the "
+        '`loss_reduction="mean"`, `expected_batch_size` = the batch size) and against Opacus\'s ghost clipping '
+        '(`grad_sample_mode="ghost"`, its fastest mode) on the same model, batch and clipping bound: '
+        "first with the noise off, the parameters after a few steps compared; then the "
         "training step of each, with plain `torch.optim.SGD` as the no-privacy reference, interleaved; then "
         "the memory each holds after backward and at its peak during the step. On the MLP and CNN of sections "
         "2 and 3 and a small sequence model whose `nn.Linear` layers see `(batch, time, features)` inputs; "
         "then the MLP across batch sizes. Privacy accounting is out of scope for both here."
     ),
     run=run,
-    estimate=(3, 30),
+    estimate=(5, 40),
 )

@@ -1,4 +1,4 @@
-"""Section 5: NLMS against SGD, identifying an FIR system from badly scaled inputs."""
+"""Section 5: NLMS against SGD and Adam, identifying an FIR system from badly scaled inputs."""
 
 from __future__ import annotations
 
@@ -84,6 +84,10 @@ def _sgd(lr: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
     return lambda model: torch.optim.SGD(model.parameters(), lr=lr)
 
 
+def _adam(lr: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    return lambda model: torch.optim.Adam(model.parameters(), lr=lr)
+
+
 def _nlms(lr: float) -> Callable[[nn.Module], torch.optim.Optimizer]:
     return lambda model: NLMS(model, lr=lr)
 
@@ -95,6 +99,8 @@ def run(config: Config, progress: Progress) -> Result:
     sweeps = {
         "NLMS": [(lr, _nlms(lr)) for lr in config.pick((0.5,), (0.1, 0.5, 1.0))],
         "SGD": [(lr, _sgd(lr)) for lr in config.pick((1e-6, 1e-3), (1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1))],
+        # Adam's per-coordinate scaling adapts to the input's scale too, though over its moments' horizon.
+        "Adam": [(lr, _adam(lr)) for lr in config.pick((1e-2,), (1e-4, 1e-3, 1e-2, 1e-1))],
     }
     scenarios = _scenarios(steps, generator)
     progress.start(len(scenarios) * sum(len(v) for v in sweeps.values()) + 1)
@@ -145,7 +151,8 @@ def run(config: Config, progress: Progress) -> Result:
                 columns=1,
                 caption=(
                     "NLMS: normalized least mean squares (inputaware_optim.NLMS, each step divided by the input's "
-                    "power); SGD: torch.optim.SGD without momentum; lr: the learning rate. Solid lines: each "
+                    "power); SGD: torch.optim.SGD without momentum; Adam: torch.optim.Adam with its defaults; lr: "
+                    "the learning rate. Solid lines: each "
                     "optimizer's best learning rate by geometric-mean error; dotted: SGD's other learning rates "
                     "that did not diverge. w: the identified filter; h: the unknown system in force at that step."
                 ),
@@ -175,8 +182,8 @@ def run(config: Config, progress: Progress) -> Result:
             + ".",
         ),
         Table(
-            "NLMS step time vs torch.optim.SGD (training step of the filter, batch 1)",
-            ["", "SGD step", "NLMS / SGD"],
+            "NLMS step time vs torch.optim.SGD and torch.optim.Adam (training step of the filter, batch 1)",
+            ["", "SGD step", "NLMS / SGD", "Adam / SGD", "NLMS / Adam"],
             [timing_row],
         ),
     ]
@@ -198,25 +205,35 @@ def _step_time(config: Config) -> tuple[list[str], dict[str, Any]]:
 
         return step
 
-    timing = interleave({"SGD": step_of(_sgd(1e-3)), "NLMS": step_of(_nlms(1e-3))}, config)
-    ratio = timing.ratio("NLMS", "SGD")
-    return ["training step", format_seconds(timing.per_call("SGD")), ratio.shown()], {
-        "ratio": ratio.__dict__,
+    timing = interleave(
+        {"SGD": step_of(_sgd(1e-3)), "NLMS": step_of(_nlms(1e-3)), "Adam": step_of(_adam(1e-3))}, config
+    )
+    ratios = {
+        "NLMS / SGD": timing.ratio("NLMS", "SGD"),
+        "Adam / SGD": timing.ratio("Adam", "SGD"),
+        "NLMS / Adam": timing.ratio("NLMS", "Adam"),
+    }
+    row = ["training step", format_seconds(timing.per_call("SGD")), *(r.shown() for r in ratios.values())]
+    return row, {
+        "ratio": ratios["NLMS / SGD"].__dict__,
+        "ratios": {name: r.__dict__ for name, r in ratios.items()},
         **timing.to_json(),
     }
 
 
 SECTION = Section(
     name="nlms",
-    title="NLMS vs SGD: system identification with badly scaled inputs",
+    title="NLMS vs SGD and Adam: system identification with badly scaled inputs",
     summary=(
         f"An unknown {TAPS}-tap FIR filter is identified online from a tapped delay line of its input, "
         "whose scale spans orders of magnitude: random per sample, or drifting slowly while the unknown "
         "system changes half-way, as the inputs turn quiet (tracking). NLMS divides each step by the input "
         "power, so one learning rate fits every scale; SGD must take a step small enough for the loudest "
-        "inputs, and then barely moves on the quiet ones. Each optimizer gets a learning-rate sweep; the "
+        "inputs, and then barely moves on the quiet ones; Adam scales each coordinate by its gradient's running "
+        "magnitude, which follows the input's scale only over its moments' horizon. Each optimizer gets a "
+        "learning-rate sweep; the "
         "run with the lowest geometric-mean error is shown."
     ),
     run=run,
-    estimate=(0.5, 10),
+    estimate=(1, 15),
 )

@@ -88,6 +88,8 @@ def test_quick_run_dp_equals_opacus_and_kfac_trains_beside_the_others(quick_run:
         by_dtype = {result["dtype"]: result["relative_difference"] for result in workload["equality"]}
         # Not a timing: with the noise off the two implementations compute the same update.
         assert by_dtype["float64"] < 1e-10 and by_dtype["float32"] < 1e-4, (name, by_dtype)
+        ghost = {result["dtype"]: result["ghost_relative_difference"] for result in workload["equality"]}
+        assert ghost["float64"] < 1e-10, (name, ghost)  # Opacus's ghost mode is given the same clipping
         assert workload["max_grad_norm"] > 0
     for model in ("MLP", "CNN"):
         runs = sections["kfac"]["data"][model]["runs"]

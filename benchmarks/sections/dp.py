@@ -179,16 +179,20 @@ def _median_sample_norm(workload: Workload, seed: int) -> float:
 
 
 def _equality(workload: Workload, clip: float, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    """DPSGD and Opacus with noise off, ``EQUALITY_STEPS`` steps from the same weights: how far apart they end."""
+    """DPSGD, Opacus and its ghost mode with noise off, ``EQUALITY_STEPS`` steps from the same weights.
+
+    How far DPSGD ends from Opacus's hooks mode, and (checking that the ghost mode is given the
+    same clipping) how far the ghost mode ends from it.
+    """
     casted = Workload(workload.name, workload.description, workload.build, _cast(workload.batch, dtype), workload.loss)
     trio = _trio(casted, EQUALITY_LR, clip, 0.0, seed, dtype)
     start = [p.detach().clone() for p in trio[OPACUS][0].parameters()]
     for _ in range(EQUALITY_STEPS):
-        for name in (OURS, OPACUS):
+        for name in (OURS, OPACUS, GHOST):
             training_step(*trio[name])()
-    ours = [p.detach() for p in trio[OURS][0].parameters()]
-    theirs = [p.detach() for p in trio[OPACUS][0].parameters()]
+    ours, theirs, ghost = ([p.detach() for p in trio[name][0].parameters()] for name in (OURS, OPACUS, GHOST))
     difference = max(float((a - b).abs().max()) for a, b in zip(ours, theirs, strict=True))
+    ghost_difference = max(float((a - b).abs().max()) for a, b in zip(ghost, theirs, strict=True))
     update = max(float((b - s).abs().max()) for b, s in zip(theirs, start, strict=True))
     return {
         "dtype": str(dtype).removeprefix("torch."),
@@ -196,6 +200,7 @@ def _equality(workload: Workload, clip: float, dtype: torch.dtype, seed: int) ->
         "max_abs_difference": difference,
         "max_abs_update": update,
         "relative_difference": difference / update,
+        "ghost_relative_difference": ghost_difference / update,
     }
 
 
@@ -318,6 +323,7 @@ def _run(config: Config, progress: Progress) -> Result:
                     f"{result['max_abs_difference']:.3g}",
                     f"{result['max_abs_update']:.3g}",
                     f"{result['relative_difference']:.3g}",
+                    f"{result['ghost_relative_difference']:.3g}",
                 ]
             )
         progress.advance()
@@ -380,7 +386,7 @@ def _run(config: Config, progress: Progress) -> Result:
     ]
     tables = [
         Table(
-            f"Noise-free updates: DPSGD and Opacus from the same weights, {EQUALITY_STEPS} steps of SGD "
+            f"Noise-free updates: DPSGD, Opacus and Opacus ghost from the same weights, {EQUALITY_STEPS} steps of SGD "
             f"(lr {EQUALITY_LR:g}) on the same batch",
             [
                 "model",
@@ -389,11 +395,13 @@ def _run(config: Config, progress: Progress) -> Result:
                 "max |θ_DPSGD − θ_Opacus|",
                 "max |θ − θ₀| (Opacus)",
                 "difference / update",
+                "Opacus ghost vs Opacus: difference / update",
             ],
             equality_rows,
             "max_grad_norm is the median of the per-sample gradient norms at the initial weights, so about half "
             "the samples are clipped at the first step. Opacus: GradSampleModule (loss_reduction='mean') and "
-            "DPOptimizer around torch.optim.SGD with expected_batch_size = the batch size.",
+            "DPOptimizer around torch.optim.SGD with expected_batch_size = the batch size; Opacus ghost: the same "
+            "clipping in grad_sample_mode='ghost', checked here to give the same update.",
         ),
         Table(
             "Training step (zero_grad, forward, backward, step), interleaved",

@@ -253,6 +253,7 @@ class Panel:
     series: list[Series]
     logx: bool = False
     logy: bool = False
+    ylim: tuple[float, float] | None = None  # a zoomed y range (default: fit the data)
 
 
 @dataclass

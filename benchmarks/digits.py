@@ -48,6 +48,7 @@ __all__ = [
 
 BATCH = 64
 VALIDATION_SIZE, TEST_SIZE = 200, 500
+GOAL_LABEL = "AdamW's final accuracy"
 
 Factory = Callable[[nn.Module, float], torch.optim.Optimizer]
 
@@ -241,11 +242,14 @@ def convergence_plot(
     best_runs: dict[str, dict[str, Any]],
     per_step: dict[str, float],
     headline: bool,
+    goal: float,
 ) -> Plot:
     """Training loss and test accuracy of each optimizer's best run, against steps and against estimated seconds.
 
     Args:
         subject: What the plot is about, first in its title ("FOOF", "K-FAC").
+        goal: AdamW's final test accuracy (a fraction): the last panel zooms in around it, where
+            "time to AdamW's accuracy" is read.
     """
     seconds_label = "estimated seconds (steps × step time)"
 
@@ -260,6 +264,7 @@ def convergence_plot(
         ]
 
     legend = "; ".join(f"{o.name}: {o.about}" for o in sweeps if o.about)
+    last = max(run["step"][-1] * per_step[name] for name, run in best_runs.items())
     return Plot(
         f"digits-{model.lower()}",
         f"{subject} on digits, {description}: best learning rate of each optimizer",
@@ -268,12 +273,21 @@ def convergence_plot(
             Panel("training loss", seconds_label, "loss", series("train_loss", True), logy=True),
             Panel("test accuracy", "step", "%", series("test_accuracy", False)),
             Panel("test accuracy", seconds_label, "%", series("test_accuracy", True)),
+            Panel(
+                "test accuracy near AdamW's final accuracy (zoomed)",
+                seconds_label,
+                "%",
+                [*series("test_accuracy", True), Series(GOAL_LABEL, [0.0, last], [100 * goal] * 2, "k--")],
+                ylim=(100 * goal - 5, min(100.0, 100 * goal + 3)),
+            ),
         ],
         headline=headline,
         caption=(
             f"{legend}. lr: the learning rate of the optimizer's best run in its sweep (by final validation "
-            "accuracy). Estimated seconds: steps × the optimizer's median training-step time from the "
-            "interleaved timing, an estimate, not the training runs' own wall-clock. Test accuracy on "
+            f"accuracy). {GOAL_LABEL}: the mean test accuracy over the last quarter of AdamW's best run; the "
+            "zoomed panel shows when each optimizer reaches it. Estimated seconds: steps × the optimizer's "
+            "median training-step time from the interleaved timing, an estimate, not the training runs' own "
+            "wall-clock. Test accuracy on "
             f"{TEST_SIZE} held-out digits (one digit is {100 / TEST_SIZE:.1f}%)."
         ),
     )

@@ -79,6 +79,8 @@ def render_to(plot: Plot, path: Path) -> str:
             ax.set_xscale("log")
         if panel.logy:
             ax.set_yscale("log")
+        if panel.ylim is not None:
+            ax.set_ylim(*panel.ylim)
         ax.grid(True, alpha=0.3)
         if panel.series:
             ax.legend(fontsize=8)

@@ -132,6 +132,7 @@ def run(config: Config, progress: Progress) -> Result:
                 best,
                 per_step,
                 headline=model_name == "MLP",
+                goal=goal,
             )
         )
     tables = [

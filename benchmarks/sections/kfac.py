@@ -106,7 +106,14 @@ def run(config: Config, progress: Progress) -> Result:
         }
         plots.append(
             shared.convergence_plot(
-                "K-FAC beside FOOF, SGD and AdamW", model_name, description, sweeps, best, per_step, headline=False
+                "K-FAC beside FOOF, SGD and AdamW",
+                model_name,
+                description,
+                sweeps,
+                best,
+                per_step,
+                headline=False,
+                goal=result.goal,
             )
         )
     tables = [

@@ -1,7 +1,8 @@
 """Interleaved timing: every figure is a ratio against a baseline timed in the same process.
 
-The variants run in turn, ``A B A B ...`` (``A B C A B C ...`` for more than two), each
-sample repeating one variant's call until it lasts at least ``sample_seconds``. A round
+The variants run in turn, ``A B B A A B ...`` (``A B C C B A ...`` for more than two: the order
+reverses every round, so no variant always runs first after a switch), each sample repeating
+one variant's call until it lasts at least ``sample_seconds``. A round
 gives one ratio per variant against the baseline; the figure is the median over rounds,
 with the minimum and maximum. Drift in the machine's speed (another process, frequency
 scaling) then moves both sides of a ratio together instead of biasing it.
@@ -102,8 +103,11 @@ def interleave(
         calls[name] = _calibrate(call, config.warmup_seconds, config.sample_seconds, multiple_of.get(name, 1))
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     faults: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(config.pairs):
-        for name, call in variants.items():
+    order = list(variants.items())
+    for round_ in range(config.pairs):
+        # A B, then B A: whichever runs first after a switch pays for the switch (caches, the
+        # allocator), so alternating the order keeps that cost out of the ratios.
+        for name, call in order if round_ % 2 == 0 else order[::-1]:
             if name in before_sample:
                 before_sample[name]()
             before = _minor_faults()

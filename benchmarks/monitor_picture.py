@@ -45,7 +45,7 @@ def run(out: Path, steps: int = 300, lr: float = 0.6, every: int = 5, seed: int 
         optimizer.step()
     monitor.remove()
     with folder:
-        return plot(log, out / "monitor-digits-mlp.png")
+        return plot(log, out / "picture-monitor-digits-mlp.png")
 
 
 def main(argv: list[str] | None = None) -> int:

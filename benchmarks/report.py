@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import plots
+from .sections import SECTIONS
 
 __all__ = ["COMMITTED", "all_targets", "markdown", "overwrite_refusal", "text_section", "text_targets", "write"]
 
@@ -218,8 +219,10 @@ def write(source: Path, destination: Path) -> Path:
     run = json.loads(source.read_text())
     results = destination / "results"
     results.mkdir(parents=True, exist_ok=True)
-    for stale in results.glob("*.png"):  # plots of sections no longer in the run
-        stale.unlink()
+    sections = {section.name for section in SECTIONS} | set(run["sections"])
+    for stale in results.glob("*.png"):  # a section's plots no longer in the run (other pictures stay)
+        if stale.name.split("-", 1)[0] in sections:
+            stale.unlink()
     images: dict[str, list[str]] = {}
     for name, section in run["sections"].items():
         for raw in section.get("plots", []):

@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,14 @@ def test_failures(codes: dict[int, int | None], marked: list[int], bad: list[int
 
 
 def _entry(rank: int, directory: str, mode: str) -> None:
-    print(f"rank {rank} working")
+    print(f"rank {rank} working", flush=True)
+    started = Path(directory, "rank-0-started")
+    if rank == 0:
+        started.touch()
+    elif mode in ("raise", "abort-early"):  # fail only once rank 0 has written its line (else a race)
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
     if mode == "raise" and rank == 1:
         raise ValueError("rank 1 broke")
     if mode == "abort-early" and rank == 1:

@@ -146,9 +146,9 @@ class Eva(KroneckerRule):
         sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
         updated = len(layers)
-        for layer, kept in self._kept_vectors(due):  # between statistics steps: the vectors kept
+        for layer, (a, g) in self._between_statistics(due, ["input_mean", "output_grad_mean"]):  # kept vectors
             layers.append(layer)
-            vectors.append(kept)
+            vectors.append((a, g))
         directions = []
         for layer, (a, g) in zip(layers, vectors, strict=True):
             matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
@@ -172,16 +172,6 @@ class Eva(KroneckerRule):
         InputAwareSGD.step(self, inputs=inputs)
         self._advance_schedule()
         return loss
-
-    def _kept_vectors(self, due: list[dict[str, Any]]) -> list[tuple[Layer, tuple[Tensor, Tensor]]]:
-        out = []
-        for layer in self._layers(self.reads_capability):
-            if any(layer.group is group for group in due) or weight_of(layer.module).grad is None:
-                continue
-            state = self.state.get(weight_of(layer.module), {})
-            if "input_mean" in state and "output_grad_mean" in state:
-                out.append((layer, (state["input_mean"], state["output_grad_mean"])))
-        return out
 
     def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]

@@ -215,23 +215,23 @@ class KroneckerRule(InputAwareSGD):
                 state[f"{factor}_inverse"] = inverses[factor]
             state["statistics_steps"] = state.get("statistics_steps", 0) + 1
             self._set_preconditioned(layer, inverses)
-        for layer, inverses in self._kept_preconditioners(due):  # between statistics steps
-            self._set_preconditioned(layer, inverses)
+        inverse_keys = [f"{factor}_inverse" for factor in self.factors]
+        for layer, kept in self._between_statistics(due, inverse_keys):  # the inverses kept
+            self._set_preconditioned(layer, dict(zip(self.factors, kept, strict=True)))
         super().step(inputs=inputs)
         self._advance_schedule()
         return loss
 
-    def _kept_preconditioners(self, due: list[dict[str, Any]]) -> list[tuple[Layer, dict[str, Tensor]]]:
-        """The layers of groups that collect no statistics this step, with the inverses they keep
-        (a layer with none yet takes the plain step)."""
+    def _between_statistics(self, due: list[dict[str, Any]], keys: list[str]) -> list[tuple[Layer, list[Tensor]]]:
+        """The layers with a gradient in groups that collect no statistics this step, with the state
+        under ``keys`` they keep (a layer missing any, none kept yet, takes the plain step)."""
         out = []
         for layer in self._layers(self.reads_capability):
             if any(layer.group is group for group in due) or weight_of(layer.module).grad is None:
                 continue
             state = self.state.get(weight_of(layer.module), {})
-            inverses = {factor: state.get(f"{factor}_inverse") for factor in self.factors}
-            if all(inverse is not None for inverse in inverses.values()):
-                out.append((layer, inverses))
+            if all(key in state for key in keys):
+                out.append((layer, [state[key] for key in keys]))
         return out
 
     def _advance_schedule(self) -> None:
@@ -261,14 +261,14 @@ class KroneckerRule(InputAwareSGD):
         set_local_matrix_rows(weight, bias, new, layer.homogeneous)
 
     def _step_statistics(
-        self, inputs: Inputs, due: list[dict[str, Any]] | None = None
+        self, inputs: Inputs, due: list[dict[str, Any]]
     ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
-        """This step's factor sums for every layer (of the ``due`` groups, default all) with gradients
-        and captured calls, summed over ranks."""
+        """This step's factor sums for every layer of the ``due`` groups with gradients and captured
+        calls, summed over ranks."""
         layers, sums = [], []
         totals = inputs.reduced(self._statistics)
         for layer in self._layers(self.reads_capability):
-            if due is not None and not any(layer.group is group for group in due):
+            if not any(layer.group is group for group in due):
                 continue
             weight, bias = weight_of(layer.module), bias_of(layer.module)
             if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):

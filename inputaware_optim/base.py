@@ -365,7 +365,20 @@ class InputAwareOptimizer(Optimizer):
 
     def _layers(self, capability: str, *, with_excluded: bool = False) -> list[Layer]:
         """The captured layers whose weight this optimizer trains and whose kind provides ``capability``
-        (without those the rule excludes, unless ``with_excluded``)."""
+        (without those the rule excludes, unless ``with_excluded``).
+
+        Found once and kept while the watched modules and the param groups (each group dict and the
+        parameters in it) stay the same: every step reads them, and finding them walks the model.
+        """
+        # The groups themselves are kept with the signature, so an id in it is never a reused one.
+        signature = (len(self.capture.modules), [(g, *g["params"]) for g in self.param_groups])
+        cache = self.__dict__.setdefault("_layers_cache", {})
+        kept = cache.get((capability, with_excluded))
+        if kept is None or not _same_objects(kept[0], signature):
+            kept = cache[(capability, with_excluded)] = (signature, self._find_layers(capability, with_excluded))
+        return list(kept[1])
+
+    def _find_layers(self, capability: str, with_excluded: bool) -> list[Layer]:
         groups = self._param_groups_by_param()
         owners: dict[Tensor, list[nn.Module]] = {}
         for module in self.capture.modules:
@@ -730,3 +743,15 @@ class InputAwareOptimizer(Optimizer):
         self.__dict__.setdefault("_model", None)
         self.__dict__.setdefault("_process_group", None)
         super().__setstate__(state)
+
+
+def _same_objects(kept: tuple[int, list[tuple[Any, ...]]], now: tuple[int, list[tuple[Any, ...]]]) -> bool:
+    """Whether two ``_layers`` signatures hold the same count and the very same objects, in order."""
+    return (
+        kept[0] == now[0]
+        and len(kept[1]) == len(now[1])
+        and all(
+            len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+            for a, b in zip(kept[1], now[1], strict=True)
+        )
+    )

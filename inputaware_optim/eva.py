@@ -90,6 +90,7 @@ class Eva(KroneckerRule):
 
     factors = ("input", "output_grad")
     statistics = KroneckerVectors
+    inverts = False
     reads_capability = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
 
     def __init__(

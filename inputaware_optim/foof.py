@@ -26,7 +26,8 @@ class FOOF(KroneckerRule):
     r"""FOOF (Benzing 2022): gradient descent on neurons, a one-sided Kronecker preconditioner.
 
     ``FOOF(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
-    max_dim=None, distributed_inversion=False, params=None, **sgd_kwargs)``
+    statistics_every=1, max_dim=None, distributed_inversion=False, inverse="cholesky", inverse_dtype=torch.float64,
+    params=None, **sgd_kwargs)``
 
     For each layer with input rows (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Conv1d/2d/3d``
     through their unfolded input patches, as K-FAC does; a grouped convolution one block per
@@ -42,8 +43,8 @@ class FOOF(KroneckerRule):
 
     where the :math:`N` samples are every row of every call of the step (all leading
     dimensions flattened; so ``k`` micro-batches give the statistics of their concatenation).
-    The inverse (Cholesky, in float64) is refreshed every ``update_every`` steps. Then the
-    SGD momentum update runs with torch's kernel; parameters of other modules take it as
+    The inverse (by default Cholesky, in float64) is refreshed every ``update_every`` statistics
+    steps. Then the SGD momentum update runs with torch's kernel; parameters of other modules take it as
     is. Under data parallelism :math:`A_t` is averaged over the data-parallel ranks. Under
     FSDP2 each rank preconditions the rows of :math:`\tilde G` it holds (the update acts on
     each row alone), so only :math:`A_t` is communicated, never a weight or a gradient.
@@ -65,6 +66,9 @@ class FOOF(KroneckerRule):
         max_dim: Leave layers whose factor is larger than this to plain SGD (None: no limit).
         distributed_inversion: Under data parallelism, invert each layer's factor on one rank
             and broadcast it (instead of every rank inverting every factor).
+        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition,
+            so a change of ``damping`` applies at the next step without a new decomposition.
+        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument (``weight_decay``, ``nesterov``, ...)
             and ``storage``.

@@ -38,7 +38,8 @@ class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
     ``KFAC(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
-    batch_averaged=True, max_dim=None, distributed_inversion=False, params=None, **sgd_kwargs)``
+    statistics_every=1, batch_averaged=True, max_dim=None, distributed_inversion=False,
+    inverse="cholesky", inverse_dtype=torch.float64, params=None, **sgd_kwargs)``
 
     For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
     ``nn.Conv1d/2d/3d`` and their transposes; a grouped convolution one block per group),
@@ -80,6 +81,9 @@ class KFAC(KroneckerRule):
         distributed_inversion: Under data parallelism, invert each factor on one rank and
             broadcast it (instead of every rank inverting every factor).
         batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
+        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition,
+            so a change of ``damping`` applies at the next step without a new decomposition.
+        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
 

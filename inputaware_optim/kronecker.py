@@ -40,7 +40,7 @@ from .layers import Layer, bias_of, explained, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
-__all__ = ["FactorSums", "KroneckerRule", "damped_inverse"]
+__all__ = ["INVERSES", "FactorSums", "KroneckerRule", "damped_inverse", "eigenbasis", "inverse_from_eigenbasis"]
 
 
 class FactorSums(Reduction):
@@ -66,7 +66,16 @@ class KroneckerRule(InputAwareSGD):
     and may override ``_damping`` (the damping added to each factor before inverting).
 
     State per preconditioned weight: ``<factor>_second_moment`` (running average),
-    ``<factor>_inverse`` (damped inverse) for each factor, and ``statistics_steps``.
+    ``<factor>_inverse`` (damped inverse) for each factor, and ``statistics_steps``; with
+    ``inverse="eigh"`` also ``<factor>_eigenvalues``, ``<factor>_eigenvectors`` and
+    ``<factor>_inverse_damping`` (the damping the kept inverse was formed with).
+
+    Inverses (``inverse=``): ``"cholesky"`` (the default) factors each damped factor and inverts
+    it; a change of ``damping`` takes effect at the next refresh. ``"eigh"`` keeps each factor's
+    eigendecomposition, so a change of ``damping`` (a schedule, or a trust-region rule setting
+    ``group["damping"]``) takes effect at the next step, by one matrix product per factor, with
+    no new decomposition. ``inverse_dtype`` (float64 by default, or float32) is the precision of
+    the decomposition; the benchmarks measure both precisions' cost and error.
 
     Data parallelism: the factor sums are summed over the ranks (one all-reduce per step), so
     every rank holds the same factors. With ``distributed_inversion=True`` each factor due for
@@ -80,6 +89,7 @@ class KroneckerRule(InputAwareSGD):
     reads_capability: ClassVar[str] = "input_rows"  # K-FAC and Eva: "output_grad_rows" (and input rows)
     reads_calls = False
     factors: tuple[str, ...] = ()
+    inverts: ClassVar[bool] = True  # Eva: False (closed-form inverses, nothing to decompose)
     # Whether ``_precondition`` maps each row of G̃ by itself (G̃ A⁻¹): then a rank holding some
     # of the rows (FSDP2) preconditions them without the others.
     acts_on_rows: ClassVar[bool] = False
@@ -97,6 +107,8 @@ class KroneckerRule(InputAwareSGD):
         statistics_every: int = 1,
         max_dim: int | None = None,
         distributed_inversion: bool = False,
+        inverse: str = "cholesky",
+        inverse_dtype: torch.dtype = torch.float64,
         params: Any = None,
         **sgd_kwargs: Any,
     ) -> None:
@@ -108,8 +120,18 @@ class KroneckerRule(InputAwareSGD):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
             raise ValueError(f"Invalid distributed_inversion: {distributed_inversion!r} (must be True or False)")
+        if inverse not in INVERSES:
+            raise ValueError(f"Invalid inverse: {inverse!r} (must be one of {', '.join(map(repr, INVERSES))})")
+        if inverse_dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"Invalid inverse_dtype: {inverse_dtype!r} (must be torch.float64 or torch.float32)")
+        if not self.inverts and (inverse != "cholesky" or inverse_dtype != torch.float64):
+            raise ValueError(
+                f"{type(self).__name__} inverts no matrix (its inverses are closed-form): inverse= and "
+                "inverse_dtype= do not apply; leave them out"
+            )
         self._max_dim = max_dim
         self._distributed_inversion = distributed_inversion
+        self._inverse, self._inverse_dtype = inverse, inverse_dtype
         _check_schedule(statistics_every)
         self._rule_defaults = {
             "damping": damping,
@@ -209,15 +231,22 @@ class KroneckerRule(InputAwareSGD):
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
         updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
         self._invert_due(layers, updates)
-        for layer, (state, moments, inverses, _) in zip(layers, updates, strict=True):
+        inverse_keys = [f"{factor}_inverse" for factor in self.factors]
+        kept = [  # the inverses kept (formed again under "eigh" if the damping changed)
+            (layer, {f: self._kept_inverse(layer, f) for f in self.factors})
+            for layer, _ in self._between_statistics(due, inverse_keys)
+        ]
+        for layer, (state, moments, inverses, _, bases) in zip(layers, updates, strict=True):
             for factor in self.factors:
                 state[f"{factor}_second_moment"] = moments[factor]
-                state[f"{factor}_inverse"] = inverses[factor]
+                if factor in bases:
+                    state[f"{factor}_eigenvalues"], state[f"{factor}_eigenvectors"] = bases[factor]
+            self._keep_inverses(layer, inverses)
             state["statistics_steps"] = state.get("statistics_steps", 0) + 1
             self._set_preconditioned(layer, inverses)
-        inverse_keys = [f"{factor}_inverse" for factor in self.factors]
-        for layer, kept in self._between_statistics(due, inverse_keys):  # the inverses kept
-            self._set_preconditioned(layer, dict(zip(self.factors, kept, strict=True)))
+        for layer, inverses in kept:
+            self._keep_inverses(layer, inverses)
+            self._set_preconditioned(layer, inverses)
         super().step(inputs=inputs)
         self._advance_schedule()
         return loss
@@ -285,10 +314,30 @@ class KroneckerRule(InputAwareSGD):
         )
         return layers, sums
 
+    def _kept_inverse(self, layer: Layer, factor: str) -> Tensor:
+        """The kept inverse of ``factor``; under ``inverse="eigh"``, formed again from the kept
+        eigendecomposition if the damping changed since (a matrix product, no decomposition)."""
+        state = self.state[weight_of(layer.module)]
+        inverse = state[f"{factor}_inverse"]
+        damping = self._damping(layer.group, factor)
+        if self._inverse != "eigh" or state.get(f"{factor}_inverse_damping") == damping:
+            return inverse
+        values, vectors = state[f"{factor}_eigenvalues"], state[f"{factor}_eigenvectors"]
+        name = f"{self.capture.name(layer.module)} ({factor})"
+        return inverse_from_eigenbasis(values, vectors, damping, name, inverse.dtype)
+
+    def _keep_inverses(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
+        state = self.state[weight_of(layer.module)]
+        for factor, inverse in inverses.items():
+            state[f"{factor}_inverse"] = inverse
+            if self._inverse == "eigh":
+                state[f"{factor}_inverse_damping"] = self._damping(layer.group, factor)
+
     def _refreshed(
         self, layer: Layer, factor_sums: dict[str, tuple[Tensor, Tensor]]
-    ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor], list[str]]:
-        """The layer's state, its new running moments, its kept inverses, and the factors due for inversion."""
+    ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor], list[str], dict[str, tuple[Tensor, Tensor]]]:
+        """The layer's state, its new running moments, its kept inverses, the factors due for
+        inversion, and (filled in by ``_invert_due`` under ``"eigh"``) their eigendecompositions."""
         state = self.state[weight_of(layer.module)]
         group = layer.group
         refresh = state.get("statistics_steps", 0) % group["update_every"] == 0
@@ -300,35 +349,47 @@ class KroneckerRule(InputAwareSGD):
                 previous = previous.to(moment.dtype)
             if previous is not None:  # beta * previous + (1 - beta) * moment; the first step takes its own
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
-            inverse = state.get(f"{factor}_inverse")
-            if inverse is None or refresh:
+            if f"{factor}_inverse" not in state or refresh:
                 due.append(factor)
             else:
-                inverses[factor] = inverse
+                inverses[factor] = self._kept_inverse(layer, factor)
             moments[factor] = moment
-        return state, moments, inverses, due
+        return state, moments, inverses, due, {}
 
-    def _invert_due(
-        self, layers: list[Layer], updates: list[tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor], list[str]]]
-    ) -> None:
-        """Fill in the inverses due this step: each on one rank and broadcast (``distributed_inversion``),
-        or every one here."""
+    def _invert_due(self, layers: list[Layer], updates: list[Any]) -> None:
+        """Fill in the inverses due this step (and under ``"eigh"`` the eigendecompositions they
+        come from): each on one rank and broadcast (``distributed_inversion``), or every one here."""
         jobs, likes, costs, slots = [], [], [], []
-        for layer, (_, moments, inverses, due) in zip(layers, updates, strict=True):
+        dtype = self._inverse_dtype
+        for layer, (_, moments, inverses, due, bases) in zip(layers, updates, strict=True):
             for factor in due:
                 moment = moments[factor]
                 name = f"{self.capture.name(layer.module)} ({factor})"
-                jobs.append(functools.partial(damped_inverse, moment, self._damping(layer.group, factor), name))
-                likes.append(moment)
-                costs.append(float(moment.numel() * moment.shape[-1]))  # Cholesky and inverse: ~ n³ per block
-                slots.append((inverses, factor))
+                damping = self._damping(layer.group, factor)
+                if self._inverse == "eigh":  # the decomposition travels, packed as (n + 1) x n
+                    jobs.append(functools.partial(eigenbasis, moment, name, dtype))
+                    likes.append(
+                        moment.new_empty((*moment.shape[:-2], moment.shape[-1] + 1, moment.shape[-1]), dtype=dtype)
+                    )
+                else:
+                    jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype))
+                    likes.append(moment)
+                costs.append(float(moment.numel() * moment.shape[-1]))  # ~ n³ per block either way
+                slots.append((inverses, bases, factor, damping, name, moment.dtype))
         group = self.data_parallel_group if self._distributed_inversion else None
-        for (inverses, factor), inverse in zip(slots, computed_once(jobs, likes, costs, group), strict=True):
-            inverses[factor] = inverse
+        for (inverses, bases, factor, damping, name, like), result in zip(
+            slots, computed_once(jobs, likes, costs, group), strict=True
+        ):
+            if self._inverse == "eigh":
+                values, vectors = result[..., -1, :].clone(), result[..., :-1, :].clone()
+                bases[factor] = (values, vectors)
+                inverses[factor] = inverse_from_eigenbasis(values, vectors, damping, name, like)
+            else:
+                inverses[factor] = result
 
 
-def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
-    """:math:`(M + \\lambda I)^{-1}` by Cholesky in float64, returned in ``matrix``'s dtype, row-major.
+def damped_inverse(matrix: Tensor, damping: float, name: str, *, dtype: torch.dtype = torch.float64) -> Tensor:
+    """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major.
 
     Row-major (``contiguous()``; ``cholesky_inverse`` returns column-major): a product with it
     takes the same kernel, so the same bits, whether it was computed here or received from
@@ -337,19 +398,18 @@ def damped_inverse(matrix: Tensor, damping: float, name: str) -> Tensor:
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).
     """
-    damped = matrix.double() + damping * torch.eye(matrix.shape[-1], dtype=torch.float64, device=matrix.device)
+    damped = matrix.to(dtype) + damping * torch.eye(matrix.shape[-1], dtype=dtype, device=matrix.device)
     factor, info = torch.linalg.cholesky_ex(damped)
     if bool(info.any()):  # one matrix, or one per block (a grouped convolution)
-        if not torch.isfinite(matrix).all():
-            raise RuntimeError(
-                f"the statistics of {name} are not finite: training has diverged (NaN or inf activations "
-                "or gradients). Lower the learning rate or raise damping. No parameter was changed by this step"
-            )
+        _refuse_not_finite(matrix, name)
         raise RuntimeError(
             f"the damped statistics of {name} are not positive definite (damping={damping}); "
             "increase damping. No parameter was changed by this step"
         )
     return torch.cholesky_inverse(factor).to(matrix.dtype).contiguous()
+
+
+INVERSES = ("cholesky", "eigh")  # how a Kronecker rule inverts its damped factors
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:
@@ -369,3 +429,39 @@ def _check_hyperparameters(damping: float, stat_decay: float, update_every: int)
         raise ValueError(f"Invalid stat_decay: {stat_decay} (must be in [0, 1))")
     if isinstance(update_every, bool) or not isinstance(update_every, numbers.Integral) or update_every < 1:
         raise ValueError(f"Invalid update_every: {update_every!r} (must be an integer >= 1)")
+
+
+def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
+    """The eigendecomposition of a symmetric ``matrix`` (or of each block) in ``dtype``, packed
+    as one tensor: the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues
+    as row ``n``. Eigenvalues below zero (rounding: the statistics are second moments) are 0.
+
+    Raises:
+        RuntimeError: If the statistics are not finite, or the decomposition does not converge.
+    """
+    _refuse_not_finite(matrix, name)
+    values, vectors = torch.linalg.eigh(matrix.to(dtype))
+    return torch.cat([vectors, values.clamp_min(0).unsqueeze(-2)], dim=-2)
+
+
+def inverse_from_eigenbasis(values: Tensor, vectors: Tensor, damping: float, name: str, dtype: torch.dtype) -> Tensor:
+    """:math:`Q\\,\\mathrm{diag}(1 / (\\lambda_i + \\text{damping}))\\,Q^\\top` in ``dtype``, row-major.
+
+    Raises:
+        RuntimeError: If an eigenvalue plus the damping is not positive (damping 0 on a singular factor).
+    """
+    shifted = values + damping
+    if not bool((shifted > 0).all()):
+        raise RuntimeError(
+            f"the damped statistics of {name} are not positive definite (damping={damping}); "
+            "increase damping. No parameter was changed by this step"
+        )
+    return ((vectors / shifted.unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
+
+
+def _refuse_not_finite(matrix: Tensor, name: str) -> None:
+    if not bool(torch.isfinite(matrix).all()):
+        raise RuntimeError(
+            f"the statistics of {name} are not finite: training has diverged (NaN or inf activations "
+            "or gradients). Lower the learning rate or raise damping. No parameter was changed by this step"
+        )

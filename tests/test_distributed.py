@@ -267,9 +267,9 @@ def inversion_worker(rank: int) -> None:
     original = kronecker.damped_inverse
     inverted: list[str] = []
 
-    def counted(matrix: torch.Tensor, damping: float, name: str) -> torch.Tensor:
+    def counted(matrix: torch.Tensor, damping: float, name: str, **options: Any) -> torch.Tensor:
         inverted.append(name)
-        return original(matrix, damping, name)
+        return original(matrix, damping, name, **options)
 
     kronecker.damped_inverse = counted
     part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
@@ -292,6 +292,20 @@ def inversion_worker(rank: int) -> None:
         assert sorted(name for share in shares for name in share) == names[False], (shares, names[False])
         assert all(0 < len(share) < len(names[False]) for share in shares), shares
     kronecker.damped_inverse = original
+    # inverse="eigh": each eigendecomposition is computed on one rank and travels; every rank
+    # forms the inverse from the same bits, so sharing the work changes none.
+    for rule in ("FOOF", "KFAC"):
+        trained = []
+        for shared in (False, True):
+            model = DistributedDataParallel(Net())
+            optimizer = RULES[f"{rule}-shared" if shared else rule](model, BATCH // WORLD, inverse="eigh")
+            for tokens, target in batches():
+                optimizer.zero_grad()
+                loss_of(model, tokens[part], target[part]).backward()
+                optimizer.step()
+            trained.append([p.detach().clone() for p in model.parameters()])
+        for p, q in zip(*trained, strict=True):
+            assert torch.equal(p, q), f"{rule}: distributed inversion with eigh changed the parameters"
     # An inversion that fails on its rank fails the step on every rank, with the same error.
     model = DistributedDataParallel(Net())
     optimizer = FOOF(model, lr=0.1, distributed_inversion=True)

@@ -7,7 +7,20 @@ is that module plus its line in ``SECTIONS``.
 from __future__ import annotations
 
 from ..core import Section
-from . import capture_overhead, distributed, dp, foof, grad_outputs, hook_cost, kfac, lazy_adamw, memory, monitor, nlms
+from . import (
+    capture_overhead,
+    distributed,
+    dp,
+    foof,
+    grad_outputs,
+    hook_cost,
+    inversion,
+    kfac,
+    lazy_adamw,
+    memory,
+    monitor,
+    nlms,
+)
 
 SECTIONS: list[Section] = [
     hook_cost.SECTION,
@@ -18,6 +31,7 @@ SECTIONS: list[Section] = [
     lazy_adamw.SECTION,
     grad_outputs.SECTION,
     kfac.SECTION,
+    inversion.SECTION,
     dp.SECTION,
     distributed.SECTION,
     monitor.SECTION,

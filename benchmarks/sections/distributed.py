@@ -88,9 +88,9 @@ def kfac_times(rank: int, world: int, options: dict[str, Any]) -> dict[str, Any]
     inverting = [0.0, 0]
     original = kronecker.damped_inverse
 
-    def timed(matrix: torch.Tensor, damping: float, name: str) -> torch.Tensor:
+    def timed(matrix: torch.Tensor, damping: float, name: str, **options: Any) -> torch.Tensor:
         start = time.thread_time()
-        inverse = original(matrix, damping, name)
+        inverse = original(matrix, damping, name, **options)
         inverting[0] += time.thread_time() - start
         inverting[1] += 1
         return inverse

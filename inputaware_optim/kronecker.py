@@ -233,8 +233,8 @@ class KroneckerRule(InputAwareSGD):
         self._invert_due(layers, updates)
         inverse_keys = [f"{factor}_inverse" for factor in self.factors]
         kept = [  # the inverses kept (formed again under "eigh" if the damping changed)
-            (layer, {f: self._kept_inverse(layer, f) for f in self.factors})
-            for layer, _ in self._between_statistics(due, inverse_keys)
+            (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
+            for layer, inverses in self._between_statistics(due, inverse_keys)
         ]
         for layer, (state, moments, inverses, _, bases) in zip(layers, updates, strict=True):
             for factor in self.factors:
@@ -245,7 +245,8 @@ class KroneckerRule(InputAwareSGD):
             state["statistics_steps"] = state.get("statistics_steps", 0) + 1
             self._set_preconditioned(layer, inverses)
         for layer, inverses in kept:
-            self._keep_inverses(layer, inverses)
+            if self._inverse == "eigh":  # (Cholesky's are the kept ones)
+                self._keep_inverses(layer, inverses)
             self._set_preconditioned(layer, inverses)
         super().step(inputs=inputs)
         self._advance_schedule()
@@ -256,9 +257,10 @@ class KroneckerRule(InputAwareSGD):
         under ``keys`` they keep (a layer missing any, none kept yet, takes the plain step)."""
         out = []
         for layer in self._layers(self.reads_capability):
-            if any(layer.group is group for group in due) or weight_of(layer.module).grad is None:
+            weight = weight_of(layer.module)
+            if weight.grad is None or any(layer.group is group for group in due):
                 continue
-            state = self.state.get(weight_of(layer.module), {})
+            state = self.state.get(weight, {})
             if all(key in state for key in keys):
                 out.append((layer, [state[key] for key in keys]))
         return out
@@ -314,13 +316,14 @@ class KroneckerRule(InputAwareSGD):
         )
         return layers, sums
 
-    def _kept_inverse(self, layer: Layer, factor: str) -> Tensor:
-        """The kept inverse of ``factor``; under ``inverse="eigh"``, formed again from the kept
+    def _kept_inverse(self, layer: Layer, factor: str, inverse: Tensor) -> Tensor:
+        """The kept ``inverse`` of ``factor``; under ``inverse="eigh"``, formed again from the kept
         eigendecomposition if the damping changed since (a matrix product, no decomposition)."""
+        if self._inverse != "eigh":
+            return inverse
         state = self.state[weight_of(layer.module)]
-        inverse = state[f"{factor}_inverse"]
         damping = self._damping(layer.group, factor)
-        if self._inverse != "eigh" or state.get(f"{factor}_inverse_damping") == damping:
+        if state.get(f"{factor}_inverse_damping") == damping:
             return inverse
         values, vectors = state[f"{factor}_eigenvalues"], state[f"{factor}_eigenvectors"]
         name = f"{self.capture.name(layer.module)} ({factor})"
@@ -352,7 +355,7 @@ class KroneckerRule(InputAwareSGD):
             if f"{factor}_inverse" not in state or refresh:
                 due.append(factor)
             else:
-                inverses[factor] = self._kept_inverse(layer, factor)
+                inverses[factor] = self._kept_inverse(layer, factor, state[f"{factor}_inverse"])
             moments[factor] = moment
         return state, moments, inverses, due, {}
 

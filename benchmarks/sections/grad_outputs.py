@@ -209,7 +209,7 @@ def run(config: Config, progress: Progress) -> Result:
             "µs",
             f"the bar is a tensor hook's price, a few µs per call; pairs {beyond_inputs['low']:+.2f} to "
             f"{beyond_inputs['high']:+.2f} µs; Linear {width}→{width}, batch {batch}",
-        ),
+        ).full_size_only(config),
         Target.at_most(
             "Capture with output gradients, added per call, relative to an empty full backward hook's",
             versus_full.median,
@@ -219,7 +219,7 @@ def run(config: Config, progress: Progress) -> Result:
             f"the empty full backward hook {added[FULL_HOOK]['median']:.2f} µs; pairs "
             f"{versus_full.low:.2f}–{versus_full.high:.2f}×",
             strict=True,
-        ),
+        ).full_size_only(config),
     ]
     in_place_rows = [
         [name, "yes" if result["works"] else "no", result["error"] or ""] for name, result in in_place.items()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -113,8 +114,9 @@ class LazyAdamW(InputAwareAdamW):
     gradient without being read by a captured call (the table also used as
     ``F.linear(h, embed.weight)``) moves too, and is warned about once. The touched rows
     are gathered and updated by torch's fused AdamW kernel, so each moves exactly as
-    ``AdamW(fused=True)`` would move it. Every other row, and its moments, stays bitwise
-    unchanged. The step costs in proportion to the rows touched, not the table size. It
+    ``AdamW(fused=True)`` would move it, and written back bit for bit. Every other row, and
+    its moments, stays bitwise unchanged. The step costs in proportion to the rows touched,
+    not the table size, and skips the stock update when no other parameter has a gradient. It
     accepts dense gradients (which ``SparseAdam`` refuses) and sparse ones (``sparse=True``).
     Every other parameter gets the stock AdamW update, bitwise.
 
@@ -215,20 +217,41 @@ class LazyAdamW(InputAwareAdamW):
             self._attach_audit()  # a param group added since
         return lazy
 
+    def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
+        """Each lazy module with its weight and that weight's param group, kept between steps while the
+        modules, their weights and the param group dicts stay the same (``load_state_dict`` replaces
+        the dicts)."""
+        modules = self._lazy_modules()
+        groups = self.param_groups
+        cached = self.__dict__.get("_tables_cache")
+        if (
+            cached is not None
+            and cached[0] is modules
+            and len(cached[1]) == len(groups)
+            and all(a is b for a, b in zip(cached[1], groups, strict=True))
+            and all(weight_of(m) is w for m, w, _ in cached[2])
+        ):
+            return cached[2]
+        by_param = self._param_groups_by_param()
+        tables = [(m, weight_of(m), by_param[weight_of(m)]) for m in modules]
+        self._tables_cache = (modules, list(groups), tables)
+        return tables
+
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Update the touched embedding rows lazily and everything else with stock AdamW."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        lazy = []
+        lazy: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
+        from_inputs: list[tuple[Tensor, Tensor, dict[str, Any]]] = []  # rows the captured inputs read
         touched = inputs.reduced(self._rows)
-        for module in self._lazy_modules():
-            weight = weight_of(module)
-            if weight.grad is None:
+        for module, weight, group in self._lazy_tables():
+            grad = weight.grad
+            if grad is None:
                 continue  # AdamW skips it too
-            if weight.grad.is_sparse:  # sparse=True: the gradient itself lists the rows (coalesced)
-                weight.grad = weight.grad.coalesce()
-                lazy.append((weight, weight.grad.indices()[0]))
+            if grad.is_sparse:  # sparse=True: the gradient itself lists the rows (coalesced)
+                weight.grad = grad = grad.coalesce()
+                lazy.append((weight, grad.indices()[0], group))
                 continue
             rows = touched.get(weight)
             extra = self._audit.take(weight)
@@ -241,18 +264,27 @@ class LazyAdamW(InputAwareAdamW):
                 if outside.numel():
                     self._warn_extra_rows(module, outside)
                     rows = torch.unique(torch.cat([rows, outside]))
-            if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < weight.shape[0]:
-                bad = int(rows.max()) if int(rows.max()) >= weight.shape[0] else int(rows.min())
-                raise ValueError(  # before any parameter or step counter changes
-                    f"the inputs of {self.capture.name(module)} index row {bad} of a table of {weight.shape[0]} "
-                    "rows; check the inputs handed to step(inputs=...). No parameter was changed"
-                )
-            lazy.append((weight, self._union_over_ranks(rows, weight.shape[0])))
-        groups = self._param_groups_by_param()
-        with _hidden_grads([weight for weight, _ in lazy]):
-            super().step(inputs=inputs)
-        for weight, rows in lazy:
-            self._update_rows(weight, rows, groups[weight])
+            if rows.numel():
+                low, high = (int(end) for end in torch.aminmax(rows))
+                if not 0 <= low <= high < weight.shape[0]:
+                    bad = high if high >= weight.shape[0] else low
+                    raise ValueError(  # before any parameter or step counter changes
+                        f"the inputs of {self.capture.name(module)} index row {bad} of a table of {weight.shape[0]} "
+                        "rows; check the inputs handed to step(inputs=...). No parameter was changed"
+                    )
+            from_inputs.append((weight, rows, group))
+        if from_inputs:
+            ranks = self.data_parallel_group
+            if ranks is not None:
+                from_inputs = [(w, _union_over_ranks(rows, w.shape[0], ranks), g) for w, rows, g in from_inputs]
+            lazy += from_inputs
+        hidden = {id(weight) for weight, _, _ in lazy}
+        if any(p.grad is not None and id(p) not in hidden for group in self.param_groups for p in group["params"]):
+            with _hidden_grads([weight for weight, _, _ in lazy]):
+                super().step(inputs=inputs)
+        # else no other parameter has a gradient: the stock step would change nothing.
+        for weight, rows, group in lazy:
+            self._update_rows(weight, rows, group)
         return loss
 
     def _warn_extra_rows(self, module: nn.Module, extra: Tensor) -> None:
@@ -269,15 +301,6 @@ class LazyAdamW(InputAwareAdamW):
             stacklevel=3,
         )
 
-    def _union_over_ranks(self, rows: Tensor, num_rows: int) -> Tensor:
-        group = self.data_parallel_group
-        if group is None:
-            return rows
-        touched = torch.zeros(num_rows, dtype=torch.int32, device=rows.device)
-        touched[rows] = 1
-        torch.distributed.all_reduce(touched, group=group)
-        return touched.nonzero().squeeze(1)
-
     def _update_rows(self, weight: Tensor, rows: Tensor, group: dict[str, Any]) -> None:
         state = self.state[weight]
         if not state:
@@ -287,7 +310,8 @@ class LazyAdamW(InputAwareAdamW):
             state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
             if group["amsgrad"]:
                 state["max_exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
-        state["step"] += 1
+        step = state["step"]
+        step.add_(_one(step))  # a tensor one: adding a Python number costs a scalar tensor every step
         grad = weight.grad
         assert grad is not None
         rows = _local_rows(weight, rows)
@@ -299,14 +323,21 @@ class LazyAdamW(InputAwareAdamW):
         if group["amsgrad"]:
             tables.append(local_tensor(state["max_exp_avg_sq"]))
         theta, *moments = [table.index_select(0, rows) for table in tables]
+        grad_rows = _gradient_rows(local_tensor(grad), rows)
+        if grad_rows.dtype != theta.dtype:
+            grad_rows = grad_rows.to(theta.dtype)
+        if not grad_rows.is_contiguous():  # a sparse gradient's values may be strided; the kernel reads them flat
+            grad_rows = grad_rows.contiguous()
+        if step.device != theta.device:
+            step = step.to(theta.device)
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(
             [theta],
-            [_gradient_rows(local_tensor(grad), rows).to(theta.dtype)],
+            [grad_rows],
             [moments[0]],
             [moments[1]],
             moments[2:],
-            [state["step"].to(theta.device)],
+            [step],
             amsgrad=group["amsgrad"],
             lr=float(group["lr"]),
             beta1=beta1,
@@ -316,7 +347,68 @@ class LazyAdamW(InputAwareAdamW):
             maximize=group["maximize"],
         )
         for table, updated in zip(tables, [theta, *moments], strict=True):
-            table.index_copy_(0, rows, updated)
+            _write_rows(table, rows, updated)
+
+
+def _union_over_ranks(rows: Tensor, num_rows: int, group: Any) -> Tensor:
+    touched = torch.zeros(num_rows, dtype=torch.int32, device=rows.device)
+    touched[rows] = 1
+    torch.distributed.all_reduce(touched, group=group)
+    return touched.nonzero().squeeze(1)
+
+
+_ONES: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _one(like: Tensor) -> Tensor:
+    """A 0-d one of ``like``'s device and dtype (kept: made once per device and dtype)."""
+    key = (like.device, like.dtype)
+    one = _ONES.get(key)
+    if one is None:
+        one = _ONES[key] = torch.ones((), dtype=like.dtype, device=like.device)
+    return one
+
+
+# torch splits an elementwise kernel (index_copy_'s among them) across threads in chunks of at
+# least this many elements (at::internal::GRAIN_SIZE); fewer elements run on one thread.
+_GRAIN_SIZE = 32768
+_COPY_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _write_rows(table: Tensor, rows: Tensor, values: Tensor) -> None:
+    """``table[rows] = values`` (``rows`` unique), bit for bit: a copy moves the bits unchanged,
+    whatever element type it moves them as (see ``_copy_dtype``)."""
+    dtype = _copy_dtype(table, rows.numel())
+    if dtype == table.dtype:
+        table.index_copy_(0, rows, values)
+    else:
+        table.view(dtype).index_copy_(0, rows, values.contiguous().view(dtype))
+
+
+def _copy_dtype(table: Tensor, count: int) -> torch.dtype:
+    """The element type to write ``count`` rows of ``table`` as.
+
+    ``index_copy_`` on CPU moves one element at a time, so it costs per element more than per
+    byte: the widest elements (up to 16 bytes) that tile the rows are cheapest on one thread (a
+    float32 row of 128 as 32 complex128: four times fewer). On several threads, narrower ones are
+    taken where that lets torch split the copy over more threads and leaves each no more elements.
+    """
+    itemsize = table.element_size()
+    if not (table.is_cpu and table.dim() == 2 and table.stride(1) == 1):
+        return table.dtype
+    row_bytes = table.shape[1] * itemsize
+    # The widest power of two (at most 16 bytes) that divides the rows' width and position.
+    size = math.gcd(16, row_bytes, table.stride(0) * itemsize, table.storage_offset() * itemsize)
+    threads = torch.get_num_threads()
+
+    def per_thread(size: int) -> int:
+        elements = count * row_bytes // size
+        tasks = 1 if elements < _GRAIN_SIZE else min(threads, -(-elements // _GRAIN_SIZE))
+        return -(-elements // tasks)
+
+    while threads > 1 and size > itemsize and per_thread(size // 2) <= per_thread(size):
+        size //= 2
+    return table.dtype if size <= itemsize else _COPY_DTYPES[size]
 
 
 def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:

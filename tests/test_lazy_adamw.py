@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
-from inputaware_optim import CoverageWarning, InputAwareAdamW, LazyAdamW
+from inputaware_optim import Call, CoverageWarning, InputAwareAdamW, LazyAdamW
 
 VOCAB, DIM = 30, 4
 
@@ -283,3 +283,129 @@ def test_a_table_called_twice_in_one_pass_is_checked_and_needs_no_extra_rows() -
         optimizer.step()
     moved = (embed.weight != before).any(1)
     assert torch.equal(moved.nonzero().squeeze(1), torch.unique(torch.cat([a, b])))
+
+
+def _adamw_on_rows(weight: torch.Tensor, state: dict[str, Any], rows: torch.Tensor, **h: Any) -> dict[str, Any]:
+    """Stock ``torch.optim.AdamW(fused=True)`` stepped once on a copy of ``rows`` (weight, gradient, state)."""
+    theta = nn.Parameter(weight.detach()[rows].clone())
+    theta.grad = weight.grad[rows].clone()
+    stock = torch.optim.AdamW([theta], fused=True, **h)
+    if state:
+        rows_state = {k: v if k == "step" else v[rows].clone() for k, v in state.items()}
+        stock.load_state_dict({"state": {0: rows_state}, "param_groups": stock.state_dict()["param_groups"]})
+    stock.step()
+    return {"weight": theta.detach(), **{k: v for k, v in stock.state[theta].items() if k != "step"}}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dim", [4, 6, 3, 64])  # rows of 16, 24, 12 and 256 bytes: each width the write-back takes
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_touched_rows_are_bitwise_stock_fused_adamw_on_the_gathered_rows(threads: int, dim: int, amsgrad: bool) -> None:
+    h = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.2, "amsgrad": amsgrad, "maximize": amsgrad}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        embed = nn.Embedding(3000, dim)
+        optimizer = LazyAdamW(embed, **h)
+        generator = torch.Generator().manual_seed(1)
+        for count in (5, 700, 2500, 40):  # few rows, and enough that the write-back is split over threads
+            tokens = torch.randint(0, 3000, (count,), generator=generator)
+            optimizer.zero_grad()
+            embed(tokens).mul(torch.randn(count, dim, generator=generator)).sum().backward()
+            rows = torch.unique(tokens)
+            state = {k: v.clone() for k, v in optimizer.state[embed.weight].items()}
+            expected = _adamw_on_rows(embed.weight, state, rows, **h)
+            before = embed.weight.detach().clone()
+            optimizer.step()
+            after = optimizer.state[embed.weight]
+            assert torch.equal(embed.weight[rows], expected["weight"])
+            for key in ("exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else [])):
+                assert torch.equal(after[key][rows], expected[key]), key
+            untouched = torch.ones(3000, dtype=torch.bool)
+            untouched[rows] = False
+            assert torch.equal(embed.weight[untouched], before[untouched])
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
+@pytest.mark.parametrize("width", [1, 3, 4, 6, 130])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_row_write_back_copies_bits_unchanged(threads: int, dtype: torch.dtype, width: int, offset: int) -> None:
+    """Any bit pattern (NaN payloads, subnormals, negative zero) lands unchanged, whatever width moves it."""
+    from inputaware_optim.lazy_adamw import _write_rows
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(width + offset)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+
+        def random_bits(count: int) -> torch.Tensor:
+            return torch.randint(0, 256, (count * itemsize,), dtype=torch.uint8, generator=generator).view(dtype)
+
+        table = random_bits(offset + 9000 * width)[offset:].view(9000, width)
+        rows = torch.randperm(9000, generator=generator)[:8000]
+        values = random_bits(8000 * width).view(8000, width)
+        expected = table.clone().view(torch.uint8).view(9000, -1)
+        expected[rows] = values.view(torch.uint8).view(8000, -1)
+        _write_rows(table, rows, values)
+        assert torch.equal(table.contiguous().view(torch.uint8).view(9000, -1), expected)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_a_table_without_captured_inputs_alone_gets_the_stock_dense_update() -> None:
+    torch.manual_seed(0)
+    lazy_embed = nn.Embedding(VOCAB, DIM)
+    stock_embed = copy.deepcopy(lazy_embed)
+    lazy, stock = LazyAdamW(lazy_embed, lr=0.1), torch.optim.AdamW(stock_embed.parameters(), lr=0.1)
+    tokens = torch.tensor([1, 2, 3])
+    for embed in (lazy_embed, stock_embed):
+        embed(tokens).pow(2).sum().backward()
+    lazy.step(inputs={})  # nothing captured for the table: it is not lazy this step
+    stock.step()
+    assert torch.equal(lazy_embed.weight, stock_embed.weight)
+
+
+def test_hyperparameters_are_read_from_the_current_param_groups() -> None:
+    """A scheduler's change of lr, and the groups load_state_dict puts in place, apply from the next step."""
+    a, b = Bag(), Bag()
+    oa, ob = LazyAdamW(a, lr=0.01), LazyAdamW(b, lr=0.3, betas=(0.5, 0.6))
+    steps = batches(4)
+    for model, optimizer in ((a, oa), (b, ob)):
+        optimizer.zero_grad()
+        loss_of(model, steps[0]).backward()
+        optimizer.step()
+    b.load_state_dict(a.state_dict())
+    ob.load_state_dict(copy.deepcopy(oa.state_dict()))  # b's groups are now a's: lr 0.01, the default betas
+    for tokens in steps[1:]:
+        for model, optimizer in ((a, oa), (b, ob)):
+            optimizer.param_groups[0]["lr"] *= 0.5
+            optimizer.zero_grad()
+            loss_of(model, tokens).backward()
+            optimizer.step()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_a_sparse_gradient_with_strided_values_gives_the_dense_update() -> None:
+    """The fused kernel reads its tensors flat: strided values must reach it as a contiguous copy."""
+    dense_model, sparse_model = Bag(), Bag(sparse=True)
+    dense, sparse = LazyAdamW(dense_model, lr=0.05), LazyAdamW(sparse_model, lr=0.05)
+    tokens = torch.tensor([[1, 4, 7]])
+    loss_of(dense_model, tokens).backward()
+    grad = dense_model.embed.weight.grad
+    rows = torch.tensor([1, 4, 7])
+    strided = grad[rows].t().contiguous().t()  # the same values, column-major
+    assert not strided.is_contiguous()
+    sparse_model.embed.weight.grad = torch.sparse_coo_tensor(
+        rows[None], strided, grad.shape, is_coalesced=True, check_invariants=True
+    )
+    sparse_model.head.weight.grad = dense_model.head.weight.grad.clone()
+    sparse_model.head.bias.grad = dense_model.head.bias.grad.clone()
+    dense.step(inputs={dense_model.embed: [Call(dense_model.embed, (tokens,), {})]})
+    sparse.step(inputs={})
+    assert torch.equal(dense_model.embed.weight, sparse_model.embed.weight)

@@ -6,9 +6,10 @@ import math
 import weakref
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
@@ -22,11 +23,16 @@ from .inputs import Call, Inputs
 from .layers import (
     GENERIC,
     BlockRows,
+    ConvKind,
     IndexedRows,
+    LayerKind,
     Materialized,
     MatrixRows,
     PerSample,
+    _batched,
     _functional_per_sample_grads,
+    _grad_output,
+    _statistics_dtype,
     declared_refusal,
     layer_kind,
 )
@@ -47,11 +53,18 @@ _DOC = r"""
     where :math:`g_i` is sample :math:`i`'s gradient of its own loss over *all* parameters of
     the optimizer, :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier``
     (with ``loss_reduction="sum"`` the division by :math:`B` is left out, as the loss was a sum).
-    Per-sample gradients come from each captured call's inputs and output gradients:
-    closed forms for ``nn.Linear``, Hugging Face's ``Conv1D`` and ``nn.Conv1d/2d/3d`` (grouped
-    too: the ghost norm, which never forms a batch × parameters tensor, including for sequence
-    inputs), ``nn.Embedding`` and ``nn.EmbeddingBag`` (offsets and per-sample weights), and
-    ``torch.func``'s ``vmap(grad)`` over the module's forward for any other layer.
+    Per-sample gradients come from each captured call's inputs and output gradients, all within
+    the one backward pass the loss takes: closed forms for ``nn.Linear``, Hugging Face's
+    ``Conv1D`` and ``nn.Conv1d/2d/3d`` (grouped too), ``nn.LayerNorm``, ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` (offsets and per-sample weights), and ``torch.func``'s ``vmap(grad)`` over
+    the module's forward for any other layer. For a matrix layer each sample's norm is the cheaper
+    exact form: the ghost norm (which never forms a batch × parameters tensor) where the layer has
+    few positions for its size, else the per-sample gradients themselves (a convolution's from its
+    own weight-gradient kernel, the batch run as groups), which are then reused for the clipped
+    sum; otherwise the clipped sum is one product ``gᵀ diag(c) x`` per layer (Book-Keeping).
+    Every step also checks, by a few fixed random projections, that the per-sample gradients add
+    up to the gradient backward computed (refusing the step if not); the private gradient is
+    written into ``.grad`` in place, the noise drawn straight into it.
     The noise comes from ``generator`` (default: a generator seeded from torch's global
     RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
 
@@ -253,7 +266,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         if module is None:
             return "refused at step", "not a parameter of any module: its per-sample gradient is unknown", True
         kind = layer_kind(module)
-        closed = kind is not None and kind.provides("per_sample")
+        closed = (kind is not None and kind.provides("per_sample")) or _is_layer_norm(module)
         how = f"closed form for {type(module).__name__}" if closed else "torch.func vmap(grad) of its forward"
         return f"{type(self).__name__}: per-sample clipping ({how})", None, False
 
@@ -280,6 +293,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         private = self._private_gradients(inputs)
         for param, grad in private.items():
             assert param.grad is not None
+            if grad is param.grad:  # written in place
+                continue
             if param.grad.is_sparse:  # the noised estimate is dense: every row moves
                 param.grad = grad.to(param.dtype)
             else:  # under FSDP2, ``grad`` is this rank's shard
@@ -321,8 +336,12 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "is a mean over. Pass expected_batch_size=<samples per step> (the loss of each micro-batch then "
                 "being its sum divided by that), or use loss_reduction='sum'. No parameter was changed"
             )
-        sums = {p: totals[p]["sum"].clone() for p in targets}
         data_parallel = self.data_parallel_group
+        if data_parallel is None and not any(sharded(p) for p in targets):
+            batch = self._expected_batch_size or first["samples"]
+            divisor = float(batch) if self._privacy[2] == "mean" else 1.0
+            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
+        sums = {p: totals[p]["sum"].clone() for p in targets}
         if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks, so replicas stay identical
                 noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
@@ -335,13 +354,34 @@ class _PerSampleClipping(InputAwareOptimizer):
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
 
+    def _noised_into_grad(self, param: Tensor, total: Tensor, std: float, divisor: float) -> Tensor:
+        """``(total + N(0, std² I)) / divisor`` in one process, written into ``param.grad`` where it
+        can be (dense, of ``total``'s dtype and device): the noise is drawn into it, then one pass adds
+        the clipped sum (``total``, which the capture keeps, is left as it is)."""
+        grad = param.grad
+        assert grad is not None
+        generator = self._generator
+        fits = not grad.is_sparse and grad.dtype == total.dtype and grad.device == total.device
+        fits = fits and grad.shape == total.shape and grad.is_contiguous()
+        out = grad if fits else torch.empty_like(total)
+        if std > 0:
+            if out.dtype == torch.get_default_dtype() and out.device == generator.device:
+                torch.randn(out.shape, generator=generator, out=out)  # the noise as drawn before, in place
+                torch.add(total, out, alpha=std, out=out)
+            else:  # drawn in the default dtype on the generator's device, as the multi-process path does
+                noise = torch.randn(total.shape, generator=generator, device=generator.device)
+                torch.add(total, noise.to(total.device, total.dtype), alpha=std, out=out)
+        else:
+            out.copy_(total)
+        return out.div_(divisor) if divisor != 1.0 else out
+
     def _check_sums_add_up(self, targets: list[Tensor], totals: dict[Tensor, Any]) -> None:
         """Refuse a gradient that the per-sample gradients do not add up to: part of it came from
         somewhere no captured call explains, and could not be clipped per sample. Each parameter's
         gap is measured against the whole gradient's norm (a parameter whose gradient is zero up to
         rounding, say a bias a normalization cancels, must not fail on its rounding)."""
-        gaps: dict[Tensor, float] = {}
-        norms: list[float] = []
+        checked: list[Tensor] = []
+        pairs: list[Tensor] = []  # per parameter: the gap's norm and the gradient's, read at once below
         exact = True  # float64 throughout: a much tighter bound
         for param in targets:
             plain, grad = totals[param]["unclipped"], param.grad
@@ -350,8 +390,15 @@ class _PerSampleClipping(InputAwareOptimizer):
             grad = grad.to_dense() if grad.is_sparse else grad
             exact = exact and grad.dtype == torch.float64
             grad = self._clipped.probes.project(param, grad)
-            gaps[param] = float(torch.linalg.vector_norm(plain.to(grad.dtype) - grad))
-            norms.append(float(torch.linalg.vector_norm(grad)))
+            checked.append(param)
+            gap, norm = torch.linalg.vector_norm(plain.to(grad.dtype) - grad), torch.linalg.vector_norm(grad)
+            pairs.append(torch.stack([gap, norm]).double())
+        if len({p.device for p in pairs}) == 1:
+            values = torch.stack(pairs).tolist()
+        else:  # parameters on several devices: one read each
+            values = [pair.tolist() for pair in pairs]
+        gaps = {param: gap for param, (gap, _) in zip(checked, values, strict=True)}
+        norms = [norm for _, norm in values]
         tolerance = 1e-9 if exact else 1e-3
         whole = math.sqrt(sum(n * n for n in norms))
         wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
@@ -471,7 +518,18 @@ class ClippedSums(Reduction):
         first), or ``vmap(grad)`` over the module's forward, called as it was (batch along ``batch_dim``)."""
         kind = layer_kind(module)
         if kind is not None and kind.provides("per_sample"):
-            return kind.per_sample(module, _batch_first(call, self.batch_dim), names)
+            call = _batch_first(call, self.batch_dim)
+            if type(kind) is ConvKind and module.groups == 1:  # type: ignore[union-attr]
+                try:
+                    return _conv_rows(module, call, names)
+                except NotImplementedError:
+                    pass
+            per = kind.per_sample(module, call, names)
+            if isinstance(per, MatrixRows):
+                return _Rows(per.x, per.g, per.weight, per.bias, per.weight_shape, per.transposed)
+            return per
+        if _is_layer_norm(module):
+            return _layer_norm_per_sample(module, _batch_first(call, self.batch_dim), names)
         if self.batch_dim == 0:
             return (kind or GENERIC).per_sample(module, call, names)
         return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
@@ -491,8 +549,12 @@ class ClippedSums(Reduction):
             shares = [self._per_sample(m, c, [n]).grads()[n] for m, n in uses for c in calls.get(m, ())]
             if shares:
                 pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))
-        squared = sum(_robust_sq_norms(per) for per, _ in pieces)
+        norms = [per.sq_norms() for per, _ in pieces]
+        squared = sum(n.double() for n in norms)
         assert isinstance(squared, Tensor)
+        if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
+            squared = sum(_robust_sq_norms(per, n) for (per, _), n in zip(pieces, norms, strict=True))
+            assert isinstance(squared, Tensor)
         weights = scale * (self.clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
@@ -532,6 +594,11 @@ class _Probes:
         return directions if directions.dtype == like.dtype else directions.to(like.dtype)
 
     def plain_sums(self, per: PerSample, params: dict[str, Tensor]) -> dict[str, Tensor]:
+        if isinstance(per, _Rows) and per.weight:
+            weight = params["weight"]
+            if per.transposed:
+                self.transposed.add(weight)
+            return per.projected_sums(self._directions(weight, per.outputs, per.like))
         if isinstance(per, MatrixRows) and per.weight:
             weight = params["weight"]
             directions = self._directions(weight, per.g.shape[-1], per.g)
@@ -567,7 +634,246 @@ class _Probes:
         return torch.einsum("ok,joi->jki", directions, grad.reshape(blocks, outputs, -1))
 
 
+class _Rows(PerSample):
+    """A matrix layer's per-sample gradients from its rows: inputs ``x`` ``(batch, positions, in)``
+    and output gradients ``g`` ``(batch, positions, out)``, any strides (a convolution's are
+    channel-major views, never copied). Sample ``b``'s weight gradient is ``sum_t g_bt x_btᵀ``,
+    its bias gradient ``sum_t g_bt``.
+
+    Its squared norm is the cheaper of two exact forms: the ghost norm (Gram matrices over the
+    positions, never forming the gradient) or the gradient itself, formed (``formed``, ``(batch,
+    out, in)``) where it is no larger than the rows already held (``positions * (in + out) >=
+    in * out``). A formed gradient is kept: the clipped sum is then a ``batch``-term weighted sum
+    of it, and the unclipped one its plain sum, instead of a second product over every row.
+    Otherwise the clipped sum is Book-Keeping's single product ``gᵀ diag(c) x`` over all rows (the
+    weights scale whichever of ``x`` and ``g`` is narrower). Given ``formed`` (a convolution's,
+    from its own weight-gradient kernel), ``x`` and ``g`` are not needed.
+    """
+
+    def __init__(
+        self,
+        x: Tensor | None,
+        g: Tensor | None,
+        weight: bool,
+        bias: bool,
+        weight_shape: torch.Size,
+        transposed: bool = False,
+        *,
+        formed: Tensor | None = None,
+        bias_rows: Tensor | None = None,
+    ) -> None:
+        assert (x is not None and g is not None) or (
+            (formed is not None or not weight) and (bias_rows is not None or not bias)
+        )
+        self.x, self.g = x, g
+        self.weight, self.bias = weight, bias
+        self.weight_shape = weight_shape
+        self.transposed = transposed  # the weight is stored (in, out), as Hugging Face's Conv1D
+        self.formed = formed  # (batch, out, in): each sample's weight gradient, once formed
+        self._bias_rows = bias_rows
+
+    @property
+    def like(self) -> Tensor:
+        """A tensor of the per-sample gradients' dtype and device, batch first."""
+        like = self.g if self.g is not None else self.formed if self.formed is not None else self._bias_rows
+        assert like is not None
+        return like
+
+    @property
+    def batch(self) -> int:
+        return int(self.like.shape[0])
+
+    @property
+    def outputs(self) -> int:
+        """The weight's output rows (its first dimension, or its second when ``transposed``)."""
+        return int(self.g.shape[-1] if self.g is not None else self.like.shape[1])
+
+    @property
+    def bias_rows(self) -> Tensor:
+        """Each sample's bias gradient ``sum_t g_bt``: ``(batch, out)``."""
+        if self._bias_rows is None:
+            assert self.g is not None
+            self._bias_rows = self.g[:, 0] if self.g.shape[1] == 1 else self.g.sum(1)
+        return self._bias_rows
+
+    def form(self) -> Tensor:
+        """Each sample's weight gradient, ``(batch, out, in)`` (formed once)."""
+        if self.formed is None:
+            assert self.x is not None and self.g is not None
+            self.formed = torch.bmm(self.g.transpose(1, 2), self.x)
+        return self.formed
+
+    def _forms(self) -> bool:
+        if self.formed is not None:
+            return True
+        assert self.x is not None and self.g is not None
+        positions, inputs, outputs = self.x.shape[1], self.x.shape[2], self.g.shape[2]
+        return positions > 1 and positions * (inputs + outputs) >= inputs * outputs
+
+    def sq_norms(self) -> Tensor:
+        total = self.bias_rows.square().sum(1) if self.bias else None
+        if not self.weight:
+            assert total is not None
+            return total
+        if self._forms():
+            squared = self.form().square().sum((1, 2))
+        else:
+            x, g = self.x, self.g
+            assert x is not None and g is not None
+            if g.shape[1] == 1:  # one position: |g xᵀ|² = |g|² |x|²
+                squared = g[:, 0].square().sum(1) * x[:, 0].square().sum(1)
+            else:  # the ghost norm: |sum_t g_t x_tᵀ|² = sum_{t,s} (g_t . g_s)(x_t . x_s)
+                squared = (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+        return squared if total is None else squared + total
+
+    def _weight_sum(self, weights: Tensor) -> Tensor:
+        """``sum_b weights[b] * (sample b's weight gradient)``, ``(out, in)``."""
+        if self.formed is not None:
+            return torch.tensordot(weights, self.formed, dims=1)
+        x, g = self.x, self.g
+        assert x is not None and g is not None
+        scale = weights[:, None, None]
+        if x.shape[2] < g.shape[2]:
+            x = x * scale
+        else:
+            g = g * scale
+        return g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
+
+    def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
+        weights = weights.to(self.like)
+        sums = {}
+        if self.weight:
+            matrix = self._weight_sum(weights)
+            sums["weight"] = (matrix.T if self.transposed else matrix).reshape(self.weight_shape)
+        if self.bias:
+            sums["bias"] = weights @ self.bias_rows
+        return sums
+
+    def projected_sums(self, directions: Tensor) -> dict[str, Tensor]:
+        """The unclipped sum, its weight gradient projected on ``directions`` (``out x k``): ``k x in``."""
+        out = {}
+        if self.weight:
+            if self.formed is not None:
+                out["weight"] = directions.T @ self.formed.sum(0)
+            else:  # sum_bt (Pᵀ g_bt) x_btᵀ: O(rows * k * (in + out))
+                x, g = self.x, self.g
+                assert x is not None and g is not None
+                if g.shape[1] == 1 or g.is_contiguous():  # rows as they are
+                    projected = directions.T @ g.reshape(-1, g.shape[2]).T  # (k, rows): GEMM-friendly
+                    out["weight"] = projected @ x.reshape(-1, x.shape[2])
+                else:  # a convolution's channel-major rows: per sample, without copying them
+                    projected = torch.matmul(directions.T, g.transpose(1, 2))  # (batch, k, positions)
+                    out["weight"] = torch.bmm(projected, x).sum(0)
+        if self.bias:
+            out["bias"] = self.bias_rows.sum(0)
+        return out
+
+    def grads(self) -> dict[str, Tensor]:
+        grads = {}
+        if self.weight:
+            matrix = self.form()
+            if self.transposed:
+                matrix = matrix.transpose(1, 2)
+            grads["weight"] = matrix.reshape(matrix.shape[0], *self.weight_shape)
+        if self.bias:
+            grads["bias"] = self.bias_rows
+        return grads
+
+    def widened(self) -> _Rows:
+        """The same per-sample gradients in float64."""
+        if self.x is None or self.g is None:
+            assert self.formed is not None
+            rows = None if self._bias_rows is None else self._bias_rows.double()
+            return _Rows(
+                None, None, self.weight, self.bias, self.weight_shape, self.transposed,
+                formed=self.formed.double(), bias_rows=rows,
+            )  # fmt: skip
+        return _Rows(self.x.double(), self.g.double(), self.weight, self.bias, self.weight_shape, self.transposed)
+
+
+def _is_layer_norm(module: nn.Module) -> TypeGuard[nn.LayerNorm]:
+    """An ``nn.LayerNorm`` (or a subclass computed by its forward), whose closed form DP knows."""
+    return isinstance(module, nn.LayerNorm) and type(module).forward is nn.LayerNorm.forward
+
+
+def _layer_norm_per_sample(module: nn.LayerNorm, call: Call, names: Sequence[str]) -> PerSample:
+    """``nn.LayerNorm``'s per-sample gradients in closed form: with ``x̂`` the input normalized
+    (without the affine part), sample ``b``'s weight gradient is ``sum_t g_bt * x̂_bt`` and its bias
+    gradient ``sum_t g_bt``, summed over every position ``t`` (the dimensions before the
+    normalized ones): ``(batch, *normalized_shape)`` each, as small as the parameters."""
+    shape = tuple(module.normalized_shape)
+    x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
+    if x.dim() == len(shape):  # one sample, unbatched
+        x, g = x[None], g[None]
+    batch = x.shape[0]
+    grads = {}
+    if "weight" in names:
+        normalized = F.layer_norm(x, shape, None, None, module.eps)
+        grads["weight"] = (g * normalized).reshape(batch, -1, *shape).sum(1)
+    if "bias" in names:
+        grads["bias"] = g.reshape(batch, -1, *shape).sum(1)
+    return Materialized(grads)
+
+
+def _merged_rows(per_call: list[_Rows]) -> _Rows:
+    """The per-sample gradients of several calls of one matrix layer in one forward: their rows
+    side by side (the positions of every call), or, where one was formed, the formed sum."""
+    head = per_call[0]
+    if all(p.x is not None and p.formed is None for p in per_call):
+        x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[misc]
+        g = torch.cat([p.g for p in per_call], dim=1)  # type: ignore[misc]
+        return _Rows(x, g, head.weight, head.bias, head.weight_shape, head.transposed)
+    formed = torch.stack([p.form() for p in per_call]).sum(0) if head.weight else None
+    rows = torch.stack([p.bias_rows for p in per_call]).sum(0) if head.bias else None
+    return _Rows(None, None, head.weight, head.bias, head.weight_shape, head.transposed, formed=formed, bias_rows=rows)
+
+
+def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> _Rows:
+    """An ungrouped ``nn.Conv1d/2d/3d`` call's per-sample gradients.
+
+    Formed where that is the cheaper norm (see ``_Rows``), by the convolution's own weight-gradient
+    kernel run once with the batch as groups (``(1, batch * C, ...)`` input, ``batch`` groups);
+    otherwise as rows, the input's patches by im2col (``F.unfold``, in the weight's column order)
+    and the output gradient flattened, both channel-major and only viewed position-major."""
+    assert isinstance(module, nn.modules.conv._ConvNd)
+    spatial = module.weight.dim() - 2
+    x = _statistics_dtype(_batched(call.input, spatial + 2))
+    g = _statistics_dtype(_batched(_grad_output(call), spatial + 2))
+    padding = [0] * spatial
+    if module.padding_mode == "zeros" and isinstance(module.padding, tuple):
+        padding = list(module.padding)  # the kernels pad by themselves
+    elif any(module._reversed_padding_repeated_twice):  # other modes, or "same" (perhaps uneven)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    weight, bias = "weight" in names, "bias" in names
+    batch, channels, outputs = x.shape[0], x.shape[1], g.shape[1]
+    kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    positions, inputs = math.prod(g.shape[2:]), channels * math.prod(kernel)
+    bias_rows = g.flatten(2).sum(2) if bias else None
+    if weight and positions * (inputs + outputs) >= inputs * outputs and positions > 1:
+        shape = (batch * outputs, channels, *kernel)
+        formed = torch.ops.aten.convolution_backward(
+            g.reshape(1, batch * outputs, *g.shape[2:]),
+            x.reshape(1, batch * channels, *x.shape[2:]),
+            g.new_empty(1).expand(shape),
+            None, stride, padding, dilation, False, [0] * spatial, batch, (False, True, False),
+        )[1]  # fmt: skip
+        formed = formed.reshape(batch, outputs, -1)
+        return _Rows(None, None, weight, bias, module.weight.shape, formed=formed, bias_rows=bias_rows)
+    if spatial == 3:
+        raise NotImplementedError  # the caller falls back on the layer kind's rows
+    if spatial == 1:  # a row of height one
+        x, kernel, dilation, stride = x[:, :, None], (1, *kernel), (1, *dilation), (1, *stride)
+        padding = [0, *padding]
+    patches = F.unfold(x, kernel, dilation=dilation, padding=tuple(padding), stride=stride)
+    rows = _Rows(patches.transpose(1, 2), g.flatten(2).transpose(1, 2), weight, bias, module.weight.shape)
+    rows._bias_rows = bias_rows
+    return rows
+
+
 def _batch_size(per: PerSample) -> int:
+    if isinstance(per, _Rows):
+        return per.batch
     if isinstance(per, (MatrixRows, BlockRows, IndexedRows)):
         return int(per.g.shape[0])
     return int(next(iter(per.grads().values())).shape[0])
@@ -579,14 +885,17 @@ def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:
     return [m for m in owners if not any(o is not m and any(o is d for d in m.modules()) for o in owners)]
 
 
-def _robust_sq_norms(per: PerSample) -> Tensor:
+def _robust_sq_norms(per: PerSample, squared: Tensor | None = None) -> Tensor:
     """Each sample's squared gradient norm, in float64 where float32 would overflow (gradients near
-    1e19 square past float32's range, and an infinite norm would clip the sample to nothing)."""
-    squared = per.sq_norms()
+    1e19 square past float32's range, and an infinite norm would clip the sample to nothing).
+    ``squared``: ``per.sq_norms()``, if already computed."""
+    squared = per.sq_norms() if squared is None else squared
     if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
         return squared.double()
-    if isinstance(per, MatrixRows):
-        wide: PerSample = MatrixRows(per.x.double(), per.g.double(), _names(per), per.weight_shape, per.transposed)
+    if isinstance(per, _Rows):
+        wide: PerSample = per.widened()
+    elif isinstance(per, MatrixRows):
+        wide = MatrixRows(per.x.double(), per.g.double(), _names(per), per.weight_shape, per.transposed)
     elif isinstance(per, IndexedRows):
         wide = IndexedRows(per.index, per.g.double(), per.num_rows)
     else:
@@ -598,9 +907,19 @@ def _names(per: MatrixRows) -> list[str]:
     return [n for n, on in (("weight", per.weight), ("bias", per.bias)) if on]
 
 
+def _samples_of(module: nn.Module, call: Call) -> int:
+    """How many samples one call holds (its kind's count; the common case without the pytree)."""
+    kind = layer_kind(module) or GENERIC
+    if type(kind).samples is LayerKind.samples and call.args and type(call.args[0]) is Tensor:
+        if call.args[0].dim() == 0:
+            return kind.samples(module, call)  # its error
+        return int(call.args[0].shape[0])
+    return kind.samples(module, call)
+
+
 def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
     """The batch size of one forward, which every call in it must share."""
-    sizes = {m: {(layer_kind(m) or GENERIC).samples(m, c) for c in cs} for m, cs in calls.items()}
+    sizes = {m: {_samples_of(m, c) for c in cs} for m, cs in calls.items()}
     found = set().union(*sizes.values())
     if len(found) == 1:
         return found.pop()
@@ -667,7 +986,7 @@ class _RootBatches:
         if torch.compiler.is_compiling() or not torch.is_grad_enabled():
             return
         self.root = module
-        leaves = tree_flatten((args, kwargs))[0]
+        leaves = args if not kwargs and all(type(a) is Tensor for a in args) else tree_flatten((args, kwargs))[0]
         self.sizes[self.log.forwards] = {
             int(t.shape[self.batch_dim]) for t in leaves if isinstance(t, Tensor) and t.dim() > self.batch_dim
         }
@@ -693,6 +1012,8 @@ def _merged(per_call: list[PerSample]) -> PerSample:
     """The per-sample gradients of several calls of one module in one forward: their sum."""
     if len(per_call) == 1:
         return per_call[0]
+    if all(isinstance(p, _Rows) for p in per_call):
+        return _merged_rows(per_call)  # type: ignore[arg-type]
     if all(isinstance(p, MatrixRows) for p in per_call):
         first = per_call[0]
         assert isinstance(first, MatrixRows)

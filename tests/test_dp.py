@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 from typing import Any
 
@@ -215,3 +216,152 @@ def test_dp_under_activation_checkpointing_keeps_no_activation_and_is_exact() ->
         results.append([p.detach().clone() for p in model.parameters()])
     for plain, checkpointed in zip(*results, strict=True):
         torch.testing.assert_close(plain, checkpointed, rtol=1e-12, atol=1e-14)
+
+
+def clipped_reference(model: nn.Module, x: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
+    """The noise-free DP-SGD gradient of ``mean_i |model(x_i)|²`` from torch.func's per-sample gradients."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of_one(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (xi[None],)).pow(2).sum()
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0))(params, x)
+    norms = torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+    return {k: torch.tensordot(factors, g, dims=1) / len(x) for k, g in per_sample.items()}
+
+
+def assert_step_is_clipped_mean(model: nn.Module, x: torch.Tensor, clip: float = 0.05) -> None:
+    expected = clipped_reference(model, x, clip)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=clip, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    model(x).pow(2).flatten(1).sum(1).mean().backward()
+    optimizer.step()
+    for key, param in model.named_parameters():
+        torch.testing.assert_close(before[key] - param.detach(), expected[key], rtol=1e-9, atol=1e-12, msg=key)
+
+
+class _Twice(nn.Module):
+    """One layer called twice in a forward, on inputs of different sizes."""
+
+    def __init__(self, layer: nn.Module, shrink: nn.Module) -> None:
+        super().__init__()
+        self.layer, self.shrink = layer, shrink
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.layer(x)).flatten(1).sum(1, keepdim=True) + self.layer(self.shrink(x)).flatten(1)
+
+
+# Per-sample weight gradients are formed (many positions for the layer's size) or take the ghost norm
+# (few positions); convolutions form theirs with their own weight-gradient kernel, batched as groups.
+CONVOLUTIONS = {
+    "conv2d formed": (nn.Conv2d(3, 4, 3, padding=1), (5, 3, 8, 8)),
+    "conv2d ghost": (nn.Conv2d(16, 16, 3, padding=1), (5, 16, 2, 2)),
+    "conv2d strided dilated unpadded": (nn.Conv2d(3, 4, 3, stride=2, dilation=2), (5, 3, 11, 9)),
+    "conv2d ghost strided": (nn.Conv2d(16, 8, 3, stride=2, padding=1, bias=False), (5, 16, 3, 3)),
+    "conv2d same (uneven)": (nn.Conv2d(3, 4, (2, 4), padding="same"), (5, 3, 6, 7)),
+    "conv2d reflect": (nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), (5, 3, 6, 6)),
+    "conv2d circular ghost": (nn.Conv2d(16, 16, 3, padding=1, padding_mode="circular"), (5, 16, 2, 2)),
+    "conv1d formed": (nn.Conv1d(3, 4, 3, padding=2, dilation=2), (5, 3, 9)),
+    "conv1d ghost": (nn.Conv1d(32, 16, 3, stride=2, padding=1), (5, 32, 3)),
+    "conv3d formed": (nn.Conv3d(2, 3, 2, padding=1), (5, 2, 3, 4, 3)),
+    "conv3d ghost": (nn.Conv3d(8, 8, 3, padding=1), (5, 8, 1, 2, 1)),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+@pytest.mark.parametrize("name", list(CONVOLUTIONS))
+def test_convolutions_equal_per_sample_clipping(name: str) -> None:
+    torch.manual_seed(0)
+    conv, shape = CONVOLUTIONS[name]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.LazyLinear(2)).double()
+    model(x)  # materializes the lazy head
+    assert_step_is_clipped_mean(model, x)
+
+
+@pytest.mark.parametrize(
+    ("layer", "positions"),
+    [
+        (nn.Linear(2, 3), 9),  # many positions for its size: formed
+        (nn.Linear(12, 12), 3),  # few positions: the ghost norm
+        (nn.Linear(12, 5, bias=False), 2),
+        (nn.Linear(12, 5), 1),  # one position: |g|² |x|²
+    ],
+    ids=["formed", "ghost", "ghost without bias", "one position"],
+)
+def test_sequence_linear_equals_per_sample_clipping(layer: nn.Module, positions: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(5, positions, layer.in_features, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    assert_step_is_clipped_mean(nn.Sequential(layer, nn.Tanh()).double(), x)
+
+
+@pytest.mark.parametrize(
+    "norm",
+    [nn.LayerNorm(6), nn.LayerNorm(6, bias=False), nn.LayerNorm((3, 6)), nn.LayerNorm(6, elementwise_affine=False)],
+    ids=["affine", "without bias", "two dims", "no parameters"],
+)
+def test_layer_norm_closed_form_equals_per_sample_clipping(norm: nn.Module) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 5, 3, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    with torch.no_grad():  # weights away from their initial ones and zeros, so every term counts
+        for param in norm.parameters():
+            param.normal_()
+    model = nn.Sequential(nn.Linear(6, 6), norm, nn.Tanh()).double()
+    assert_step_is_clipped_mean(model, x)
+
+
+@pytest.mark.parametrize(
+    ("layer", "shape"),
+    [
+        (nn.Conv2d(16, 16, 3, padding=1), (4, 16, 6, 6)),  # formed at 6x6, the ghost norm at 2x2
+        (nn.Linear(16, 16), (4, 3, 16)),  # the ghost norm, on both calls' rows side by side
+    ],
+    ids=["conv formed and ghost", "linear"],
+)
+def test_a_layer_called_twice_on_different_sizes(layer: nn.Module, shape: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    shrink = nn.AdaptiveAvgPool2d(2) if isinstance(layer, nn.Conv2d) else nn.Identity()
+    model = _Twice(layer, shrink).double()
+    assert_step_is_clipped_mean(model, x)
+
+
+def test_noise_is_drawn_in_place_with_the_same_stream() -> None:
+    """The private gradient written into ``.grad`` (float32, in place) equals the clipped mean plus
+    the generator's ``randn`` for each parameter in turn, times ``sigma * C / B``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 2))
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(5))
+    clip, sigma = 0.05, 1.3
+    expected = clipped_reference(model, x, clip)
+    optimizer = DPSGD(
+        model, lr=1.0, max_grad_norm=clip, noise_multiplier=sigma, generator=torch.Generator().manual_seed(9)
+    )
+    model(x).pow(2).sum(1).mean().backward()
+    grads = {id(p): p.grad for p in model.parameters()}
+    optimizer.step()
+    stream = torch.Generator().manual_seed(9)
+    for key, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=stream) * (sigma * clip / len(x))
+        assert param.grad is grads[id(param)]  # written in place
+        torch.testing.assert_close(param.grad, expected[key] + noise, rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_huge_convolution_gradient_is_clipped_in_float64() -> None:
+    """Per-sample gradients formed in float32 whose squares overflow: their norms are taken again in
+    float64, so each sample is clipped to C rather than to nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.Flatten(), nn.Linear(3 * 16, 1))
+    x = torch.randn(4, 2, 4, 4, generator=torch.Generator().manual_seed(6))
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=1.0, noise_multiplier=0.0)
+    (model(x).sum() * 1e19).backward()
+    optimizer.step()
+    update_norm = math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters()))
+    assert 0.5 < update_norm <= 1.0 + 1e-4  # four samples, each clipped to 1 (mostly aligned): mean norm near 1
+
+
+def test_coverage_names_the_layer_norm_closed_form() -> None:
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    treatments = {row.treatment for row in DPSGD(model, lr=0.1).coverage()}
+    assert "DPSGD: per-sample clipping (closed form for LayerNorm)" in treatments

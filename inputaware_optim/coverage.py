@@ -64,6 +64,7 @@ _RULES = ("FOOF", "K-FAC / Eva", "NLMS", "LazyAdamW", "DPSGD / DPAdamW")
 
 # Layers no registered kind describes, as every rule treats them (what the registry cannot say).
 _UNREGISTERED = (
+    ("`nn.LayerNorm`", ("stock", "stock", "stock", "stock", "exact (closed form)")),
     (
         "any other module with parameters (norms, custom layers)",
         (

@@ -415,6 +415,7 @@ def instances() -> dict[str, nn.Module]:
         "`nn.NonDynamicallyQuantizableLinear`": nn.modules.linear.NonDynamicallyQuantizableLinear(4, 4),
         "`nn.Embedding`": nn.Embedding(5, 2),
         "`nn.EmbeddingBag`": nn.EmbeddingBag(5, 2),
+        "`nn.LayerNorm`": nn.LayerNorm(3),
     }
     try:
         from transformers.pytorch_utils import Conv1D

@@ -333,8 +333,8 @@ def format_ratio(median: float, low: float, high: float) -> str:
 def format_seconds(seconds: float) -> str:
     """A duration with a unit that keeps three significant digits."""
     magnitude = abs(seconds)
-    if magnitude >= 1:
+    if float(f"{magnitude:.3g}") >= 1:  # as rounded, so 0.9996 s reads 1 s, not 1e+03 ms
         return f"{seconds:.3g} s"
-    if magnitude >= 1e-3:
+    if float(f"{magnitude * 1e3:.3g}") >= 1:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} µs"

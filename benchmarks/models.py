@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 
 from .core import Config
 
-__all__ = ["GPT", "SmallCNN", "Workload", "mlp", "resnet18", "workloads"]
+__all__ = ["GPT", "SmallCNN", "Workload", "autoencoder", "mlp", "resnet18", "workloads"]
 
 
 def mlp(inputs: int, width: int, outputs: int, depth: int = 2) -> nn.Sequential:
@@ -20,6 +21,19 @@ def mlp(inputs: int, width: int, outputs: int, depth: int = 2) -> nn.Sequential:
     for i in range(depth):
         layers += [nn.Linear(inputs if i == 0 else width, width), nn.ReLU()]
     layers.append(nn.Linear(width, outputs))
+    return nn.Sequential(*layers)
+
+
+def autoencoder(widths: tuple[int, ...]) -> nn.Sequential:
+    """``Linear`` layers through ``widths`` (input, ..., code, ..., output) with ``Tanh`` between them.
+
+    The output layer is linear: its values are logits of the reconstructed pixels.
+    """
+    layers: list[nn.Module] = []
+    for i, (inputs, outputs) in enumerate(itertools.pairwise(widths)):
+        layers.append(nn.Linear(inputs, outputs))
+        if i < len(widths) - 2:
+            layers.append(nn.Tanh())
     return nn.Sequential(*layers)
 
 

@@ -18,7 +18,18 @@ for _module in ("matplotlib", "sklearn", "tqdm", "opacus"):  # the bench extra
     pytest.importorskip(_module)
 
 ROOT = Path(__file__).resolve().parent.parent
-TARGETED = {"hook_cost", "capture_overhead", "memory", "foof", "lazy_adamw", "grad_outputs", "kfac", "dp", "monitor"}
+TARGETED = {
+    "hook_cost",
+    "capture_overhead",
+    "memory",
+    "foof",
+    "lazy_adamw",
+    "grad_outputs",
+    "kfac",
+    "convergence",
+    "dp",
+    "monitor",
+}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +92,7 @@ def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Pat
             assert math.isfinite(target["measured"]), target["name"]
 
 
-def test_quick_run_dp_equals_opacus_and_kfac_trains_beside_the_others(quick_run: Path) -> None:
+def test_quick_run_dp_equals_opacus(quick_run: Path) -> None:
     sections = json.loads((quick_run / "results.json").read_text())["sections"]
     dp = sections["dp"]["data"]
     for name, workload in dp["workloads"].items():
@@ -91,10 +102,89 @@ def test_quick_run_dp_equals_opacus_and_kfac_trains_beside_the_others(quick_run:
         ghost = {result["dtype"]: result["ghost_relative_difference"] for result in workload["equality"]}
         assert ghost["float64"] < 1e-10, (name, ghost)  # Opacus's ghost mode is given the same clipping
         assert workload["max_grad_norm"] > 0
-    for model in ("MLP", "CNN"):
-        runs = sections["kfac"]["data"][model]["runs"]
-        assert set(runs) == {"SGD (momentum 0.9)", "AdamW", "FOOF (update_every=10)", "K-FAC (update_every=10)"}
     assert sections["grad_outputs"]["data"]["in_place_relu"]["Capture(model, grad_outputs=True)"]["works"]
+
+
+OPTIMIZERS = {"SGD (momentum 0.9)", "AdamW", "FOOF", "K-FAC", "Eva", "FOOF on AdamW"}
+RULES = OPTIMIZERS - {"SGD (momentum 0.9)", "AdamW"}
+
+
+def test_quick_run_times_the_rules_on_their_schedule(quick_run: Path) -> None:
+    run = json.loads((quick_run / "results.json").read_text())
+    sections = run["sections"]
+    for name, rules in (("foof", {"FOOF", "FOOF on AdamW"}), ("kfac", {"K-FAC", "Eva"})):
+        for model in ("MLP", "CNN"):
+            timing = sections[name]["data"]["models"][model]["64"]["timing"]
+            assert rules <= set(timing["calls"]), (name, model)
+            # Statistics and inverses every 10 steps: each sample spans whole periods of the schedule.
+            assert all(timing["calls"][rule] % 10 == 0 for rule in rules), (name, model, timing["calls"])
+    step_targets = [t for t in run["targets"] if t["section"] in ("foof", "kfac")]
+    assert {t["name"].split(" training step")[0] for t in step_targets} == {"FOOF", "K-FAC", "Eva"}
+    assert all(t["limit"] == 1.15 and t["unjudged"] == "not measured at quick size" for t in step_targets)
+
+
+def test_quick_run_convergence_trains_every_rule_on_every_workload(quick_run: Path) -> None:
+    run = json.loads((quick_run / "results.json").read_text())
+    section = run["sections"]["convergence"]
+    data = section["data"]
+    for task in ("MLP", "CNN", "autoencoder"):
+        result = data[task]
+        assert set(result["seed_runs"]) == set(result["sweep_runs"]) == OPTIMIZERS, task
+        assert result["best_stock"] in {"SGD (momentum 0.9)", "AdamW"} and result["best_candidate"] in RULES
+        assert result["goal"] is not None, task
+        for name, runs in result["seed_runs"].items():
+            assert len(runs) == data["seeds"] and len({r["seed"] for r in runs}) == data["seeds"], (task, name)
+            assert len({r["lr"] for r in runs}) == 1, (task, name)  # every seed at the rate chosen on the first
+            assert runs[0] in result["sweep_runs"][name], (task, name)
+            assert len(result["reach"][name]["estimated_seconds"]) == data["seeds"], (task, name)
+        for rule in RULES:
+            assert result["step_timing"]["calls"][rule] % 10 == 0, (task, rule)
+    targets = [t for t in run["targets"] if t["section"] == "convergence"]
+    assert len(targets) == 3 and all(t["limit"] == 0.8 for t in targets)
+    assert all(t["unjudged"] == "not measured at quick size" and not t["passed"] for t in targets)
+    headline = [plot for plot in section["plots"] if plot["headline"]]
+    assert [plot["name"] for plot in headline] == ["time-to-goal"]
+    assert "estimate" in headline[0]["panels"][0]["xlabel"] and all(p["ylim"] for p in headline[0]["panels"])
+
+
+def _history(values: list[float], seed: int) -> dict[str, Any]:
+    steps = [10 * i for i in range(len(values))]
+    return {
+        "lr": 0.1,
+        "seed": seed,
+        "diverged": False,
+        "step": steps,
+        "seconds": [0.01 * s for s in steps],
+        "test_accuracy": values,
+    }
+
+
+def test_convergence_goal_is_the_better_stock_optimizers_median_and_never_counts_as_slowest() -> None:
+    from benchmarks.digits import tasks
+    from benchmarks.sections.convergence import _outcome
+
+    plateau = [0.5, 0.9, 0.9, 0.9, 0.9]  # final (mean of the last quarter): 0.9
+    trained = {
+        "per_step": {"SGD (momentum 0.9)": 1.0, "AdamW": 2.0, "FOOF": 1.5, "K-FAC": 3.0},
+        "seed_runs": {
+            "SGD (momentum 0.9)": [_history([0.1, 0.5, 0.8, 0.8, 0.8], seed) for seed in range(3)],
+            "AdamW": [_history(plateau, seed) for seed in range(3)],
+            "FOOF": [
+                _history([0.1, 0.9, 0.9, 0.9, 0.9], 0),
+                _history([0.1, 0.5, 0.5, 0.5, 0.5], 1),
+                _history([0.1, 0.95, 0.95, 0.95, 0.95], 2),
+            ],
+            "K-FAC": [_history([0.1, 0.2, 0.2, 0.2, 0.2], seed) for seed in range(3)],
+        },
+    }
+    outcome = _outcome(tasks()["MLP"], trained)
+    assert outcome["best_stock"] == "AdamW" and outcome["goal"] == pytest.approx(0.9)
+    # SGD never reaches 90%: AdamW (step 10 at 2 s a step) is the faster stock optimizer.
+    assert outcome["faster_stock"] == "AdamW" and outcome["time_to_goal"]["AdamW"] == pytest.approx(20.0)
+    assert outcome["reach"]["FOOF"]["step"] == [10, None, 10]
+    assert outcome["time_to_goal"]["FOOF"] == pytest.approx(15.0)  # median of 15, never, 15
+    assert outcome["time_to_goal"]["K-FAC"] == math.inf and outcome["best_candidate"] == "FOOF"
+    assert outcome["measured_time_to_goal"]["FOOF"] == pytest.approx(0.1)
 
 
 def test_quick_run_outputs_name_no_issue_numbers(quick_run: Path) -> None:

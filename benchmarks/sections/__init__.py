@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..core import Section
 from . import (
     capture_overhead,
+    convergence,
     distributed,
     dp,
     foof,
@@ -31,6 +32,7 @@ SECTIONS: list[Section] = [
     lazy_adamw.SECTION,
     grad_outputs.SECTION,
     kfac.SECTION,
+    convergence.SECTION,
     inversion.SECTION,
     dp.SECTION,
     distributed.SECTION,

@@ -460,8 +460,8 @@ def _run(config: Config, progress: Progress) -> Result:
             "; ".join(f"{w.name}: {w.description}" for w in models)
             + f". lr {TIMING_LR:g}, noise_multiplier {NOISE_MULTIPLIER:g} (the noise is drawn in both), the same "
             "max_grad_norm as above. DPSGD computes per-sample norms from the captured inputs and output "
-            "gradients (closed forms for Linear, Conv2d and Embedding, the ghost norm for sequence inputs, "
-            "torch.func for LayerNorm); Opacus (hooks mode) materializes every per-sample gradient; Opacus ghost "
+            "gradients (closed forms for Linear, Conv2d, LayerNorm and Embedding, the ghost norm for sequence "
+            "inputs); Opacus (hooks mode) materializes every per-sample gradient; Opacus ghost "
             "(grad_sample_mode='ghost': GradSampleModuleFastGradientClipping, DPOptimizerFastGradientClipping and "
             "DPLossFastGradientClipping around cross-entropy) computes per-sample norms without them "
             "and runs a second backward pass of the loss reweighted by the clipping factors.",

@@ -115,7 +115,7 @@ def run(config: Config, progress: Progress) -> Result:
             "Cholesky: factor and invert (`damped_inverse`); eigh: decompose and form Q diag(1/(λ+γ)) Qᵀ "
             "(`eigenbasis`, `inverse_from_eigenbasis`); the last row forms the inverse at a new damping from a "
             "kept decomposition, the whole cost of a damping change under `inverse='eigh'`. Damping γ = "
-            f"{RELATIVE_DAMPINGS[0]:g} × the mean eigenvalue. One thread per the run's setting, CPU LAPACK.",
+            f"{RELATIVE_DAMPINGS[0]:g} × the mean eigenvalue. CPU LAPACK, with the run's torch threads.",
         ),
         Table(
             "Error of the preconditioned gradient G (A + γI)⁻¹ against a float64 solve",

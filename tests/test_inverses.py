@@ -45,7 +45,11 @@ def foof_reference(
     inverses: dict[int, torch.Tensor] = {}
     for step, damping in enumerate(dampings):
         inputs: dict[int, torch.Tensor] = {}
-        handles = [m.register_forward_hook(lambda m, args, out: inputs.__setitem__(id(m), args[0])) for m in layers]
+
+        def keep(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, seen: dict = inputs) -> None:
+            seen[id(module)] = args[0]
+
+        handles = [m.register_forward_hook(keep) for m in layers]
         model.zero_grad()
         model(batch(step)).pow(2).mean().backward()
         for handle in handles:
@@ -167,9 +171,9 @@ def test_eigh_state_round_trips_through_state_dict() -> None:
 
 
 def test_inverse_options_are_validated_by_name() -> None:
-    with pytest.raises(ValueError, match="Invalid inverse: 'qr'"):
+    with pytest.raises(ValueError, match=r"Invalid inverse: 'qr'"):
         FOOF(net(), lr=0.1, inverse="qr")
-    with pytest.raises(ValueError, match="Invalid inverse_dtype: torch.float16"):
+    with pytest.raises(ValueError, match=r"Invalid inverse_dtype: torch\.float16"):
         KFAC(net(), lr=0.1, inverse_dtype=torch.float16)
-    with pytest.raises(ValueError, match="Eva inverts no matrix"):
+    with pytest.raises(ValueError, match=r"Eva inverts no matrix"):
         Eva(net(), lr=0.1, inverse="eigh")

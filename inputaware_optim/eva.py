@@ -127,6 +127,9 @@ class Eva(KroneckerRule):
     def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
         return layer.kind.matrix_shape(layer.module, layer.homogeneous)
 
+    def _factor_shape(self, size: int) -> tuple[int, ...]:
+        return (size,)  # Kronecker vectors
+
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
         # Ds = B g; summing (B sum g) and B over ranks, then dividing, gives the mean of Ds.
@@ -155,13 +158,14 @@ class Eva(KroneckerRule):
             matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
             damping = float(layer.group["damping"])
             directions.append(eva_direction(matrix, a.to(matrix.dtype), g.to(matrix.dtype), damping))
-        for layer, direction in zip(layers, directions, strict=True):
-            if not torch.isfinite(direction).all():
-                raise RuntimeError(
-                    f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: training "
-                    "has diverged (NaN or inf activations or gradients). Lower the learning rate or raise "
-                    "damping. No parameter was changed by this step"
-                )
+        # One check for every layer (the largest magnitude of each, NaN if any is NaN), before any change.
+        if directions and not bool(torch.stack(torch._foreach_norm(directions, math.inf)).isfinite().all()):
+            layer = next(layer for layer, d in zip(layers, directions, strict=True) if not d.isfinite().all())
+            raise RuntimeError(
+                f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: training "
+                "has diverged (NaN or inf activations or gradients). Lower the learning rate or raise "
+                "damping. No parameter was changed by this step"
+            )
         scales = self._kl_clip_scales(layers, directions)
         for index, (layer, (a, g), direction) in enumerate(zip(layers, vectors, directions, strict=True)):
             if index < updated:
@@ -189,7 +193,10 @@ class Eva(KroneckerRule):
     def _kl_clip_scales(self, layers: list[Layer], directions: list[Tensor]) -> dict[int, float]:
         """Per param group: :math:`\\nu = \\min(1, \\sqrt{\\kappa / (\\eta^2 \\sum |\\langle P, G \\rangle|)})`."""
         totals: dict[int, float] = {}
+        clipped = {id(group) for group in self.param_groups if group["kl_clip"] is not None}
         for layer, direction in zip(layers, directions, strict=True):
+            if id(layer.group) not in clipped:
+                continue  # (no clipping in this group: its total is not needed)
             matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
             lr = float(layer.group["lr"])
             totals[id(layer.group)] = totals.get(id(layer.group), 0.0) + float((direction * matrix).sum()) * lr * lr
@@ -202,9 +209,20 @@ class Eva(KroneckerRule):
 
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
     """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` by Sherman-Morrison (no inverse);
-    with leading block dimensions (a grouped convolution), one such product per block."""
-    a_norm = (damping + (a * a).sum(-1))[..., None, None]
-    g_norm = (damping + (g * g).sum(-1))[..., None, None]
-    right = matrix - (matrix @ a[..., None]) * a[..., None, :] / a_norm  # M (I - a aᵀ / (γ + aᵀa))
-    both = right - g[..., :, None] * (g[..., None, :] @ right) / g_norm  # (I - g gᵀ / (γ + gᵀg)) ...
-    return both / (damping * damping)
+    with leading block dimensions (a grouped convolution), one such product per block.
+
+    Each factor is a rank-one update, so the product is two: ``R = M - u aᵀ`` with
+    ``u = M a / (γ + aᵀa)``, then ``R - g vᵀ`` with ``v = Rᵀ g / (γ + gᵀg)``, scaled by ``1/γ²``.
+    """
+    scale = 1.0 / (damping * damping)
+    if matrix.dim() == 2:  # (the common case, in matrix-vector kernels)
+        u = torch.mv(matrix, a).div_(torch.dot(a, a).add_(damping))
+        right = torch.addr(matrix, u, a, alpha=-1)
+        v = torch.mv(right.T, g).div_(torch.dot(g, g).add_(damping))
+        return torch.addr(right, g, v, beta=scale, alpha=-scale)
+    blocks = matrix.reshape(-1, *matrix.shape[-2:])  # one product per block
+    a, g = a.reshape(blocks.shape[0], 1, -1), g.reshape(blocks.shape[0], -1, 1)
+    u = torch.bmm(blocks, a.mT).div_(torch.bmm(a, a.mT).add_(damping))
+    right = torch.baddbmm(blocks, u, a, alpha=-1)
+    v = torch.bmm(g.mT, right).div_(torch.bmm(g.mT, g).add_(damping))
+    return torch.baddbmm(right, g, v, beta=scale, alpha=-scale).reshape(matrix.shape)

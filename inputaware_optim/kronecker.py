@@ -30,6 +30,7 @@ from .distributed import (
     computed_once,
     full_matrix_rows,
     local_matrix_rows,
+    local_tensor,
     row_range,
     row_sharding_problem,
     set_local_matrix_rows,
@@ -278,12 +279,14 @@ class KroneckerRule(InputAwareSGD):
 
     def _set_preconditioned(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         """Replace the layer's gradient by the preconditioned one (under FSDP2, this rank's rows of it)."""
-        module = layer.module
-        weight, bias = weight_of(module), bias_of(module)
+        module, kind, homogeneous = layer.module, layer.kind, layer.homogeneous
+        weight = weight_of(module)
         if not sharded(weight):
-            matrix = layer.kind.grad_matrix(module, layer.homogeneous)
-            layer.kind.set_grad_matrix(module, self._precondition(layer, matrix, inverses), layer.homogeneous)
+            kind.set_grad_matrix(
+                module, self._precondition(layer, kind.grad_matrix(module, homogeneous), inverses), homogeneous
+            )
             return
+        bias = bias_of(module)
         if self.acts_on_rows:  # this rank's rows need nothing from the others
             new = self._precondition(layer, local_matrix_rows(weight, bias, layer.homogeneous), inverses)
         else:  # rows mix: gather this layer's gradient, keep this rank's rows of the result
@@ -295,9 +298,17 @@ class KroneckerRule(InputAwareSGD):
         self, inputs: Inputs, due: list[dict[str, Any]]
     ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
         """This step's factor sums for every layer of the ``due`` groups with gradients and captured
-        calls, summed over ranks."""
-        layers, sums = [], []
+        calls, summed over ranks.
+
+        Under data parallelism a layer this rank's batch never reached (a branch, an expert no
+        local token was routed to) joins with zero sums, so that every rank reduces the same
+        list; it is left out (plain step) only if no rank captured a call of it.
+        """
+        layers: list[Layer] = []
+        sums: list[dict[str, tuple[Tensor, Tensor]]] = []
+        absent: list[int] = []  # (indices of the layers this rank captured no call of)
         totals = inputs.reduced(self._statistics)
+        ranks = self.data_parallel_group
         for layer in self._layers(self.reads_capability):
             if not any(layer.group is group for group in due):
                 continue
@@ -305,16 +316,39 @@ class KroneckerRule(InputAwareSGD):
             if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
                 continue
             factor_sums = totals.get(weight)
-            if factor_sums is None:  # nothing captured: plain SGD for this layer (Inputs warns)
-                inputs.get(weight)
-                continue
+            if factor_sums is None:  # nothing captured here
+                if ranks is None:  # plain SGD for this layer (Inputs warns)
+                    inputs.get(weight)
+                    continue
+                absent.append(len(layers))
+                factor_sums = self._zero_sums(layer)
             layers.append(layer)
             # Copies: the capture's totals must stay as they are if this step fails and is retried.
             sums.append(self._local_sums(layer, {f: (n.clone(), d.clone()) for f, (n, d) in factor_sums.items()}))
-        all_reduce_sum_(
-            [t for factor_sums in sums for pair in factor_sums.values() for t in pair], self.data_parallel_group
-        )
+        all_reduce_sum_([t for factor_sums in sums for pair in factor_sums.values() for t in pair], ranks)
+        for index in absent:  # captured on no rank: the plain step (step() leaves out a layer with no row)
+            if all(float(d) == 0 for _, d in sums[index].values()):
+                inputs.get(weight_of(layers[index].module))  # (Inputs warns)
         return layers, sums
+
+    def _zero_sums(self, layer: Layer) -> dict[str, tuple[Tensor, Tensor]]:
+        """Zero factor sums of ``layer``, shaped as the hooks compute them: one square matrix per
+        factor (per block if the layer has several), the input side ``in [+1]`` wide, the output
+        side ``out`` (Eva: vectors)."""
+        weight = local_tensor(weight_of(layer.module))
+        dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
+        blocks = layer.kind.blocks(layer.module)
+        outputs, inputs = layer.kind.matrix_shape(layer.module, layer.homogeneous)
+        sizes = {"input": inputs, "output_grad": outputs}
+        zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+        return {
+            factor: (zero(*((blocks,) if blocks > 1 else ()), *self._factor_shape(sizes[factor])), zero(()))
+            for factor in self.factors
+        }
+
+    def _factor_shape(self, size: int) -> tuple[int, ...]:
+        """The shape of a factor's numerator for a side ``size`` wide (a square matrix; Eva: a vector)."""
+        return (size, size)
 
     def _kept_inverse(self, layer: Layer, factor: str, inverse: Tensor) -> Tensor:
         """The kept ``inverse`` of ``factor``; under ``inverse="eigh"``, formed again from the kept

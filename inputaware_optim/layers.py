@@ -274,21 +274,31 @@ def _with_ones(rows: Tensor, homogeneous: bool) -> Tensor:
 
 
 def _matrix_grad(weight: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
-    assert weight.grad is not None
-    matrix = weight.grad.reshape(weight.shape[0], -1)
+    grad = weight.grad
+    assert grad is not None
+    matrix = grad if grad.dim() == 2 else grad.reshape(grad.shape[0], -1)
     if homogeneous:
         assert bias is not None and bias.grad is not None
-        matrix = torch.cat([matrix, bias.grad.reshape(-1, 1)], dim=1)
+        matrix = torch.cat((matrix, bias.grad.unsqueeze(1)), dim=1)
     return matrix
 
 
 def _set_matrix_grad(weight: Tensor, bias: Tensor | None, matrix: Tensor, homogeneous: bool) -> None:
-    assert weight.grad is not None
-    columns = weight.grad[0].numel()
-    weight.grad.copy_(matrix[:, :columns].reshape(weight.grad.shape))
+    # Every step of a Kronecker rule runs this for each layer: a few direct copies, no reshaping
+    # of the gradient where it is a plain matrix.
+    grad = weight.grad
+    assert grad is not None
     if homogeneous:
         assert bias is not None and bias.grad is not None
+        columns = matrix.shape[1] - 1
         bias.grad.copy_(matrix[:, columns])
+        matrix = matrix[:, :columns]
+    if grad.dim() == 2:
+        grad.copy_(matrix)
+    elif grad.is_contiguous():
+        grad.view(grad.shape[0], -1).copy_(matrix)
+    else:  # (a channels-last convolution's gradient)
+        grad.copy_(matrix.reshape(grad.shape))
 
 
 class _MatrixPerSample(LayerKind):
@@ -355,7 +365,9 @@ class LinearKind(_MatrixPerSample):
     """``nn.Linear``: every leading dimension of the input is a sample dimension."""
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        return _with_ones(_statistics_dtype(entry.rows()), homogeneous)
+        inputs = entry.inputs()  # one call (a reduction in the hook): its rows as a view, not a copy
+        rows = inputs[0].reshape(-1, inputs[0].shape[-1]) if len(inputs) == 1 else entry.rows()
+        return _with_ones(_statistics_dtype(rows), homogeneous)
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
         return _statistics_dtype(entry.grad_output_rows())

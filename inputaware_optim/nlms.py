@@ -104,20 +104,29 @@ class NLMS(InputAwareSGD):
         assert inputs is not None
         layers, powers, counts = [], [], []
         totals = inputs.reduced(self._power)
+        ranks = self.data_parallel_group
         for layer in self._nlms_layers():
             weight = weight_of(layer.module)
             if weight.grad is None:
                 continue
-            if weight not in totals:  # nothing captured: plain SGD for this layer (Inputs warns)
+            if weight in totals:
+                power, count = totals[weight]
+            elif ranks is None:  # nothing captured: plain SGD for this layer (Inputs warns)
                 inputs.get(weight)
                 continue
-            power, count = totals[weight]
+            else:  # another rank's batch may have reached it: join with zeros, so every rank reduces the same list
+                blocks, local = layer.kind.blocks(layer.module), local_tensor(weight)
+                dtype = torch.promote_types(local.dtype, torch.float32)  # (as the statistics of its inputs)
+                power = local.new_zeros((blocks,) if blocks > 1 else (), dtype=dtype)
+                count = local.new_zeros((), dtype=dtype)
             layers.append(layer)
             powers.append(power.clone())  # copies: the capture's totals stay for a retry
             counts.append(count.clone())
-        all_reduce_sum_(powers + counts, self.data_parallel_group)
+        all_reduce_sum_(powers + counts, ranks)
         for layer, power, count in zip(layers, powers, counts, strict=True):
             if float(count) == 0:  # no row this step (an expert no token reached): nothing to normalize by
+                if weight_of(layer.module) not in totals:
+                    inputs.get(weight_of(layer.module))  # captured on no rank (Inputs warns)
                 continue
             scale = 1.0 / (layer.group["eps"] + power / count)
             for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, DPAdamW, InputAwareAdamW, InputAwareSGD, LazyAdamW
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, DPAdamW, Eva, InputAwareAdamW, InputAwareSGD, LazyAdamW
 
 from .multiprocess import mark_done, run_spawned
 
@@ -335,6 +335,60 @@ def four_rank_worker(rank: int) -> None:
                 torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=rule)
 
 
+class Branchy(nn.Module):
+    """A layer that only some batches reach (as a routed expert or a conditional branch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Linear(4, 6)
+        self.branch = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        return self.head(h + self.branch(h) if branch else h)
+
+
+BRANCHY_RULES: dict[str, Callable[..., Any]] = {
+    "FOOF": lambda m, **kw: FOOF(m, lr=0.05, update_every=1, **kw),
+    "KFAC": lambda m, **kw: KFAC(m, lr=0.05, update_every=1, damping=1e-2, **kw),
+    "Eva": lambda m, **kw: Eva(m, lr=0.05, kl_clip=None, **kw),
+    "NLMS": lambda m, **kw: NLMS(m, lr=0.1, **kw),
+}
+
+
+def unreached_layer_worker(rank: int) -> None:
+    # Rank 1's batches never reach `branch`: it adds zero statistics for it, so both ranks reduce
+    # the same list (before, rank 1 left the layer out: sums of different layers were added, or
+    # the collective hung), and the factors are rank 0's alone, as one process would have them.
+    generator = torch.Generator().manual_seed(3)
+    data = [torch.randn(WORLD, 4, 4, generator=generator) for _ in range(STEPS)]
+    targets = [torch.randn(WORLD, 4, 2, generator=generator) for _ in range(STEPS)]
+    for rule, make in BRANCHY_RULES.items():
+        model = DistributedDataParallel(Branchy(), find_unused_parameters=True)
+        optimizer = make(model)
+        for x, y in zip(data, targets, strict=True):
+            optimizer.zero_grad()
+            (model(x[rank], branch=rank == 0) - y[rank]).pow(2).mean().backward()
+            optimizer.step()
+        if rule == "FOOF":
+            assert "input_second_moment" in optimizer.state[model.module.branch.weight]
+        assert_same_on_every_rank(list(model.parameters()), f"{rule}'s parameters")
+        if rule not in ("FOOF", "NLMS"):
+            continue  # (K-FAC's and Eva's output side scale by each rank's batch: one process differs)
+        # One process: both halves as two micro-batches of half the loss each (DDP averages the ranks).
+        reference = Branchy()
+        whole = make(reference, process_group=None)
+        for x, y in zip(data, targets, strict=True):
+            whole.zero_grad()
+            for part in range(WORLD):
+                ((reference(x[part], branch=part == 0) - y[part]).pow(2).mean() / WORLD).backward()
+            whole.step()
+        for p, q in zip(model.module.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=rule)
+
+
 def _entry(rank: int, directory: str, port: int, worker: Callable[[int], None], world: int = WORLD) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -383,6 +437,10 @@ def test_distributed_inversion_splits_the_work_and_changes_no_bit() -> None:
 
 def test_four_ranks_with_empty_shards_and_idle_inverters_match_one_process() -> None:
     run_processes(four_rank_worker, 4)
+
+
+def test_a_layer_one_rank_never_reaches_gets_its_statistics_from_the_others() -> None:
+    run_two_processes(unreached_layer_worker)
 
 
 def test_owners_by_cost_puts_the_costliest_first_on_the_least_loaded_rank() -> None:

@@ -28,18 +28,24 @@ def _float64() -> Iterator[None]:
 @given(
     rows=st.integers(1, 6),
     cols=st.integers(1, 6),
+    blocks=st.sampled_from([(), (1,), (3,)]),
     damping=st.floats(1e-3, 10.0),
     seed=st.integers(0, 2**16),
 )
-@settings(max_examples=40, deadline=None)
-def test_sherman_morrison_equals_the_explicit_inverses(rows: int, cols: int, damping: float, seed: int) -> None:
+@settings(max_examples=60, deadline=None)
+def test_sherman_morrison_equals_the_explicit_inverses(
+    rows: int, cols: int, blocks: tuple[int, ...], damping: float, seed: int
+) -> None:
+    """A matrix, or a stack of blocks (a grouped convolution), each with its own vectors."""
     generator = torch.Generator().manual_seed(seed)
-    matrix = torch.randn(rows, cols, generator=generator, dtype=torch.float64)
-    a = torch.randn(cols, generator=generator, dtype=torch.float64)
-    g = torch.randn(rows, generator=generator, dtype=torch.float64)
-    left = torch.linalg.inv(torch.outer(g, g) + damping * torch.eye(rows, dtype=torch.float64))
-    right = torch.linalg.inv(torch.outer(a, a) + damping * torch.eye(cols, dtype=torch.float64))
-    torch.testing.assert_close(eva_direction(matrix, a, g, damping), left @ matrix @ right, rtol=1e-9, atol=1e-9)
+    matrix = torch.randn(*blocks, rows, cols, generator=generator, dtype=torch.float64)
+    a = torch.randn(*blocks, cols, generator=generator, dtype=torch.float64)
+    g = torch.randn(*blocks, rows, generator=generator, dtype=torch.float64)
+    left = torch.linalg.inv(g[..., :, None] * g[..., None, :] + damping * torch.eye(rows, dtype=torch.float64))
+    right = torch.linalg.inv(a[..., :, None] * a[..., None, :] + damping * torch.eye(cols, dtype=torch.float64))
+    direction = eva_direction(matrix, a, g, damping)
+    assert direction.shape == matrix.shape
+    torch.testing.assert_close(direction, left @ matrix @ right, rtol=1e-9, atol=1e-9)
 
 
 def _reference_step(
@@ -159,3 +165,20 @@ def test_bad_configuration_names_the_argument(kwargs: dict[str, object], message
 def test_lr_has_no_default() -> None:
     with pytest.raises(TypeError, match=r"Eva\(model, lr=\.\.\.\)"):
         Eva(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_direction_is_refused_by_name_and_nothing_changes(bad: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = Eva(model, lr=0.1, kl_clip=None)
+    nn.functional.mse_loss(model(torch.randn(5, 3)), torch.randn(5, 2)).backward()
+    assert model[2].weight.grad is not None
+    model[2].weight.grad[0, 0] = bad
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    with pytest.raises(RuntimeError, match=r"gradient of 2 is not finite"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)

@@ -22,6 +22,9 @@ from ..timing import Ratio, Timing, interleave
 
 SGD, OURS, OPACUS, GHOST = "SGD (no privacy)", "DPSGD", "Opacus", "Opacus ghost"
 VARIANTS = (SGD, OURS, OPACUS, GHOST)
+# Plain SGD's step followed by the draw of the Gaussian noise of every parameter (torch.randn into a
+# kept buffer, with a CPU generator, as DPSGD draws it): no DP-SGD can take less on this machine.
+NOISE_FLOOR = "SGD + noise draw"
 EQUALITY_STEPS, EQUALITY_LR = 5, 0.1
 TIMING_LR, NOISE_MULTIPLIER = 1e-3, 1.0
 TOLERANCE = 1e-5
@@ -250,6 +253,7 @@ def _measure(workload: Workload, clip: float, config: Config, memory_samples: in
     """Interleaved step times of the three, then their heap after backward and their peak during the step."""
     trio = _trio(workload, TIMING_LR, clip, NOISE_MULTIPLIER, config.seed)
     steps = {name: training_step(*variant) for name, variant in trio.items()}
+    steps[NOISE_FLOOR] = _with_noise_draw(workload, config.seed)
     timing = interleave(steps, config)
     out: dict[str, Any] = {"batch": _batch_size(workload), "timing": timing}
     if has_allocation_probe():
@@ -270,6 +274,23 @@ def _measure(workload: Workload, clip: float, config: Config, memory_samples: in
     return out
 
 
+def _with_noise_draw(workload: Workload, seed: int) -> Any:
+    """Plain SGD's training step on its own copy of the model, then the noise of every parameter drawn."""
+    torch.manual_seed(seed)
+    model = workload.build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=TIMING_LR)
+    sgd_step = training_step(model, optimizer, workload)
+    generator = torch.Generator().manual_seed(seed)
+    buffers = [torch.empty_like(p) for p in model.parameters()]
+
+    def step() -> None:
+        sgd_step()
+        for buffer in buffers:
+            torch.randn(buffer.shape, generator=generator, out=buffer)
+
+    return step
+
+
 def _mib(value: int | None) -> str:
     return "n/a" if value is None else f"{value / MIB:.2f}"
 
@@ -281,6 +302,7 @@ def _ratios(timing: Timing) -> dict[str, Any]:
         "dpsgd_vs_sgd": timing.ratio(OURS, SGD),
         "opacus_vs_sgd": timing.ratio(OPACUS, SGD),
         "opacus_ghost_vs_sgd": timing.ratio(GHOST, SGD),
+        "noise_floor_vs_sgd": timing.ratio(NOISE_FLOOR, SGD),
     }
 
 
@@ -345,6 +367,7 @@ def _run(config: Config, progress: Progress) -> Result:
                 ratios["dpsgd_vs_sgd"].shown(),
                 ratios["opacus_vs_sgd"].shown(),
                 ratios["opacus_ghost_vs_sgd"].shown(),
+                ratios["noise_floor_vs_sgd"].shown(),
             ]
         )
         heap = measured.get("heap_after_backward", {})
@@ -399,7 +422,9 @@ def _run(config: Config, progress: Progress) -> Result:
                 STEP_VS_SGD[workload.name],
                 "×",
                 f"{where}. Both take zero_grad, forward, backward and step; DPSGD also clips per sample and "
-                f"draws the noise (noise_multiplier {NOISE_MULTIPLIER:g})",
+                f"draws the noise (noise_multiplier {NOISE_MULTIPLIER:g}). Drawing the noise alone takes SGD to "
+                f"{ratios['noise_floor_vs_sgd'].median:.2f}× (torch's CPU generator, one Gaussian per parameter): "
+                "the floor of any DP-SGD here",
             ).full_size_only(config)
         )
         targets.append(
@@ -455,6 +480,7 @@ def _run(config: Config, progress: Progress) -> Result:
                 "DPSGD / SGD",
                 "Opacus / SGD",
                 "Opacus ghost / SGD",
+                "(SGD + noise draw) / SGD",
             ],
             timing_rows,
             "; ".join(f"{w.name}: {w.description}" for w in models)
@@ -464,7 +490,9 @@ def _run(config: Config, progress: Progress) -> Result:
             "inputs); Opacus (hooks mode) materializes every per-sample gradient; Opacus ghost "
             "(grad_sample_mode='ghost': GradSampleModuleFastGradientClipping, DPOptimizerFastGradientClipping and "
             "DPLossFastGradientClipping around cross-entropy) computes per-sample norms without them "
-            "and runs a second backward pass of the loss reweighted by the clipping factors.",
+            "and runs a second backward pass of the loss reweighted by the clipping factors. (SGD + noise draw): "
+            "plain SGD's step, then the Gaussian noise of every parameter drawn with torch's CPU generator, as "
+            "DPSGD draws it: the least any DP-SGD step can take on this machine.",
         ),
         Table(
             "Memory: heap bytes after backward (before step) and peak during the step, MiB above the state "

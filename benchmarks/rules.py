@@ -23,6 +23,7 @@ from .timing import Ratio
 __all__ = [
     "EVA_DAMPING",
     "FOOF_DAMPING",
+    "INVERSE_DTYPE",
     "KFAC_DAMPING",
     "LARGE_BATCH",
     "SCHEDULE",
@@ -42,7 +43,7 @@ __all__ = [
 
 STATISTICS_EVERY = 10
 UPDATE_EVERY = 1  # inverses refreshed every statistics step: every STATISTICS_EVERY steps
-SCHEDULE = f"statistics and inverses every {STATISTICS_EVERY} steps"
+SCHEDULE = f"statistics and inverses every {STATISTICS_EVERY} steps (Cholesky in float32)"
 # FOOF's default damping (1e-3) lets these models diverge at learning rates >= 0.03; 0.1 keeps the
 # whole sweep stable. K-FAC damps each factor by √λ: the default λ = 1e-3 diverges on the digits CNN
 # at every swept learning rate; λ = 0.1 keeps most of the sweep stable. Eva keeps its default. Fixed
@@ -52,6 +53,10 @@ SCHEDULE = f"statistics and inverses every {STATISTICS_EVERY} steps"
 FOOF_DAMPING = 0.1
 KFAC_DAMPING = 0.1
 EVA_DAMPING = 0.03
+# Cholesky in float32: as exact as float64 here (the inversion section: relative error of the
+# preconditioned gradient at most about 3e-7 at every factor size and damping, against 2e-7 in
+# float64) and 0.6-0.95x its time. (Eva inverts nothing.)
+INVERSE_DTYPE = torch.float32
 # The rules' extra work per layer (statistics, the preconditioning product) is about in² (out + batch)
 # multiply-adds against the layer's own 3 · batch · in · out, so their relative cost falls as the
 # batch grows: the trained schedule is timed at this batch too.
@@ -65,14 +70,26 @@ def foof(statistics_every: int = STATISTICS_EVERY, update_every: int = UPDATE_EV
     """FOOF with this module's damping and the given schedule; in front of ``torch.optim.AdamW`` if ``adamw``."""
     extra: dict[str, Any] = {"base": torch.optim.AdamW} if adamw else {}
     return lambda model, lr: FOOF(
-        model, lr=lr, damping=FOOF_DAMPING, update_every=update_every, statistics_every=statistics_every, **extra
+        model,
+        lr=lr,
+        damping=FOOF_DAMPING,
+        update_every=update_every,
+        statistics_every=statistics_every,
+        inverse_dtype=INVERSE_DTYPE,
+        **extra,
     )
 
 
 def kfac(statistics_every: int = STATISTICS_EVERY, update_every: int = UPDATE_EVERY) -> Factory:
     """K-FAC with momentum 0.9, this module's damping and the given schedule."""
     return lambda model, lr: KFAC(
-        model, lr=lr, momentum=0.9, damping=KFAC_DAMPING, update_every=update_every, statistics_every=statistics_every
+        model,
+        lr=lr,
+        momentum=0.9,
+        damping=KFAC_DAMPING,
+        update_every=update_every,
+        statistics_every=statistics_every,
+        inverse_dtype=INVERSE_DTYPE,
     )
 
 

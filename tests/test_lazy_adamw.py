@@ -329,6 +329,25 @@ def test_touched_rows_are_bitwise_stock_fused_adamw_on_the_gathered_rows(threads
         torch.set_num_threads(previous)
 
 
+def test_int32_token_ids_move_their_rows_as_fused_adamw_does() -> None:
+    """nn.Embedding takes int32 ids too; the row write-back once required int64 ones."""
+    h = {"lr": 0.05, "weight_decay": 0.1}
+    torch.manual_seed(0)
+    embed = nn.Embedding(VOCAB, DIM)
+    optimizer = LazyAdamW(embed, **h)
+    for tokens in batches(3, high=VOCAB // 2):
+        tokens = tokens.to(torch.int32)
+        optimizer.zero_grad()
+        embed(tokens).pow(2).sum().backward()
+        rows = torch.unique(tokens).long()
+        state = {k: v.clone() for k, v in optimizer.state[embed.weight].items()}
+        expected = _adamw_on_rows(embed.weight, state, rows, **h)
+        optimizer.step()
+        assert torch.equal(embed.weight[rows], expected["weight"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[embed.weight][key][rows], expected[key]), key
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
 @pytest.mark.parametrize("width", [1, 3, 4, 6, 130])

@@ -158,14 +158,16 @@ class Eva(KroneckerRule):
             matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
             damping = float(layer.group["damping"])
             directions.append(eva_direction(matrix, a.to(matrix.dtype), g.to(matrix.dtype), damping))
-        # One check for every layer (the largest magnitude of each, NaN if any is NaN), before any change.
-        if directions and not bool(torch.stack(torch._foreach_norm(directions, math.inf)).isfinite().all()):
-            layer = next(layer for layer, d in zip(layers, directions, strict=True) if not d.isfinite().all())
-            raise RuntimeError(
-                f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: training "
-                "has diverged (NaN or inf activations or gradients). Lower the learning rate or raise "
-                "damping. No parameter was changed by this step"
-            )
+        # Before any change, one check of every layer: each direction's norm is finite unless it holds
+        # a NaN or an inf (or its squares overflow: then each element is checked).
+        if directions and not bool(torch.stack(torch._foreach_norm(directions)).isfinite().all()):
+            for layer, direction in zip(layers, directions, strict=True):
+                if not bool(direction.isfinite().all()):
+                    raise RuntimeError(
+                        f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: "
+                        "training has diverged (NaN or inf activations or gradients). Lower the learning rate "
+                        "or raise damping. No parameter was changed by this step"
+                    )
         scales = self._kl_clip_scales(layers, directions)
         for index, (layer, (a, g), direction) in enumerate(zip(layers, vectors, directions, strict=True)):
             if index < updated:

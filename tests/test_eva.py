@@ -182,3 +182,17 @@ def test_a_non_finite_direction_is_refused_by_name_and_nothing_changes(bad: floa
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     for p, g in zip(model.parameters(), grads, strict=True):
         torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_direction_whose_squares_overflow_is_still_taken() -> None:
+    """The finiteness check's norm overflows on large finite values: those are not refused."""
+    torch.set_default_dtype(torch.float32)  # (this file's fixture set float64; it restores it)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = Eva(model, lr=1e-30, momentum=0.0, kl_clip=None)
+    nn.functional.mse_loss(model(torch.randn(4, 3)), torch.randn(4, 2)).backward()
+    assert model.weight.grad is not None
+    model.weight.grad.fill_(1e30)  # finite; its squares are not (float32)
+    before = model.weight.detach().clone()
+    optimizer.step()
+    assert torch.isfinite(model.weight).all() and not torch.equal(model.weight, before)

@@ -17,7 +17,7 @@ from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import unwrap_model
 from .coverage import CoverageWarning
-from .distributed import local_tensor
+from .distributed import local_tensor, sharded
 from .inputs import Call, Captured, Inputs
 from .layers import LayerKind, layer_kind, weight_of
 from .reduction import Reduction
@@ -165,6 +165,27 @@ class LazyAdamW(InputAwareAdamW):
         self._warned_extra: set[int] = set()
         weakref.finalize(self, _remove_handles, self._audit_handles)
         self._attach_audit()
+
+    def _check_param_groups(self) -> None:
+        """Refuse, by name, a table sharded other than on its rows over a 1-D mesh (FSDP2's default):
+        its touched rows could not be found in the shard this rank holds."""
+        super()._check_param_groups()
+        names = {m: n for n, m in unwrap_model(self.model).named_modules()}
+        trained = {p for group in self.param_groups for p in group["params"]}
+        for module, name in names.items():
+            kind = layer_kind(module)
+            weight = getattr(module, "weight", None)
+            if kind is None or not kind.provides("touched_rows") or not isinstance(weight, Tensor):
+                continue
+            if weight not in trained or not sharded(weight):
+                continue
+            mesh, placements = weight.device_mesh, weight.placements  # type: ignore[union-attr]
+            if mesh.ndim != 1 or not placements[0].is_shard(0):
+                raise NotImplementedError(
+                    f"LazyAdamW cannot update the rows of {name or type(module).__name__} under FSDP2: sharded as "
+                    f"{tuple(placements)} over a {mesh.ndim}-D mesh. Shard it with fully_shard's default placement "
+                    "(Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
+                )
 
     def _attach_audit(self) -> None:
         """Hooks that find gradient rows no captured call explains (see ``_RowAudit``)."""

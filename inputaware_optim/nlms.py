@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .base import evaluate_closure
-from .distributed import all_reduce_sum_, local_tensor
+from .distributed import all_reduce_sum_, local_tensor, sharded
 from .inputs import Call, Captured, Inputs
 from .layers import Layer, bias_of, explained, weight_of
 from .reduction import Reduction
@@ -96,6 +96,13 @@ class NLMS(InputAwareSGD):
         for group in self.param_groups:
             if not 0.0 <= group["eps"] < math.inf:
                 raise ValueError(f"Invalid eps: {group['eps']} (must be finite and >= 0)")
+        meshes = {p.device_mesh.ndim for p in self._params() if sharded(p)}  # type: ignore[attr-defined]
+        if meshes - {1}:  # HSDP: the input power would be averaged over one mesh dimension only
+            raise NotImplementedError(
+                f"NLMS supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP uses): the "
+                "input power must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use "
+                "DistributedDataParallel"
+            )
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:

@@ -217,6 +217,7 @@ def fsdp_kronecker_worker(rank: int) -> None:
 def fsdp_dp_worker(rank: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     for rule in ("DPSGD", "DPAdamW"):
@@ -259,6 +260,14 @@ def fsdp_dp_worker(rank: int) -> None:
         DPSGD(model, lr=0.1)
     with pytest.raises(NotImplementedError, match="over a 2-D mesh, not on rows"):
         FOOF(model, lr=0.1)
+    with pytest.raises(NotImplementedError, match="NLMS supports FSDP2 over a 1-D mesh only"):
+        NLMS(model, lr=0.1)
+    with pytest.raises(NotImplementedError, match=r"rows of embed under FSDP2: sharded as .* over a 2-D mesh"):
+        LazyAdamW(model, lr=0.1)
+    # A table sharded on its columns (1-D mesh): its rows are not held whole.
+    columns = sharded_net(mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    with pytest.raises(NotImplementedError, match=r"rows of embed under FSDP2: sharded as \(Shard\(dim=1\),\)"):
+        LazyAdamW(columns, lr=0.1)
 
 
 def inversion_worker(rank: int) -> None:

@@ -179,7 +179,7 @@ class LazyAdamW(InputAwareAdamW):
                 continue
             if weight not in trained or not sharded(weight):
                 continue
-            mesh, placements = weight.device_mesh, weight.placements  # type: ignore[union-attr]
+            mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]
             if mesh.ndim != 1 or not placements[0].is_shard(0):
                 raise NotImplementedError(
                     f"LazyAdamW cannot update the rows of {name or type(module).__name__} under FSDP2: sharded as "

@@ -310,20 +310,14 @@ class _PerSampleClipping(InputAwareOptimizer):
         group = self.param_groups[0]
         clip, sigma = float(group["max_grad_norm"]), float(group["noise_multiplier"])
         totals = inputs.reduced(self._clipped)
-        missing = [p for p in targets if p not in totals]
-        if missing:
-            capture = self.capture
-            where = ", ".join(dict.fromkeys(capture.name(m) for p in missing for m in capture.owners(p))) or (
-                "a module the optimizer does not capture"
-            )
-            raise RuntimeError(
-                f"{type(self).__name__} cannot compute per-sample gradients of {len(missing)} parameter(s) with a "
-                f"gradient: no forward call of {where} is in that gradient (a weight used without calling its "
-                "module, as nn.MultiheadAttention does with out_proj, is not supported). No parameter was changed"
-            )
-        self._check_sums_add_up(targets, totals)
-        first = totals[targets[0]]
-        if any(totals[p]["overlap"] for p in targets):
+        data_parallel = self.data_parallel_group
+        distributed = data_parallel is not None or any(sharded(p) for p in targets)
+        present = [p for p in targets if p in totals]
+        if len(present) < len(targets) and not distributed:
+            raise self._uncaptured([p for p in targets if p not in totals])
+        self._check_sums_add_up(present, totals)
+        first = totals[present[0]] if present else {"samples": 0, "passes": 0}
+        if any(totals[p]["overlap"] for p in present):
             raise RuntimeError(
                 f"{type(self).__name__}: the calls of one forward reached several backward passes (for example two "
                 "losses backpropagated separately), so no pass holds a sample's whole gradient to clip. Sum the "
@@ -336,23 +330,46 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "is a mean over. Pass expected_batch_size=<samples per step> (the loss of each micro-batch then "
                 "being its sum divided by that), or use loss_reduction='sum'. No parameter was changed"
             )
-        data_parallel = self.data_parallel_group
-        if data_parallel is None and not any(sharded(p) for p in targets):
+        if not distributed:
             batch = self._expected_batch_size or first["samples"]
             divisor = float(batch) if self._privacy[2] == "mean" else 1.0
             return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
-        sums = {p: totals[p]["sum"].clone() for p in targets}
+        # A module this rank's samples never reached (a branch, an expert) has a zero gradient for
+        # each of them; another rank's may have reached it. Every rank adds the same list.
+        dtype = totals[present[0]]["sum"].dtype if present else None
+        sums = {
+            p: totals[p]["sum"].clone()
+            if p in totals
+            else torch.zeros(p.shape, dtype=dtype or p.dtype, device=local_tensor(p).device)
+            for p in targets
+        }
         if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks, so replicas stay identical
                 noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
                 total += (noise * (sigma * clip)).to(total.device, total.dtype)
         batch = self._expected_batch_size or first["samples"]
         count = torch.tensor(float(batch), dtype=torch.float64)
-        all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count], data_parallel)
+        captured = torch.tensor([float(p in totals) for p in targets], dtype=torch.float64)  # ranks that saw each
+        all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count, captured], data_parallel)
+        nowhere = [p for p, ranks in zip(targets, captured.tolist(), strict=True) if ranks == 0]
+        if nowhere:  # on every rank alike, after the collective (no rank is left waiting)
+            raise self._uncaptured(nowhere)
         for param in [p for p in sums if sharded(p)]:  # FSDP2: this rank's shard of the sum, by a reduce-scatter
             sums[param] = reduce_scatter_like(sums[param], param)
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
+
+    def _uncaptured(self, params: list[Tensor]) -> RuntimeError:
+        """The refusal of parameters with a gradient that no captured call explains."""
+        capture = self.capture
+        where = ", ".join(dict.fromkeys(capture.name(m) for p in params for m in capture.owners(p))) or (
+            "a module the optimizer does not capture"
+        )
+        return RuntimeError(
+            f"{type(self).__name__} cannot compute per-sample gradients of {len(params)} parameter(s) with a "
+            f"gradient: no forward call of {where} is in that gradient (a weight used without calling its "
+            "module, as nn.MultiheadAttention does with out_proj, is not supported). No parameter was changed"
+        )
 
     def _noised_into_grad(self, param: Tensor, total: Tensor, std: float, divisor: float) -> Tensor:
         """``(total + N(0, std² I)) / divisor`` in one process, written into ``param.grad`` where it

@@ -354,8 +354,10 @@ class Branchy(nn.Module):
         self.branch = nn.Linear(6, 6)
         self.head = nn.Linear(6, 2)
 
-    def forward(self, x: torch.Tensor, branch: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, branch: bool, functional: bool = False) -> torch.Tensor:
         h = torch.tanh(self.stem(x))
+        if functional:  # the branch's weights used without calling it
+            return self.head(h + nn.functional.linear(h, self.branch.weight, self.branch.bias))
         return self.head(h + self.branch(h) if branch else h)
 
 
@@ -396,6 +398,33 @@ def unreached_layer_worker(rank: int) -> None:
             whole.step()
         for p, q in zip(model.module.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=rule)
+    # DPSGD: rank 1's samples have a zero gradient for `branch`; both ranks add the same sums. One
+    # process with both halves as micro-batches (each loss a sum over the global batch) is the reference.
+    dp = {"lr": 0.5, "max_grad_norm": 0.05, "noise_multiplier": 0.0}
+    model = DistributedDataParallel(Branchy().double(), find_unused_parameters=True)
+    optimizer = DPSGD(model, expected_batch_size=4, **dp)
+    for x, y in zip(data, targets, strict=True):
+        optimizer.zero_grad()
+        (model(x[rank].double(), branch=rank == 0) - y[rank]).pow(2).mean().backward()
+        optimizer.step()
+    assert_same_on_every_rank(list(model.parameters()), "DPSGD's parameters")
+    reference = Branchy().double()
+    whole = DPSGD(reference, expected_batch_size=4 * WORLD, process_group=None, **dp)
+    for x, y in zip(data, targets, strict=True):
+        whole.zero_grad()
+        for part in range(WORLD):
+            ((reference(x[part].double(), branch=part == 0) - y[part]).pow(2).mean(1).sum() / (4 * WORLD)).backward()
+        whole.step()
+    for p, q in zip(model.module.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg="DPSGD")
+    # A weight no rank's captured calls explain is refused on every rank alike (none is left waiting).
+    model = DistributedDataParallel(Branchy())
+    optimizer = DPSGD(model, expected_batch_size=4, **dp)
+    (model(data[0][rank], branch=True, functional=True) - targets[0][rank]).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="no forward call of branch is in that gradient"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 def _entry(rank: int, directory: str, port: int, worker: Callable[[int], None], world: int = WORLD) -> None:

@@ -126,3 +126,31 @@ def test_captures_output_gradients_by_itself_and_validates() -> None:
     with pytest.raises(ValueError, match="Invalid update_every"):
         KFAC(mlp(), lr=0.1, update_every=0)
     KFAC(mlp(), lr=0.1, capture_grad_outputs=False)  # about raw calls, which K-FAC does not read
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "Eva"])
+def test_zero_sums_are_shaped_as_the_hooks_sums(rule: str) -> None:
+    """A data-parallel rank that captured no call of a layer joins the all-reduce with zero sums:
+    the same shapes as the hooks compute, for plain, grouped and transposed layers."""
+    from inputaware_optim import FOOF, Eva
+
+    model = nn.Sequential(
+        nn.Conv2d(4, 6, 3, groups=2),
+        nn.ReLU(),
+        nn.ConvTranspose2d(6, 4, 3, groups=2, bias=False),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    ).double()
+    optimizer = {"FOOF": FOOF, "KFAC": KFAC, "Eva": Eva}[rule](model, lr=0.1)
+    nn.functional.mse_loss(model(torch.randn(2, 4, 6, 6, dtype=torch.float64)), torch.randn(2, 3).double()).backward()
+    totals = optimizer.capture.reduced(optimizer._statistics)
+    layers = optimizer._layers(optimizer.reads_capability)
+    assert len(layers) == 3
+    for layer in layers:
+        computed = totals[layer.module.weight]
+        zeros = optimizer._zero_sums(layer)
+        assert set(zeros) == set(computed)
+        for factor, (numerator, denominator) in zeros.items():
+            assert numerator.shape == computed[factor][0].shape, (layer.module, factor)
+            assert denominator.shape == computed[factor][1].shape, (layer.module, factor)
+            assert numerator.dtype == computed[factor][0].dtype and not numerator.any()

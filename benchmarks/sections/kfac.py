@@ -8,6 +8,7 @@ from ..digits import BATCH
 
 KFAC = "K-FAC"
 EVA = "Eva"
+ALONE = "K-FAC's arithmetic alone"
 
 
 def run(config: Config, progress: Progress) -> Result:
@@ -20,12 +21,13 @@ def run(config: Config, progress: Progress) -> Result:
             every,
         ),
         "Eva (statistics every step)": (rules.eva(statistics_every=1), 1),
+        ALONE: (rules.kernel_floor(two_sided=True), every),
     }
     progress.start(4)
     measured = rules.step_times(config, progress, timed, large=(KFAC, EVA))
     targets = []
     for model, by_batch in measured.ratios.items():
-        targets.append(rules.step_target(KFAC, model, by_batch[BATCH][KFAC], config))
+        targets.append(rules.step_target(KFAC, model, by_batch[BATCH][KFAC], config, floor=by_batch[BATCH][ALONE]))
         targets.append(
             rules.step_target(
                 EVA, model, by_batch[BATCH][EVA], config, informational=True, schedule=f"statistics every {every} steps"
@@ -38,8 +40,10 @@ def run(config: Config, progress: Progress) -> Result:
         f"{KFAC} and {EVA}: {rules.SCHEDULE} (Eva has no inverse: its statistics every {every} steps), as trained "
         "in the convergence section; the rows with statistics on every step are for comparison. K-FAC's statistics "
         "step adds, per layer, both factors' sums (x̃x̃ᵀ from the inputs, ggᵀ from the output gradients) and two "
-        "Cholesky inverses in float64; every step applies the two-sided product (Ḡ + √λI)⁻¹ G̃ (Ā + √λI)⁻¹. Eva's "
-        "statistics are two mean vectors, its inverses closed-form. "
+        "Cholesky inverses; every step applies the two-sided product (Ḡ + √λI)⁻¹ G̃ (Ā + √λI)⁻¹. Eva's "
+        f"statistics are two mean vectors, its inverses closed-form. {ALONE}: SGD with momentum plus K-FAC's "
+        f"two-sided products and its Cholesky inverses every {every} steps, called directly, with no capture and "
+        "no library code (the statistics products left out): the least K-FAC's step can take here. "
         f"{rules.STEP_TABLE_NOTE} K-FAC damping λ = {rules.KFAC_DAMPING:g}, Eva damping {rules.EVA_DAMPING:g}.",
     )
     data = {"batch": BATCH, "schedule": rules.SCHEDULE, "models": measured.data}

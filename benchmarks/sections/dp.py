@@ -38,7 +38,7 @@ class SequenceModel(nn.Module):
     """Tokens → ``Embedding`` → a pre-norm residual MLP block on every position → mean → ``Linear`` head.
 
     Its ``nn.Linear`` layers see ``(batch, time, features)`` inputs, where DPSGD uses the ghost norm
-    (never forming a per-sample gradient); its ``LayerNorm`` takes DPSGD's ``torch.func`` fallback.
+    (never forming a per-sample gradient); its ``LayerNorm`` takes DPSGD's closed form.
     """
 
     def __init__(self, vocabulary: int, width: int, classes: int) -> None:

@@ -225,23 +225,30 @@ def _names_of(module: nn.Module) -> tuple[str, str]:
 _NAMES: dict[type, tuple[str, str]] = {}
 
 
+def _attribute(module: nn.Module, name: str) -> Any:
+    """``getattr(module, name, None)``, reading a registered parameter straight from ``_parameters``
+    (rules look their layers' weights up several times a step; ``nn.Module.__getattr__`` is slower)."""
+    param = module._parameters.get(name)
+    return param if param is not None else getattr(module, name, None)
+
+
 def weight_of(module: nn.Module) -> Tensor:
     """The weight matrix of ``module`` (``module.weight``, or the attribute its kind names), typed."""
     name = _names_of(module)[0]
-    weight = getattr(module, name)
+    weight = _attribute(module, name)
     assert isinstance(weight, Tensor), f"{type(module).__name__}.{name} is not a tensor"
     return weight
 
 
 def weight_or_none(module: nn.Module) -> Tensor | None:
     """``weight_of(module)``, or ``None`` where the module has no such tensor."""
-    weight = getattr(module, _names_of(module)[0], None)
+    weight = _attribute(module, _names_of(module)[0])
     return weight if isinstance(weight, Tensor) else None
 
 
 def bias_of(module: nn.Module) -> Tensor | None:
     """The bias of ``module`` (``module.bias``, or the attribute its kind names), else ``None``."""
-    bias = getattr(module, _names_of(module)[1], None)
+    bias = _attribute(module, _names_of(module)[1])
     return bias if isinstance(bias, Tensor) else None
 
 

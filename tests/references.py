@@ -43,3 +43,28 @@ def output_grads(model: nn.Module, modules: list[nn.Module], loss_of: Any) -> li
         handle.remove()
     model.zero_grad()
     return [o.grad for o in outputs]
+
+
+def backward_with_inputs(model: nn.Module, modules: list[nn.Module], loss_of: Any) -> dict[nn.Module, torch.Tensor]:
+    """Zero ``model``'s gradients, backpropagate ``loss_of(model)`` and return the input each listed
+    module received (its first argument; the gradients stay for the caller's step)."""
+    inputs: dict[nn.Module, torch.Tensor] = {}
+
+    def keep(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        inputs[module] = args[0]
+
+    handles = [m.register_forward_hook(keep) for m in modules]
+    model.zero_grad()
+    loss_of(model).backward()
+    for handle in handles:
+        handle.remove()
+    return inputs
+
+
+def preconditioned_sgd_step(layer: nn.Linear, inverse: torch.Tensor, lr: float) -> None:
+    """``[W | b] -= lr * [∇W | ∇b] inverse``: FOOF's update without momentum, by hand."""
+    assert layer.weight.grad is not None and layer.bias.grad is not None
+    with torch.no_grad():
+        grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1) @ inverse
+        layer.weight -= lr * grad[:, :-1]
+        layer.bias -= lr * grad[:, -1]

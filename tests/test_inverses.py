@@ -14,6 +14,8 @@ from torch import nn
 from inputaware_optim import FOOF, KFAC, Eva
 from inputaware_optim.kronecker import damped_inverse, eigenbasis, inverse_from_eigenbasis
 
+from .references import backward_with_inputs, preconditioned_sgd_step, with_ones
+
 
 def net() -> nn.Sequential:
     torch.manual_seed(0)
@@ -40,35 +42,22 @@ def foof_reference(
     ``update_every`` steps. In between, Cholesky keeps the inverse (formed with the damping of
     its refresh); eigh keeps the refreshed moment and inverts it with the damping of the step."""
     layers = [model[0], model[2]]
-    moments: dict[int, torch.Tensor] = {}
-    refreshed: dict[int, torch.Tensor] = {}
-    inverses: dict[int, torch.Tensor] = {}
+    moments: dict[nn.Module, torch.Tensor] = {}
+    refreshed: dict[nn.Module, torch.Tensor] = {}
+    inverses: dict[nn.Module, torch.Tensor] = {}
     for step, damping in enumerate(dampings):
-        inputs: dict[int, torch.Tensor] = {}
-
-        def keep(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor, seen: dict = inputs) -> None:
-            seen[id(module)] = args[0]
-
-        handles = [m.register_forward_hook(keep) for m in layers]
-        model.zero_grad()
-        model(batch(step)).pow(2).mean().backward()
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad():
-            for layer in layers:
-                key = id(layer)
-                rows = torch.cat([inputs[key], torch.ones(len(inputs[key]), 1, dtype=torch.float64)], dim=1)
-                moment = rows.T @ rows / len(rows)
-                moments[key] = moment if key not in moments else decay * moments[key] + (1 - decay) * moment
-                identity = torch.eye(len(moment), dtype=torch.float64)
-                if step % update_every == 0:
-                    refreshed[key] = moments[key]
-                    inverses[key] = torch.linalg.inv(moments[key] + damping * identity)
-                elif eigh:
-                    inverses[key] = torch.linalg.inv(refreshed[key] + damping * identity)
-                grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1) @ inverses[key]
-                layer.weight -= lr * grad[:, :-1]
-                layer.bias -= lr * grad[:, -1]
+        inputs = backward_with_inputs(model, layers, lambda m, step=step: m(batch(step)).pow(2).mean())
+        for layer in layers:
+            rows = with_ones(inputs[layer].detach())
+            moment = rows.T @ rows / len(rows)
+            moments[layer] = moment if layer not in moments else decay * moments[layer] + (1 - decay) * moment
+            identity = torch.eye(len(moment), dtype=torch.float64)
+            if step % update_every == 0:
+                refreshed[layer] = moments[layer]
+                inverses[layer] = torch.linalg.inv(moments[layer] + damping * identity)
+            elif eigh:
+                inverses[layer] = torch.linalg.inv(refreshed[layer] + damping * identity)
+            preconditioned_sgd_step(layer, inverses[layer], lr)
 
 
 @pytest.mark.parametrize("inverse", ["cholesky", "eigh"])

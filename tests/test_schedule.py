@@ -12,6 +12,8 @@ from torch import nn
 
 from inputaware_optim import FOOF, KFAC, Eva
 
+from .references import backward_with_inputs, preconditioned_sgd_step, with_ones
+
 
 def net() -> nn.Sequential:
     torch.manual_seed(0)
@@ -31,31 +33,19 @@ def train_step(model: nn.Module, optimizer: Any, step: int) -> None:
 def foof_reference(model: nn.Sequential, steps: int, every: int, lr: float, damping: float, decay: float) -> None:
     """FOOF by hand: A from the inputs on steps 0, every, 2 every, ...; the last inverse in between."""
     layers = [model[0], model[2]]
-    moments: dict[int, torch.Tensor] = {}
-    inverses: dict[int, torch.Tensor] = {}
+    moments: dict[nn.Module, torch.Tensor] = {}
+    inverses: dict[nn.Module, torch.Tensor] = {}
     for step in range(steps):
-        inputs: dict[int, torch.Tensor] = {}
-
-        def keep(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor, seen: dict = inputs) -> None:
-            seen[id(module)] = args[0]
-
-        handles = [m.register_forward_hook(keep) for m in layers]
-        model.zero_grad()
-        model(batch(step)).pow(2).mean().backward()
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad():
-            for layer in layers:
-                if step % every == 0:
-                    rows = torch.cat([inputs[id(layer)], torch.ones(len(inputs[id(layer)]), 1)], dim=1)
-                    moment = rows.T @ rows / len(rows)
-                    if id(layer) in moments:
-                        moment = decay * moments[id(layer)] + (1 - decay) * moment
-                    moments[id(layer)] = moment
-                    inverses[id(layer)] = torch.linalg.inv(moment + damping * torch.eye(len(moment)))
-                grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1) @ inverses[id(layer)]
-                layer.weight -= lr * grad[:, :-1]
-                layer.bias -= lr * grad[:, -1]
+        inputs = backward_with_inputs(model, layers, lambda m, step=step: m(batch(step)).pow(2).mean())
+        for layer in layers:
+            if step % every == 0:
+                rows = with_ones(inputs[layer].detach())
+                moment = rows.T @ rows / len(rows)
+                if layer in moments:
+                    moment = decay * moments[layer] + (1 - decay) * moment
+                moments[layer] = moment
+                inverses[layer] = torch.linalg.inv(moment + damping * torch.eye(len(moment)))
+            preconditioned_sgd_step(layer, inverses[layer], lr)
 
 
 @pytest.mark.parametrize("every", [1, 3])

@@ -370,13 +370,21 @@ class InputAwareOptimizer(Optimizer):
         Found once and kept while the watched modules and the param groups (each group dict and the
         parameters in it) stay the same: every step reads them, and finding them walks the model.
         """
+        return list(
+            self._kept(("layers", capability, with_excluded), lambda: self._find_layers(capability, with_excluded))
+        )
+
+    def _kept(self, key: Any, compute: Callable[[], Any]) -> Any:
+        """``compute()``, kept under ``key`` while the watched modules and the param groups (each group
+        dict and the parameters in it, ``load_state_dict`` replacing the dicts) stay the same: what a
+        rule derives from the model's structure, read every step but found by walking the model."""
         # The groups themselves are kept with the signature, so an id in it is never a reused one.
         signature = (len(self.capture.modules), [(g, *g["params"]) for g in self.param_groups])
-        cache = self.__dict__.setdefault("_layers_cache", {})
-        kept = cache.get((capability, with_excluded))
+        cache = self.__dict__.setdefault("_kept_cache", {})
+        kept = cache.get(key)
         if kept is None or not _same_objects(kept[0], signature):
-            kept = cache[(capability, with_excluded)] = (signature, self._find_layers(capability, with_excluded))
-        return list(kept[1])
+            kept = cache[key] = (signature, compute())
+        return kept[1]
 
     def _find_layers(self, capability: str, with_excluded: bool) -> list[Layer]:
         groups = self._param_groups_by_param()
@@ -746,7 +754,7 @@ class InputAwareOptimizer(Optimizer):
 
 
 def _same_objects(kept: tuple[int, list[tuple[Any, ...]]], now: tuple[int, list[tuple[Any, ...]]]) -> bool:
-    """Whether two ``_layers`` signatures hold the same count and the very same objects, in order."""
+    """Whether two ``_kept`` signatures hold the same count and the very same objects, in order."""
     return (
         kept[0] == now[0]
         and len(kept[1]) == len(now[1])

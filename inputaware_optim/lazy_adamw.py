@@ -164,7 +164,7 @@ class LazyAdamW(InputAwareAdamW):
         self._audited: set[int] = set()
         self._warned_extra: set[int] = set()
         weakref.finalize(self, _remove_handles, self._audit_handles)
-        self._attach_audit()
+        self._attach_audit(self._lazy_modules())
 
     def _check_param_groups(self) -> None:
         """Refuse, by name, a table sharded other than on its rows over a 1-D mesh (FSDP2's default):
@@ -187,9 +187,9 @@ class LazyAdamW(InputAwareAdamW):
                     "(Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
                 )
 
-    def _attach_audit(self) -> None:
+    def _attach_audit(self, modules: list[nn.Module]) -> None:
         """Hooks that find gradient rows no captured call explains (see ``_RowAudit``)."""
-        for module in self._lazy_modules():
+        for module in modules:
             weight = weight_of(module)
             if id(weight) in self._audited or getattr(weight, "device_mesh", None) is not None:
                 continue  # FSDP2 shards: autograd never reaches the sharded weight (not audited)
@@ -211,14 +211,11 @@ class LazyAdamW(InputAwareAdamW):
         return "stock AdamW", None, False
 
     def _lazy_modules(self) -> list[nn.Module]:
-        """Captured embeddings whose weight is trained here and used by no other module.
+        """Captured embeddings whose weight is trained here and used by no other module (kept while
+        the param groups stay the same: walking a large model every step would not cost "rows touched")."""
+        return self._kept("lazy_modules", self._find_lazy_modules)  # type: ignore[no-any-return]
 
-        The model's structure is fixed, so the answer changes only with the param groups: it is
-        kept, not recomputed every step (walking a large model would not cost "rows touched")."""
-        key = tuple(len(group["params"]) for group in self.param_groups)
-        cached = self.__dict__.get("_lazy_cache")
-        if cached is not None and cached[0] == key:
-            return cached[1]
+    def _find_lazy_modules(self) -> list[nn.Module]:
         groups = self._param_groups_by_param()
         owners: dict[Tensor, int] = {}
         for module in unwrap_model(self.model).modules():
@@ -233,30 +230,18 @@ class LazyAdamW(InputAwareAdamW):
             and weight_of(m) in groups
             and owners[weight_of(m)] == 1  # a tied weight (say, an output head) gets gradients on every row
         ]
-        self._lazy_cache = (key, lazy)
         if "_audit" in self.__dict__:
-            self._attach_audit()  # a param group added since
+            self._attach_audit(lazy)  # a param group added since
         return lazy
 
     def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
-        """Each lazy module with its weight and that weight's param group, kept between steps while the
-        modules, their weights and the param group dicts stay the same (``load_state_dict`` replaces
-        the dicts)."""
-        modules = self._lazy_modules()
-        groups = self.param_groups
-        cached = self.__dict__.get("_tables_cache")
-        if (
-            cached is not None
-            and cached[0] is modules
-            and len(cached[1]) == len(groups)
-            and all(a is b for a, b in zip(cached[1], groups, strict=True))
-            and all(weight_of(m) is w for m, w, _ in cached[2])
-        ):
-            return cached[2]
-        by_param = self._param_groups_by_param()
-        tables = [(m, weight_of(m), by_param[weight_of(m)]) for m in modules]
-        self._tables_cache = (modules, list(groups), tables)
-        return tables
+        """Each lazy module with its weight and that weight's param group (kept as ``_lazy_modules``)."""
+
+        def find() -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
+            by_param = self._param_groups_by_param()
+            return [(m, weight_of(m), by_param[weight_of(m)]) for m in self._lazy_modules()]
+
+        return self._kept("lazy_tables", find)  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:

@@ -23,18 +23,17 @@ from .inputs import Call, Inputs
 from .layers import (
     GENERIC,
     BlockRows,
-    ConvKind,
     IndexedRows,
     LayerKind,
     Materialized,
     MatrixRows,
     PerSample,
-    _batched,
     _functional_per_sample_grads,
     _grad_output,
     _statistics_dtype,
     declared_refusal,
     layer_kind,
+    merged_rows,
 )
 from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
@@ -536,15 +535,7 @@ class ClippedSums(Reduction):
         kind = layer_kind(module)
         if kind is not None and kind.provides("per_sample"):
             call = _batch_first(call, self.batch_dim)
-            if type(kind) is ConvKind and module.groups == 1:  # type: ignore[union-attr]
-                try:
-                    return _conv_rows(module, call, names)
-                except NotImplementedError:
-                    pass
-            per = kind.per_sample(module, call, names)
-            if isinstance(per, MatrixRows):
-                return _Rows(per.x, per.g, per.weight, per.bias, per.weight_shape, per.transposed)
-            return per
+            return kind.per_sample(module, call, names)
         if _is_layer_norm(module):
             return _layer_norm_per_sample(module, _batch_first(call, self.batch_dim), names)
         if self.batch_dim == 0:
@@ -611,21 +602,11 @@ class _Probes:
         return directions if directions.dtype == like.dtype else directions.to(like.dtype)
 
     def plain_sums(self, per: PerSample, params: dict[str, Tensor]) -> dict[str, Tensor]:
-        if isinstance(per, _Rows) and per.weight:
+        if isinstance(per, MatrixRows) and per.weight:
             weight = params["weight"]
             if per.transposed:
                 self.transposed.add(weight)
             return per.projected_sums(self._directions(weight, per.outputs, per.like))
-        if isinstance(per, MatrixRows) and per.weight:
-            weight = params["weight"]
-            directions = self._directions(weight, per.g.shape[-1], per.g)
-            if per.transposed:
-                self.transposed.add(weight)
-            projected = (per.g @ directions).reshape(-1, self.DIRECTIONS)  # (Pᵀ g_t) for every row
-            out = {"weight": projected.T @ per.x.reshape(projected.shape[0], -1)}
-            if per.bias:
-                out["bias"] = per.g.sum((0, 1))
-            return out
         if isinstance(per, BlockRows) and per.weight:
             weight = params["weight"]
             directions = self._directions(weight, per.g.shape[-1], per.g)
@@ -649,163 +630,6 @@ class _Probes:
         if blocks == 1:
             return directions.T @ grad.reshape(outputs, -1)
         return torch.einsum("ok,joi->jki", directions, grad.reshape(blocks, outputs, -1))
-
-
-class _Rows(PerSample):
-    """A matrix layer's per-sample gradients from its rows: inputs ``x`` ``(batch, positions, in)``
-    and output gradients ``g`` ``(batch, positions, out)``, any strides (a convolution's are
-    channel-major views, never copied). Sample ``b``'s weight gradient is ``sum_t g_bt x_btᵀ``,
-    its bias gradient ``sum_t g_bt``.
-
-    Its squared norm is the cheaper of two exact forms: the ghost norm (Gram matrices over the
-    positions, never forming the gradient) or the gradient itself, formed (``formed``, ``(batch,
-    out, in)``) where it is no larger than the rows already held (``positions * (in + out) >=
-    in * out``). A formed gradient is kept: the clipped sum is then a ``batch``-term weighted sum
-    of it, and the unclipped one its plain sum, instead of a second product over every row.
-    Otherwise the clipped sum is Book-Keeping's single product ``gᵀ diag(c) x`` over all rows (the
-    weights scale whichever of ``x`` and ``g`` is narrower). Given ``formed`` (a convolution's,
-    from its own weight-gradient kernel), ``x`` and ``g`` are not needed.
-    """
-
-    def __init__(
-        self,
-        x: Tensor | None,
-        g: Tensor | None,
-        weight: bool,
-        bias: bool,
-        weight_shape: torch.Size,
-        transposed: bool = False,
-        *,
-        formed: Tensor | None = None,
-        bias_rows: Tensor | None = None,
-    ) -> None:
-        assert (x is not None and g is not None) or (
-            (formed is not None or not weight) and (bias_rows is not None or not bias)
-        )
-        self.x, self.g = x, g
-        self.weight, self.bias = weight, bias
-        self.weight_shape = weight_shape
-        self.transposed = transposed  # the weight is stored (in, out), as Hugging Face's Conv1D
-        self.formed = formed  # (batch, out, in): each sample's weight gradient, once formed
-        self._bias_rows = bias_rows
-
-    @property
-    def like(self) -> Tensor:
-        """A tensor of the per-sample gradients' dtype and device, batch first."""
-        like = self.g if self.g is not None else self.formed if self.formed is not None else self._bias_rows
-        assert like is not None
-        return like
-
-    @property
-    def batch(self) -> int:
-        return int(self.like.shape[0])
-
-    @property
-    def outputs(self) -> int:
-        """The weight's output rows (its first dimension, or its second when ``transposed``)."""
-        return int(self.g.shape[-1] if self.g is not None else self.like.shape[1])
-
-    @property
-    def bias_rows(self) -> Tensor:
-        """Each sample's bias gradient ``sum_t g_bt``: ``(batch, out)``."""
-        if self._bias_rows is None:
-            assert self.g is not None
-            self._bias_rows = self.g[:, 0] if self.g.shape[1] == 1 else self.g.sum(1)
-        return self._bias_rows
-
-    def form(self) -> Tensor:
-        """Each sample's weight gradient, ``(batch, out, in)`` (formed once)."""
-        if self.formed is None:
-            assert self.x is not None and self.g is not None
-            self.formed = torch.bmm(self.g.transpose(1, 2), self.x)
-        return self.formed
-
-    def _forms(self) -> bool:
-        if self.formed is not None:
-            return True
-        assert self.x is not None and self.g is not None
-        positions, inputs, outputs = self.x.shape[1], self.x.shape[2], self.g.shape[2]
-        return positions > 1 and positions * (inputs + outputs) >= inputs * outputs
-
-    def sq_norms(self) -> Tensor:
-        total = self.bias_rows.square().sum(1) if self.bias else None
-        if not self.weight:
-            assert total is not None
-            return total
-        if self._forms():
-            squared = self.form().square().sum((1, 2))
-        else:
-            x, g = self.x, self.g
-            assert x is not None and g is not None
-            if g.shape[1] == 1:  # one position: |g xᵀ|² = |g|² |x|²
-                squared = g[:, 0].square().sum(1) * x[:, 0].square().sum(1)
-            else:  # the ghost norm: |sum_t g_t x_tᵀ|² = sum_{t,s} (g_t . g_s)(x_t . x_s)
-                squared = (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
-        return squared if total is None else squared + total
-
-    def _weight_sum(self, weights: Tensor) -> Tensor:
-        """``sum_b weights[b] * (sample b's weight gradient)``, ``(out, in)``."""
-        if self.formed is not None:
-            return torch.tensordot(weights, self.formed, dims=1)
-        x, g = self.x, self.g
-        assert x is not None and g is not None
-        scale = weights[:, None, None]
-        if x.shape[2] < g.shape[2]:
-            x = x * scale
-        else:
-            g = g * scale
-        return g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
-
-    def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
-        weights = weights.to(self.like)
-        sums = {}
-        if self.weight:
-            matrix = self._weight_sum(weights)
-            sums["weight"] = (matrix.T if self.transposed else matrix).reshape(self.weight_shape)
-        if self.bias:
-            sums["bias"] = weights @ self.bias_rows
-        return sums
-
-    def projected_sums(self, directions: Tensor) -> dict[str, Tensor]:
-        """The unclipped sum, its weight gradient projected on ``directions`` (``out x k``): ``k x in``."""
-        out = {}
-        if self.weight:
-            if self.formed is not None:
-                out["weight"] = directions.T @ self.formed.sum(0)
-            else:  # sum_bt (Pᵀ g_bt) x_btᵀ: O(rows * k * (in + out))
-                x, g = self.x, self.g
-                assert x is not None and g is not None
-                if g.shape[1] == 1 or g.is_contiguous():  # rows as they are
-                    projected = directions.T @ g.reshape(-1, g.shape[2]).T  # (k, rows): GEMM-friendly
-                    out["weight"] = projected @ x.reshape(-1, x.shape[2])
-                else:  # a convolution's channel-major rows: per sample, without copying them
-                    projected = torch.matmul(directions.T, g.transpose(1, 2))  # (batch, k, positions)
-                    out["weight"] = torch.bmm(projected, x).sum(0)
-        if self.bias:
-            out["bias"] = self.bias_rows.sum(0)
-        return out
-
-    def grads(self) -> dict[str, Tensor]:
-        grads = {}
-        if self.weight:
-            matrix = self.form()
-            if self.transposed:
-                matrix = matrix.transpose(1, 2)
-            grads["weight"] = matrix.reshape(matrix.shape[0], *self.weight_shape)
-        if self.bias:
-            grads["bias"] = self.bias_rows
-        return grads
-
-    def widened(self) -> _Rows:
-        """The same per-sample gradients in float64."""
-        if self.x is None or self.g is None:
-            assert self.formed is not None
-            rows = None if self._bias_rows is None else self._bias_rows.double()
-            return _Rows(
-                None, None, self.weight, self.bias, self.weight_shape, self.transposed,
-                formed=self.formed.double(), bias_rows=rows,
-            )  # fmt: skip
-        return _Rows(self.x.double(), self.g.double(), self.weight, self.bias, self.weight_shape, self.transposed)
 
 
 def _is_layer_norm(module: nn.Module) -> TypeGuard[nn.LayerNorm]:
@@ -832,66 +656,10 @@ def _layer_norm_per_sample(module: nn.LayerNorm, call: Call, names: Sequence[str
     return Materialized(grads)
 
 
-def _merged_rows(per_call: list[_Rows]) -> _Rows:
-    """The per-sample gradients of several calls of one matrix layer in one forward: their rows
-    side by side (the positions of every call), or, where one was formed, the formed sum."""
-    head = per_call[0]
-    if all(p.x is not None and p.formed is None for p in per_call):
-        x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[misc]
-        g = torch.cat([p.g for p in per_call], dim=1)  # type: ignore[misc]
-        return _Rows(x, g, head.weight, head.bias, head.weight_shape, head.transposed)
-    formed = torch.stack([p.form() for p in per_call]).sum(0) if head.weight else None
-    rows = torch.stack([p.bias_rows for p in per_call]).sum(0) if head.bias else None
-    return _Rows(None, None, head.weight, head.bias, head.weight_shape, head.transposed, formed=formed, bias_rows=rows)
-
-
-def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> _Rows:
-    """An ungrouped ``nn.Conv1d/2d/3d`` call's per-sample gradients.
-
-    Formed where that is the cheaper norm (see ``_Rows``), by the convolution's own weight-gradient
-    kernel run once with the batch as groups (``(1, batch * C, ...)`` input, ``batch`` groups);
-    otherwise as rows, the input's patches by im2col (``F.unfold``, in the weight's column order)
-    and the output gradient flattened, both channel-major and only viewed position-major."""
-    assert isinstance(module, nn.modules.conv._ConvNd)
-    spatial = module.weight.dim() - 2
-    x = _statistics_dtype(_batched(call.input, spatial + 2))
-    g = _statistics_dtype(_batched(_grad_output(call), spatial + 2))
-    padding = [0] * spatial
-    if module.padding_mode == "zeros" and isinstance(module.padding, tuple):
-        padding = list(module.padding)  # the kernels pad by themselves
-    elif any(module._reversed_padding_repeated_twice):  # other modes, or "same" (perhaps uneven)
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-    weight, bias = "weight" in names, "bias" in names
-    batch, channels, outputs = x.shape[0], x.shape[1], g.shape[1]
-    kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
-    positions, inputs = math.prod(g.shape[2:]), channels * math.prod(kernel)
-    bias_rows = g.flatten(2).sum(2) if bias else None
-    if weight and positions * (inputs + outputs) >= inputs * outputs and positions > 1:
-        shape = (batch * outputs, channels, *kernel)
-        formed = torch.ops.aten.convolution_backward(
-            g.reshape(1, batch * outputs, *g.shape[2:]),
-            x.reshape(1, batch * channels, *x.shape[2:]),
-            g.new_empty(1).expand(shape),
-            None, stride, padding, dilation, False, [0] * spatial, batch, (False, True, False),
-        )[1]  # fmt: skip
-        formed = formed.reshape(batch, outputs, -1)
-        return _Rows(None, None, weight, bias, module.weight.shape, formed=formed, bias_rows=bias_rows)
-    if spatial == 3:
-        raise NotImplementedError  # the caller falls back on the layer kind's rows
-    if spatial == 1:  # a row of height one
-        x, kernel, dilation, stride = x[:, :, None], (1, *kernel), (1, *dilation), (1, *stride)
-        padding = [0, *padding]
-    patches = F.unfold(x, kernel, dilation=dilation, padding=tuple(padding), stride=stride)
-    rows = _Rows(patches.transpose(1, 2), g.flatten(2).transpose(1, 2), weight, bias, module.weight.shape)
-    rows._bias_rows = bias_rows
-    return rows
-
-
 def _batch_size(per: PerSample) -> int:
-    if isinstance(per, _Rows):
+    if isinstance(per, MatrixRows):
         return per.batch
-    if isinstance(per, (MatrixRows, BlockRows, IndexedRows)):
+    if isinstance(per, (BlockRows, IndexedRows)):
         return int(per.g.shape[0])
     return int(next(iter(per.grads().values())).shape[0])
 
@@ -909,19 +677,13 @@ def _robust_sq_norms(per: PerSample, squared: Tensor | None = None) -> Tensor:
     squared = per.sq_norms() if squared is None else squared
     if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
         return squared.double()
-    if isinstance(per, _Rows):
+    if isinstance(per, MatrixRows):
         wide: PerSample = per.widened()
-    elif isinstance(per, MatrixRows):
-        wide = MatrixRows(per.x.double(), per.g.double(), _names(per), per.weight_shape, per.transposed)
     elif isinstance(per, IndexedRows):
         wide = IndexedRows(per.index, per.g.double(), per.num_rows)
     else:
         wide = Materialized({n: g.double() for n, g in per.grads().items()})
     return wide.sq_norms()
-
-
-def _names(per: MatrixRows) -> list[str]:
-    return [n for n, on in (("weight", per.weight), ("bias", per.bias)) if on]
 
 
 def _samples_of(module: nn.Module, call: Call) -> int:
@@ -1029,14 +791,8 @@ def _merged(per_call: list[PerSample]) -> PerSample:
     """The per-sample gradients of several calls of one module in one forward: their sum."""
     if len(per_call) == 1:
         return per_call[0]
-    if all(isinstance(p, _Rows) for p in per_call):
-        return _merged_rows(per_call)  # type: ignore[arg-type]
     if all(isinstance(p, MatrixRows) for p in per_call):
-        first = per_call[0]
-        assert isinstance(first, MatrixRows)
-        x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[attr-defined]
-        g = torch.cat([p.g for p in per_call], dim=1)  # type: ignore[attr-defined]
-        return MatrixRows(x, g, _names(first), first.weight_shape, first.transposed)
+        return merged_rows(per_call)  # type: ignore[arg-type]
     grads = [p.grads() for p in per_call]
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
 

@@ -246,7 +246,7 @@ class KroneckerRule(InputAwareSGD):
             state["statistics_steps"] = state.get("statistics_steps", 0) + 1
             self._set_preconditioned(layer, inverses)
         for layer, inverses in kept:
-            if self._inverse == "eigh":  # (Cholesky's are the kept ones)
+            if self._inverse == "eigh":  # a change of damping formed new ones (Cholesky's are the kept ones)
                 self._keep_inverses(layer, inverses)
             self._set_preconditioned(layer, inverses)
         super().step(inputs=inputs)
@@ -366,6 +366,8 @@ class KroneckerRule(InputAwareSGD):
     def _keep_inverses(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         state = self.state[weight_of(layer.module)]
         for factor, inverse in inverses.items():
+            if state.get(f"{factor}_inverse") is inverse:
+                continue  # (kept as it is: no refresh, no change of damping)
             state[f"{factor}_inverse"] = inverse
             if self._inverse == "eigh":
                 state[f"{factor}_inverse_damping"] = self._damping(layer.group, factor)

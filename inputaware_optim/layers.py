@@ -321,50 +321,177 @@ class _MatrixPerSample(LayerKind):
 
 
 class MatrixRows(PerSample):
-    """A sample's weight gradient is ``sum_t g_t x_t^T`` over its positions ``t``, its bias
-    gradient ``sum_t g_t``; norms and weighted sums follow without forming either."""
+    """A matrix layer's per-sample gradients from its rows: inputs ``x`` ``(batch, positions, in)``
+    and output gradients ``g`` ``(batch, positions, out)``, any strides (a convolution's are
+    channel-major views, never copied). Sample ``b``'s weight gradient is ``sum_t g_bt x_btᵀ``,
+    its bias gradient ``sum_t g_bt``.
+
+    Its squared norm is the cheaper of two exact forms: the ghost norm (Gram matrices over the
+    positions, never forming the gradient) or the gradient itself, formed (``formed``, ``(batch,
+    out, in)``) where it is no larger than the rows already held (``positions * (in + out) >=
+    in * out``). A formed gradient is kept: the clipped sum is then a ``batch``-term weighted sum
+    of it, and the unclipped one its plain sum, instead of a second product over every row.
+    Otherwise the clipped sum is Book-Keeping's single product ``gᵀ diag(c) x`` over all rows (the
+    weights scale whichever of ``x`` and ``g`` is narrower). Given ``formed`` (a convolution's,
+    from its own weight-gradient kernel), ``x`` and ``g`` are not needed.
+    """
 
     def __init__(
-        self, x: Tensor, g: Tensor, names: Sequence[str], weight_shape: torch.Size, transposed: bool = False
+        self,
+        x: Tensor | None,
+        g: Tensor | None,
+        names: Sequence[str],
+        weight_shape: torch.Size,
+        transposed: bool = False,
+        *,
+        formed: Tensor | None = None,
+        bias_rows: Tensor | None = None,
     ) -> None:
+        weight, bias = "weight" in names, "bias" in names
+        assert (x is not None and g is not None) or (
+            (formed is not None or not weight) and (bias_rows is not None or not bias)
+        )
         self.x, self.g = x, g
-        self.weight, self.bias = "weight" in names, "bias" in names
+        self.weight, self.bias = weight, bias
         self.weight_shape = weight_shape
         self.transposed = transposed  # the weight is stored (in, out), as Hugging Face's Conv1D
+        self.formed = formed  # (batch, out, in): each sample's weight gradient, once formed
+        self._bias_rows = bias_rows
+
+    @property
+    def names(self) -> list[str]:
+        """The parameters it holds the gradients of (``"weight"``, ``"bias"``)."""
+        return [n for n, on in (("weight", self.weight), ("bias", self.bias)) if on]
+
+    @property
+    def like(self) -> Tensor:
+        """A tensor of the per-sample gradients' dtype and device, batch first."""
+        like = self.g if self.g is not None else self.formed if self.formed is not None else self._bias_rows
+        assert like is not None
+        return like
+
+    @property
+    def batch(self) -> int:
+        return int(self.like.shape[0])
+
+    @property
+    def outputs(self) -> int:
+        """The weight's output rows (its first dimension, or its second when ``transposed``)."""
+        return int(self.g.shape[-1] if self.g is not None else self.like.shape[1])
+
+    @property
+    def bias_rows(self) -> Tensor:
+        """Each sample's bias gradient ``sum_t g_bt``: ``(batch, out)``."""
+        if self._bias_rows is None:
+            assert self.g is not None
+            self._bias_rows = self.g[:, 0] if self.g.shape[1] == 1 else self.g.sum(1)
+        return self._bias_rows
+
+    def form(self) -> Tensor:
+        """Each sample's weight gradient, ``(batch, out, in)`` (formed once)."""
+        if self.formed is None:
+            assert self.x is not None and self.g is not None
+            self.formed = torch.bmm(self.g.transpose(1, 2), self.x)
+        return self.formed
+
+    def _forms(self) -> bool:
+        if self.formed is not None:
+            return True
+        assert self.x is not None and self.g is not None
+        positions, inputs, outputs = self.x.shape[1], self.x.shape[2], self.g.shape[2]
+        return positions > 1 and positions * (inputs + outputs) >= inputs * outputs
 
     def sq_norms(self) -> Tensor:
+        total = self.bias_rows.square().sum(1) if self.bias else None
+        if not self.weight:
+            assert total is not None
+            return total
+        if self._forms():
+            squared = self.form().square().sum((1, 2))
+        else:
+            x, g = self.x, self.g
+            assert x is not None and g is not None
+            if g.shape[1] == 1:  # one position: |g xᵀ|² = |g|² |x|²
+                squared = g[:, 0].square().sum(1) * x[:, 0].square().sum(1)
+            else:  # the ghost norm: |sum_t g_t x_tᵀ|² = sum_{t,s} (g_t . g_s)(x_t . x_s)
+                squared = (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+        return squared if total is None else squared + total
+
+    def _weight_sum(self, weights: Tensor) -> Tensor:
+        """``sum_b weights[b] * (sample b's weight gradient)``, ``(out, in)``."""
+        if self.formed is not None:
+            return torch.tensordot(weights, self.formed, dims=1)
         x, g = self.x, self.g
-        positions, inputs, outputs = x.shape[1], x.shape[2], g.shape[2]
-        total = g.new_zeros(g.shape[0])
-        if self.weight and positions * (inputs + outputs) > inputs * outputs:  # forming it is cheaper
-            total = total + torch.einsum("bto,bti->boi", g, x).pow(2).sum((1, 2))
-            return total + g.sum(1).pow(2).sum(1) if self.bias else total
-        # The ghost norm: |sum_t g_t x_t^T|^2 = sum_{t,s} (g_t . g_s)(x_t . x_s), and the bias adds
-        # |sum_t g_t|^2 = sum_{t,s} (g_t . g_s): one Gram product covers both.
-        gram = torch.bmm(g, g.transpose(1, 2))
-        inner = torch.bmm(x, x.transpose(1, 2)) if self.weight else torch.zeros_like(gram)
-        return (gram * (inner + 1 if self.bias else inner)).sum((1, 2))
+        assert x is not None and g is not None
+        scale = weights[:, None, None]
+        if x.shape[2] < g.shape[2]:
+            x = x * scale
+        else:
+            g = g * scale
+        return g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
 
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
-        weighted = (self.g * weights.to(self.g)[:, None, None]).reshape(-1, self.g.shape[2])
+        weights = weights.to(self.like)
         sums = {}
         if self.weight:
-            matrix = weighted.T @ self.x.reshape(-1, self.x.shape[2])
+            matrix = self._weight_sum(weights)
             sums["weight"] = (matrix.T if self.transposed else matrix).reshape(self.weight_shape)
         if self.bias:
-            sums["bias"] = weighted.sum(0)
+            sums["bias"] = weights @ self.bias_rows
         return sums
+
+    def projected_sums(self, directions: Tensor) -> dict[str, Tensor]:
+        """The unclipped sum, its weight gradient projected on ``directions`` (``out x k``): ``k x in``."""
+        out = {}
+        if self.weight:
+            if self.formed is not None:
+                out["weight"] = directions.T @ self.formed.sum(0)
+            else:  # sum_bt (Pᵀ g_bt) x_btᵀ: O(rows * k * (in + out))
+                x, g = self.x, self.g
+                assert x is not None and g is not None
+                if g.shape[1] == 1 or g.is_contiguous():  # rows as they are
+                    projected = directions.T @ g.reshape(-1, g.shape[2]).T  # (k, rows): GEMM-friendly
+                    out["weight"] = projected @ x.reshape(-1, x.shape[2])
+                else:  # a convolution's channel-major rows: per sample, without copying them
+                    projected = torch.matmul(directions.T, g.transpose(1, 2))  # (batch, k, positions)
+                    out["weight"] = torch.bmm(projected, x).sum(0)
+        if self.bias:
+            out["bias"] = self.bias_rows.sum(0)
+        return out
 
     def grads(self) -> dict[str, Tensor]:
         grads = {}
         if self.weight:
-            matrix = torch.einsum("bto,bti->boi", self.g, self.x)
+            matrix = self.form()
             if self.transposed:
                 matrix = matrix.transpose(1, 2)
             grads["weight"] = matrix.reshape(matrix.shape[0], *self.weight_shape)
         if self.bias:
-            grads["bias"] = self.g.sum(1)
+            grads["bias"] = self.bias_rows
         return grads
+
+    def widened(self) -> MatrixRows:
+        """The same per-sample gradients in float64."""
+        if self.x is None or self.g is None:
+            assert self.formed is not None
+            rows = None if self._bias_rows is None else self._bias_rows.double()
+            return MatrixRows(
+                None, None, self.names, self.weight_shape, self.transposed, formed=self.formed.double(), bias_rows=rows
+            )
+        return MatrixRows(self.x.double(), self.g.double(), self.names, self.weight_shape, self.transposed)
+
+
+def merged_rows(per_call: list[MatrixRows]) -> MatrixRows:
+    """The per-sample gradients of several calls of one matrix layer in one forward: their rows
+    side by side (the positions of every call), or, where one was formed, the formed sum."""
+    head = per_call[0]
+    if all(p.x is not None and p.formed is None for p in per_call):
+        x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[misc]
+        g = torch.cat([p.g for p in per_call], dim=1)  # type: ignore[misc]
+        return MatrixRows(x, g, head.names, head.weight_shape, head.transposed)
+    formed = torch.stack([p.form() for p in per_call]).sum(0) if head.weight else None
+    rows = torch.stack([p.bias_rows for p in per_call]).sum(0) if head.bias else None
+    return MatrixRows(None, None, head.names, head.weight_shape, head.transposed, formed=formed, bias_rows=rows)
 
 
 @register_layer(nn.Linear)
@@ -448,8 +575,12 @@ class ConvKind(_MatrixPerSample):
         return self._patches(module, x), g.flatten(2).transpose(1, 2)
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
-        x, g = self._sample_rows(module, call)
         groups = self.blocks(module)
+        if groups == 1:
+            rows = _conv_rows(module, call, names)
+            if rows is not None:
+                return rows
+        x, g = self._sample_rows(module, call)
         if groups == 1:
             return MatrixRows(x, g, names, weight_of(module).shape)
         # (B, T, G * n) -> (B, G, T, n): each group a matrix on its own rows
@@ -463,6 +594,50 @@ class ConvKind(_MatrixPerSample):
 
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
         _set_matrix_grad(weight_of(module), bias_of(module), matrix.reshape(-1, matrix.shape[-1]), homogeneous)
+
+
+def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRows | None:
+    """An ungrouped ``nn.Conv1d/2d/3d`` call's per-sample gradients.
+
+    Formed where that is the cheaper norm (see ``MatrixRows``), by the convolution's own weight-gradient
+    kernel run once with the batch as groups (``(1, batch * C, ...)`` input, ``batch`` groups);
+    otherwise as rows, the input's patches by im2col (``F.unfold``, in the weight's column order)
+    and the output gradient flattened, both channel-major and only viewed position-major.
+    ``None`` for a 3-D convolution's rows (``F.unfold`` takes 4-D inputs)."""
+    assert isinstance(module, nn.modules.conv._ConvNd)
+    spatial = module.weight.dim() - 2
+    x = _statistics_dtype(_batched(call.input, spatial + 2))
+    g = _statistics_dtype(_batched(_grad_output(call), spatial + 2))
+    padding = [0] * spatial
+    if module.padding_mode == "zeros" and isinstance(module.padding, tuple):
+        padding = list(module.padding)  # the kernels pad by themselves
+    elif any(module._reversed_padding_repeated_twice):  # other modes, or "same" (perhaps uneven)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    weight, bias = "weight" in names, "bias" in names
+    batch, channels, outputs = x.shape[0], x.shape[1], g.shape[1]
+    kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
+    positions, inputs = math.prod(g.shape[2:]), channels * math.prod(kernel)
+    bias_rows = g.flatten(2).sum(2) if bias else None
+    if weight and positions * (inputs + outputs) >= inputs * outputs and positions > 1:
+        shape = (batch * outputs, channels, *kernel)
+        formed = torch.ops.aten.convolution_backward(
+            g.reshape(1, batch * outputs, *g.shape[2:]),
+            x.reshape(1, batch * channels, *x.shape[2:]),
+            g.new_empty(1).expand(shape),
+            None, stride, padding, dilation, False, [0] * spatial, batch, (False, True, False),
+        )[1]  # fmt: skip
+        formed = formed.reshape(batch, outputs, -1)
+        return MatrixRows(None, None, names, module.weight.shape, formed=formed, bias_rows=bias_rows)
+    if spatial == 3:
+        return None  # (the caller takes the unfolded patches)
+    if spatial == 1:  # a row of height one
+        x, kernel, dilation, stride = x[:, :, None], (1, *kernel), (1, *dilation), (1, *stride)
+        padding = [0, *padding]
+    patches = F.unfold(x, kernel, dilation=dilation, padding=tuple(padding), stride=stride)
+    return MatrixRows(
+        patches.transpose(1, 2), g.flatten(2).transpose(1, 2), names, module.weight.shape, bias_rows=bias_rows
+    )
 
 
 def _windows(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> Tensor:

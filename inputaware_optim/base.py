@@ -378,13 +378,13 @@ class InputAwareOptimizer(Optimizer):
         """``compute()``, kept under ``key`` while the watched modules and the param groups (each group
         dict and the parameters in it, ``load_state_dict`` replacing the dicts) stay the same: what a
         rule derives from the model's structure, read every step but found by walking the model."""
-        # The groups themselves are kept with the signature, so an id in it is never a reused one.
-        signature = (len(self.capture.modules), [(g, *g["params"]) for g in self.param_groups])
         cache = self.__dict__.setdefault("_kept_cache", {})
         kept = cache.get(key)
-        if kept is None or not _same_objects(kept[0], signature):
-            kept = cache[key] = (signature, compute())
-        return kept[1]
+        watched = len(self.capture._modules)
+        if kept is None or kept[0] != watched or not _same_groups(kept[1], self.param_groups):
+            # The group dicts themselves are kept, so an object compared later is never a reused id.
+            kept = cache[key] = (watched, [(g, tuple(g["params"])) for g in self.param_groups], compute())
+        return kept[2]
 
     def _find_layers(self, capability: str, with_excluded: bool) -> list[Layer]:
         groups = self._param_groups_by_param()
@@ -753,13 +753,11 @@ class InputAwareOptimizer(Optimizer):
         super().__setstate__(state)
 
 
-def _same_objects(kept: tuple[int, list[tuple[Any, ...]]], now: tuple[int, list[tuple[Any, ...]]]) -> bool:
-    """Whether two ``_kept`` signatures hold the same count and the very same objects, in order."""
-    return (
-        kept[0] == now[0]
-        and len(kept[1]) == len(now[1])
-        and all(
-            len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
-            for a, b in zip(kept[1], now[1], strict=True)
-        )
+def _same_groups(kept: list[tuple[dict[str, Any], tuple[Any, ...]]], groups: list[dict[str, Any]]) -> bool:
+    """Whether ``groups`` are the very group dicts ``kept`` holds, each with the very same parameters, in order."""
+    return len(kept) == len(groups) and all(
+        group is kept_group
+        and len(params) == len(group["params"])
+        and all(p is q for p, q in zip(params, group["params"], strict=True))
+        for (kept_group, params), group in zip(kept, groups, strict=True)
     )

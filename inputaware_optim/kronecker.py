@@ -52,7 +52,8 @@ class FactorSums(Reduction):
         self.layers = {module: layer for layer in layers for module in layer.modules()}
 
     def wants(self, module: nn.Module) -> bool:
-        return module in self.layers
+        # A layer of width 0 (Linear(6, 0)) has nothing to precondition: its step is the stock one.
+        return module in self.layers and weight_of(module).numel() > 0
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         return (weight_of(module),)
@@ -314,6 +315,8 @@ class KroneckerRule(InputAwareSGD):
                 continue
             weight, bias = weight_of(layer.module), bias_of(layer.module)
             if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
+                continue
+            if weight.numel() == 0:  # (a layer of width 0: preconditioned trivially, by the stock step)
                 continue
             factor_sums = totals.get(weight)
             if factor_sums is None:  # nothing captured here

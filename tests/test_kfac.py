@@ -154,3 +154,53 @@ def test_zero_sums_are_shaped_as_the_hooks_sums(rule: str) -> None:
             assert numerator.shape == computed[factor][0].shape, (layer.module, factor)
             assert denominator.shape == computed[factor][1].shape, (layer.module, factor)
             assert numerator.dtype == computed[factor][0].dtype and not numerator.any()
+
+
+class WithEmptyLayers(nn.Module):
+    """Two preconditioned layers beside a layer with no outputs and one with no inputs (its bias only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden, self.head = nn.Linear(6, 4), nn.Linear(4, 3)
+        self.no_outputs, self.no_inputs = nn.Linear(6, 0), nn.Linear(0, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.head(torch.tanh(self.hidden(x))) + self.no_inputs(x[:, :0])
+        return torch.cat([y, self.no_outputs(x)], dim=1)
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "Eva"])
+def test_a_layer_of_width_zero_takes_the_stock_sgd_step(rule: str) -> None:
+    """Linear(6, 0) and Linear(0, 3) (which torch.optim.SGD steps) take SGD's step, the other layers
+    the rule's, as if the empty layers were not there."""
+    import copy
+    import warnings
+
+    from inputaware_optim import FOOF, Eva
+
+    cls = {"FOOF": FOOF, "KFAC": KFAC, "Eva": Eva}[rule]
+    model = WithEmptyLayers().double()
+    reference = copy.deepcopy(model)
+    optimizer = cls(model, lr=0.1)
+    ruled = [p for n, p in reference.named_parameters() if n.startswith(("hidden", "head"))]
+    empty = [p for n, p in reference.named_parameters() if n.startswith("no_")]
+    references = [cls(reference, lr=0.1, params=ruled), torch.optim.SGD(empty, lr=0.1, momentum=0.9)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, target = (torch.randn(5, n, generator=generator, dtype=torch.float64) for n in (6, 3))
+        for m, optimizers in ((model, [optimizer]), (reference, references)):
+            for o in optimizers:
+                o.zero_grad()
+            nn.functional.mse_loss(m(x), target).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # nothing to warn about: the stock step is the rule's here
+                for o in optimizers:
+                    o.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)
+    assert not torch.equal(model.no_inputs.bias, WithEmptyLayers().double().no_inputs.bias)  # it did move
+    torch.testing.assert_close(
+        optimizer.state[model.no_inputs.bias]["momentum_buffer"],
+        references[1].state[reference.no_inputs.bias]["momentum_buffer"],
+    )

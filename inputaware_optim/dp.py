@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import torch
@@ -64,6 +64,10 @@ _DOC = r"""
     Every step also checks, by a few fixed random projections, that the per-sample gradients add
     up to the gradient backward computed (refusing the step if not); the private gradient is
     written into ``.grad`` in place, the noise drawn straight into it.
+    ``max_grad_norm`` and ``noise_multiplier`` are read from the param groups (a schedule may change
+    them between steps; every group must hold the same values): each backward pass clips at the
+    value the groups hold when it ends, and the step draws the noise at the values they hold then.
+    A clip changed between a backward and its step is refused (the samples were clipped already).
     The noise comes from ``generator`` (default: a generator seeded from torch's global
     RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
 
@@ -136,7 +140,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise ValueError(f"Invalid batch_dim: {batch_dim!r} (must be 0, or 1 for sequence-first inputs)")
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
-        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
+        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)  # the defaults of new param groups
         self._expected_batch_size = expected_batch_size
         self._batch_dim = batch_dim
         self._sample_rate = sample_rate
@@ -201,15 +205,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._privacy_steps = int(state_dict.get("privacy_steps", self._privacy_steps))
 
     def _check_param_groups(self) -> None:
-        clip, sigma, reduction = self._privacy
+        clip, sigma, _ = self._privacy
         self._set_group_defaults(max_grad_norm=clip, noise_multiplier=sigma)
-        for group in self.param_groups:
-            _check_privacy(group["max_grad_norm"], group["noise_multiplier"], reduction)
-            if (group["max_grad_norm"], group["noise_multiplier"]) != (clip, sigma):
-                raise ValueError(
-                    "max_grad_norm and noise_multiplier bound each sample's gradient over all parameters at "
-                    "once, so every param group must use the same values"
-                )
+        self._group_privacy()
         _refuse_sharded_without_closed_form(self)
         for module in self._modules_to_capture(self._params()):
             if isinstance(module, _BatchNorm):
@@ -218,6 +216,22 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
         self._refuse_unsupported_layers()
+
+    def _group_privacy(self) -> tuple[float, float]:
+        """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now (a schedule may
+        change them between steps), checked valid and equal across groups."""
+        first = self.param_groups[0]
+        clip, sigma = first["max_grad_norm"], first["noise_multiplier"]
+        for index, group in enumerate(self.param_groups):
+            _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
+            if (group["max_grad_norm"], group["noise_multiplier"]) != (clip, sigma):
+                raise ValueError(
+                    "max_grad_norm and noise_multiplier bound each sample's gradient over all parameters at "
+                    f"once, so every param group must use the same values: param group 0 has max_grad_norm={clip}, "
+                    f"noise_multiplier={sigma}, param group {index} max_grad_norm={group['max_grad_norm']}, "
+                    f"noise_multiplier={group['noise_multiplier']}. Change them in every group at once"
+                )
+        return float(clip), float(sigma)
 
     def _refuse_unsupported_layers(self) -> None:
         """Raise, naming the module, for layers whose per-sample gradients cannot be computed here."""
@@ -270,8 +284,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         return f"{type(self).__name__}: per-sample clipping ({how})", None, False
 
     def _build_reductions(self) -> dict[str, Reduction]:
-        clip, _, reduction = self._privacy
+        _, _, reduction = self._privacy
         trained = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        owner = weakref.ref(self)  # the reduction lives in the capture, which this optimizer owns
+
+        def clip() -> float:  # read when each backward pass ends: a schedule may have changed it
+            optimizer = owner()
+            assert optimizer is not None
+            return optimizer._group_privacy()[0]
+
         clipped = ClippedSums(self.capture, trained, clip, reduction, self._expected_batch_size, self._batch_dim)
         clipped.root_batches = self.__dict__.get("_root_batches")
         return {"_clipped": clipped}
@@ -306,8 +327,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         targets = [p for p in self._params() if p.grad is not None]
         if not targets:
             return {}
-        group = self.param_groups[0]
-        clip, sigma = float(group["max_grad_norm"]), float(group["noise_multiplier"])
+        clip, sigma = self._group_privacy()
         totals = inputs.reduced(self._clipped)
         data_parallel = self.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
@@ -315,6 +335,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
         self._check_sums_add_up(present, totals)
+        clips = set().union(*(totals[p]["clips"] for p in present))
+        if clips - {clip}:
+            raise RuntimeError(
+                f"{type(self).__name__}: max_grad_norm is {clip} now, but the samples of this step were clipped at "
+                f"{', '.join(map(str, sorted(clips)))} when their backward pass ended (each sample is clipped then, "
+                "so that no per-sample gradient is kept until the step). Change max_grad_norm between steps, "
+                "before the backward of the next one (a schedule's step() after optimizer.step()). No parameter "
+                "was changed"
+            )
         first = totals[present[0]] if present else {"samples": 0, "passes": 0}
         if any(totals[p]["overlap"] for p in present):
             raise RuntimeError(
@@ -448,7 +477,7 @@ class ClippedSums(Reduction):
         self,
         capture: Any,
         trained: set[Tensor],
-        clip: float,
+        clip: Callable[[], float],
         reduction: str,
         expected_batch_size: int | None,
         batch_dim: int = 0,
@@ -457,6 +486,7 @@ class ClippedSums(Reduction):
         # only: under data parallelism the gradient is already averaged over the ranks.
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
+        # ``clip()``: max_grad_norm as the optimizer's param groups hold it when a pass ends
         self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
         self.root_batches: _RootBatches | None = None
         self.name = capture.name
@@ -497,10 +527,11 @@ class ClippedSums(Reduction):
             for forward, count in samples.items():
                 self.root_batches.check(forward, count, by_forward[forward], self.name)
         scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
+        clip = self.clip()
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
         for calls in by_forward.values():
-            clipped_sums, plain_sums = self._clipped_sums(calls, scale)
+            clipped_sums, plain_sums = self._clipped_sums(calls, scale, clip)
             for param, total in clipped_sums.items():
                 out[param] = add_statistics(out.get(param), total)
             for param, total in plain_sums.items():
@@ -513,6 +544,7 @@ class ClippedSums(Reduction):
                 "passes": 1,
                 "forwards": frozenset(by_forward),
                 "overlap": False,
+                "clips": frozenset({clip}),
             }
             for p, total in out.items()
         }
@@ -527,6 +559,7 @@ class ClippedSums(Reduction):
             "passes": a["passes"] + b["passes"],
             "forwards": a["forwards"] | b["forwards"],
             "overlap": a["overlap"] or b["overlap"] or bool(a["forwards"] & b["forwards"]),
+            "clips": a["clips"] | b["clips"],
         }
 
     def _per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
@@ -543,7 +576,7 @@ class ClippedSums(Reduction):
         return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
 
     def _clipped_sums(
-        self, calls: dict[nn.Module, list[Call]], scale: float
+        self, calls: dict[nn.Module, list[Call]], scale: float, clip: float
     ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
         """One forward's samples: their gradients clipped (each over every parameter) and summed; and,
         when ``verify``, summed unclipped too (which must add up to the gradient autograd computed)."""
@@ -563,7 +596,7 @@ class ClippedSums(Reduction):
         if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
             squared = sum(_robust_sq_norms(per, n) for (per, _), n in zip(pieces, norms, strict=True))
             assert isinstance(squared, Tensor)
-        weights = scale * (self.clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
+        weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
         for per, params in pieces:

@@ -1,0 +1,124 @@
+"""DP-SGD where a privacy review looks: hyperparameters changed mid-run, layers frozen mid-run, the
+accounting over a changing noise, empty batches, reentrant checkpointing, errors, mixed precision.
+
+Every expected gradient comes from ``torch.func.vmap(grad)`` in float64 (clipped and averaged the
+textbook way), from the same noise stream drawn by hand, or from Opacus."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call, grad, vmap
+
+from inputaware_optim import DPSGD
+
+
+class Chain(nn.Module):
+    """Three linear layers: each one's output gradient depends on the ones after it."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.first, self.middle, self.head = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.middle(torch.tanh(self.first(x)))))
+
+
+def loss_of(output: torch.Tensor) -> torch.Tensor:
+    """Each sample's loss ``|output_i|²``, averaged over the batch."""
+    return output.pow(2).flatten(1).sum(1).mean()
+
+
+def reference(model: nn.Module, x: torch.Tensor, clip: float) -> dict[str, torch.Tensor]:
+    """The noise-free DP-SGD gradient of ``loss_of`` over the parameters that require grad (the others
+    are constants): per-sample gradients by vmap(grad), clipped jointly, averaged."""
+    trained = {k: v.detach() for k, v in model.named_parameters() if v.requires_grad}
+    frozen = {k: v.detach() for k, v in model.named_parameters() if not v.requires_grad}
+
+    def loss_of_one(params: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, {**params, **frozen}, (xi[None],)).pow(2).sum()
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0))(trained, x)
+    norms = torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in per_sample.values()))
+    factors = (clip / (norms + 1e-6)).clamp(max=1.0)
+    return {k: torch.tensordot(factors, g, dims=1) / len(x) for k, g in per_sample.items()}
+
+
+def batch(size: int, seed: int, features: int = 5) -> torch.Tensor:
+    return torch.randn(size, features, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def assert_grads(model: nn.Module, expected: dict[str, torch.Tensor], **tolerance: Any) -> None:
+    tolerance = tolerance or {"rtol": 1e-9, "atol": 1e-12}
+    for key, value in expected.items():
+        torch.testing.assert_close(model.get_parameter(key).grad, value, msg=key, **tolerance)
+
+
+# -- 1. hyperparameters read at the step -------------------------------------------------------
+
+
+@given(clips=st.lists(st.sampled_from([1e-3, 0.02, 0.3, 5.0]), min_size=2, max_size=3))
+def test_a_clip_schedule_clips_at_the_value_of_each_step(clips: list[float]) -> None:
+    """``max_grad_norm`` changed in the param group between steps (a clip schedule): each step clips
+    at the value the group holds then, not the one given at construction."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=1.0, noise_multiplier=0.0)
+    for step, clip in enumerate(clips):
+        optimizer.param_groups[0]["max_grad_norm"] = clip
+        x = batch(6, seed=step)
+        expected = reference(model, x, clip)
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+        assert_grads(model, expected)
+
+
+def test_a_noise_schedule_draws_at_the_values_of_the_step() -> None:
+    """The noise's standard deviation is ``sigma * C / B`` with both read from the group at the step:
+    the private gradient is the clipped mean plus the generator's draws times that."""
+    model = Chain().double()
+    optimizer = DPSGD(
+        model, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0, generator=torch.Generator().manual_seed(3)
+    )
+    stream = torch.Generator().manual_seed(3)
+    for step, (clip, sigma) in enumerate([(1.0, 1.0), (0.05, 3.0)]):
+        optimizer.param_groups[0].update(max_grad_norm=clip, noise_multiplier=sigma)
+        x = batch(4, seed=10 + step)
+        expected = reference(model, x, clip)
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+        for key, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=stream) * (sigma * clip / len(x))
+            torch.testing.assert_close(param.grad, expected[key] + noise.double(), rtol=1e-7, atol=1e-9, msg=key)
+
+
+def test_a_clip_changed_between_backward_and_step_is_refused() -> None:
+    """The samples are clipped when their backward pass ends: a clip set after that cannot apply to
+    them, and drawing the noise at it would be wrong, so the step refuses and changes nothing."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=1.0, noise_multiplier=0.0)
+    loss_of(model(batch(4, seed=1))).backward()
+    optimizer.param_groups[0]["max_grad_norm"] = 0.01
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(
+        RuntimeError, match=r"max_grad_norm is 0.01 now, but the samples of this step were clipped at 1.0"
+    ):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_param_groups_that_disagree_at_the_step_are_refused_by_name() -> None:
+    model = Chain().double()
+    groups = [{"params": model.first.parameters()}, {"params": [*model.middle.parameters(), *model.head.parameters()]}]
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=1.0, noise_multiplier=0.5, params=groups)
+    optimizer.param_groups[1]["noise_multiplier"] = 2.0
+    loss_of(model(batch(4, seed=1))).backward()
+    with pytest.raises(ValueError, match=r"param group 1 max_grad_norm=1.0, noise_multiplier=2.0"):
+        optimizer.step()

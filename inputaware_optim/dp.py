@@ -68,6 +68,8 @@ _DOC = r"""
     them between steps; every group must hold the same values): each backward pass clips at the
     value the groups hold when it ends, and the step draws the noise at the values they hold then.
     A clip changed between a backward and its step is refused (the samples were clipped already).
+    Which parameters require grad is read then too: a layer frozen after construction
+    (``requires_grad_(False)``) is a constant of each sample's loss and enters no norm.
     The noise comes from ``generator`` (default: a generator seeded from torch's global
     RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
 
@@ -285,7 +287,8 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _build_reductions(self) -> dict[str, Reduction]:
         _, _, reduction = self._privacy
-        trained = {p for group in self.param_groups for p in group["params"] if p.requires_grad}
+        # Every parameter of the groups: which of them require grad is read when each pass ends.
+        trained = set(self._params())
         owner = weakref.ref(self)  # the reduction lives in the capture, which this optimizer owns
 
         def clip() -> float:  # read when each backward pass ends: a schedule may have changed it
@@ -302,6 +305,10 @@ class _PerSampleClipping(InputAwareOptimizer):
         """Replace every gradient by its clipped, noised estimate, then take the stock step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
+        trained = frozenset(p for p in self._params() if p.requires_grad)
+        if trained != self.__dict__.get("_checked_trained"):  # requires_grad changed since: check again
+            self._refuse_unsupported_layers()
+            self._checked_trained = trained
         root = unwrap_model(self.model)
         mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BatchNorm) and m.training]
         if mixing:  # even without parameters, a batch norm in training mode mixes the samples
@@ -515,10 +522,20 @@ class ClippedSums(Reduction):
     def backward(self, call: Call, kept: Any) -> Any:
         return Call(call.module, kept.args, kept.kwargs, call._grad_slot, call.forward)
 
+    def _trained_names(self, module: nn.Module) -> list[str]:
+        """The parameters of ``module`` that enter each sample's norm: its own that require grad now
+        (a layer frozen after construction, ``requires_grad_(False)``, is a constant of the loss)."""
+        return [n for n in self.names.get(module, ()) if module._parameters[n].requires_grad]  # type: ignore[union-attr]
+
     def finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
         by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
+        shared = {m for param, uses in self.shared.items() if param.requires_grad for m, _ in uses}
+        trains = {m: bool(self._trained_names(m)) or m in shared for m in {c.module for _, c in entries}}
         for _, call in entries:
-            by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
+            if trains[call.module]:  # a frozen layer's calls neither count samples nor enter a norm
+                by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
+        if not by_forward:
+            return {}
         samples = {
             f: _samples({m: [_batch_first(c, self.batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
             for f, calls in by_forward.items()
@@ -582,11 +599,13 @@ class ClippedSums(Reduction):
         when ``verify``, summed unclipped too (which must add up to the gradient autograd computed)."""
         pieces: list[tuple[PerSample, dict[str, Tensor]]] = []
         for module, module_calls in calls.items():
-            names = self.names.get(module)
+            names = self._trained_names(module)
             if names:
                 per = _merged([self._per_sample(module, c, names) for c in module_calls])
                 pieces.append((per, {n: module._parameters[n] for n in names}))  # type: ignore[misc]
         for param, uses in self.shared.items():  # a weight several modules use: add their shares
+            if not param.requires_grad:
+                continue
             shares = [self._per_sample(m, c, [n]).grads()[n] for m, n in uses for c in calls.get(m, ())]
             if shares:
                 pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))

@@ -122,3 +122,24 @@ def test_param_groups_that_disagree_at_the_step_are_refused_by_name() -> None:
     loss_of(model(batch(4, seed=1))).backward()
     with pytest.raises(ValueError, match=r"param group 1 max_grad_norm=1.0, noise_multiplier=2.0"):
         optimizer.step()
+
+
+# -- 4. layers frozen after construction -------------------------------------------------------
+
+
+@pytest.mark.parametrize("frozen", ["first", "middle", "head", "middle.weight"])
+def test_a_layer_frozen_after_construction_leaves_every_sample_norm(frozen: str) -> None:
+    """``requires_grad_(False)`` after construction (fine-tuning): the frozen tensors are constants
+    of the loss, so they enter no sample's norm; unfrozen again, they do again."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    part = model.get_submodule(frozen) if "." not in frozen else model.get_parameter(frozen)
+    for step, requires_grad in enumerate([False, True]):
+        part.requires_grad_(requires_grad)
+        x = batch(6, seed=20 + step)
+        expected = reference(model, x, 0.05)
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+        assert_grads(model, expected)
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)

@@ -91,7 +91,8 @@ _DOC = r"""
 
     Given ``sample_rate`` (each sample's probability of being in a batch), ``epsilon(delta)``
     reports the :math:`\varepsilon` spent by the steps taken so far, from Opacus's own accountant
-    (``opacus`` must be installed). The guarantee assumes Poisson sampling (Opacus's
+    (``opacus`` must be installed), each step at the noise multiplier it was taken with
+    (``privacy_history``, which ``state_dict`` carries). The guarantee assumes Poisson sampling (Opacus's
     ``DPDataLoader``); fixed-size shuffled batches are the usual approximation.
 
     Args:
@@ -146,7 +147,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._expected_batch_size = expected_batch_size
         self._batch_dim = batch_dim
         self._sample_rate = sample_rate
-        self._privacy_steps = 0
+        # (noise_multiplier, sample_rate, steps) per run of steps taken at the same pair, as Opacus's
+        # accountants keep it: epsilon composes each run at the noise its steps were drawn with.
+        self._privacy_history: list[tuple[float, float | None, int]] = []
         self._generator = generator or _seeded_generator()
         super().__init__(model, params, lr=lr, **kwargs)
         self._root_batches = _RootBatches(self.capture._log, batch_dim)
@@ -154,15 +157,23 @@ class _PerSampleClipping(InputAwareOptimizer):
         weakref.finalize(self, handle.remove)
         self._clipped.root_batches = self._root_batches
 
+    @property
+    def privacy_history(self) -> list[tuple[float, float | None, int]]:
+        """The steps taken, as Opacus's accountants keep them: ``(noise_multiplier, sample_rate, steps)``
+        for each run of consecutive steps at the same pair (``state_dict`` carries it)."""
+        return list(self._privacy_history)
+
     def epsilon(self, delta: float, accountant: str = "prv") -> float:
-        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant.
+        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant over
+        ``privacy_history`` (every step at the noise multiplier it was taken with).
 
         Args:
             delta: The target :math:`\delta` (in (0, 1)).
-            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"``.
+            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"`` (one noise
+                multiplier only).
 
         Raises:
-            ValueError: If no ``sample_rate`` was given, or param groups differ in noise.
+            ValueError: If no ``sample_rate`` was given, or ``"gdp"`` is asked of a changing noise.
             ImportError: If ``opacus`` is not installed.
         """
         if self._sample_rate is None:
@@ -179,32 +190,59 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "privacy accounting uses Opacus's accountants: pip install opacus (or the 'privacy' extra: "
                 "pip install 'inputaware_optim[privacy]')"
             ) from error
-        sigma = float(self.param_groups[0]["noise_multiplier"])
-        if self._privacy_steps == 0:
+        history = self._privacy_history
+        if not history:
             return 0.0
-        if sigma == 0.0:
+        if any(sigma == 0.0 for sigma, _, _ in history):
             return math.inf
+        if any(rate is None for _, rate, _ in history):
+            raise ValueError(
+                f"{type(self).__name__}.epsilon: some steps were taken without a sampling rate (a state dict saved "
+                "by an optimizer constructed without sample_rate); their privacy cost is unknown"
+            )
+        if accountant == "gdp" and len(history) > 1:
+            raise ValueError(
+                f"{type(self).__name__}.epsilon: Opacus's 'gdp' accountant composes one noise multiplier and sampling "
+                f"rate only, and these steps took {len(history)} (see privacy_history); use 'prv' or 'rdp'"
+            )
         counter = create_accountant(mechanism=accountant)
-        counter.history = [(sigma, self._sample_rate, self._privacy_steps)]
+        counter.history = list(history)
         return float(counter.get_epsilon(delta=delta))
 
     def state_dict(self) -> dict[str, Any]:
-        """The stock state dict, and the noise generator's state: a resumed run draws the noise
-        an uninterrupted one would have (never the same noise twice, which would cancel when
-        updates are differenced)."""
+        """The stock state dict, the noise generator's state and the privacy history: a resumed run
+        draws the noise an uninterrupted one would have (never the same noise twice, which would
+        cancel when updates are differenced) and reports the same epsilon."""
         state = super().state_dict()
         state["noise_generator"] = self._generator.get_state()
-        state["privacy_steps"] = self._privacy_steps
+        state["privacy_history"] = [list(entry) for entry in self._privacy_history]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict; the noise generator resumes where it was when saved (if it was saved)."""
+        """Load a state dict; the noise generator and the privacy history resume where they were when
+        saved (if they were saved). A state dict of 0.2 holds a step count only: its steps are taken
+        to be at the loaded noise multiplier (as 0.2's ``epsilon`` counted them)."""
         generator_state = state_dict.get("noise_generator")
-        own = ("noise_generator", "privacy_steps")
+        own = ("noise_generator", "privacy_steps", "privacy_history")
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in own})
         if generator_state is not None:
             self._generator.set_state(generator_state)
-        self._privacy_steps = int(state_dict.get("privacy_steps", self._privacy_steps))
+        if "privacy_history" in state_dict:
+            self._privacy_history = [
+                (float(sigma), None if rate is None else float(rate), int(steps))
+                for sigma, rate, steps in state_dict["privacy_history"]
+            ]
+        elif state_dict.get("privacy_steps"):
+            sigma = float(self.param_groups[0]["noise_multiplier"])
+            self._privacy_history = [(sigma, self._sample_rate, int(state_dict["privacy_steps"]))]
+
+    def _account(self, sigma: float) -> None:
+        """One step taken at noise multiplier ``sigma``, at the sampling rate given."""
+        history, rate = self._privacy_history, self._sample_rate
+        if history and history[-1][:2] == (sigma, rate):
+            history[-1] = (sigma, rate, history[-1][2] + 1)
+        else:
+            history.append((sigma, rate, 1))
 
     def _check_param_groups(self) -> None:
         clip, sigma, _ = self._privacy
@@ -317,6 +355,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "batch in training mode, so each sample's gradient depends on the others. Use GroupNorm or "
                 "LayerNorm, or put the batch norms in eval mode. No parameter was changed"
             )
+        sigma = self._group_privacy()[1]
         private = self._private_gradients(inputs)
         for param, grad in private.items():
             assert param.grad is not None
@@ -327,7 +366,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             else:  # under FSDP2, ``grad`` is this rank's shard
                 local_tensor(param.grad).copy_(grad)
         super().step(inputs=inputs)
-        self._privacy_steps += 1
+        if private:  # a step with no gradient releases nothing
+            self._account(sigma)
         return loss
 
     def _private_gradients(self, inputs: Inputs) -> dict[Tensor, Tensor]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call, grad, vmap
@@ -143,3 +143,67 @@ def test_a_layer_frozen_after_construction_leaves_every_sample_norm(frozen: str)
         optimizer.step()
         assert_grads(model, expected)
         assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+
+
+# -- 2. epsilon over a changing noise ----------------------------------------------------------
+
+
+def private_steps(optimizer: DPSGD, model: nn.Module, sigmas: list[float], seed: int = 0) -> None:
+    """One step per entry of ``sigmas``, each at that noise multiplier (set in the group before it)."""
+    for step, sigma in enumerate(sigmas):
+        optimizer.param_groups[0]["noise_multiplier"] = sigma
+        optimizer.zero_grad()
+        loss_of(model(batch(4, seed=seed + step))).backward()
+        optimizer.step()
+
+
+def opacus_epsilon(sigmas: list[float], sample_rate: float, delta: float, mechanism: str) -> float:
+    """Opacus's own accountant, stepped once per step as its DPOptimizer does."""
+    from opacus.accountants import create_accountant
+
+    accountant = create_accountant(mechanism=mechanism)
+    for sigma in sigmas:
+        accountant.step(noise_multiplier=sigma, sample_rate=sample_rate)
+    return float(accountant.get_epsilon(delta=delta))
+
+
+@settings(max_examples=10)
+@given(
+    phases=st.lists(st.tuples(st.sampled_from([0.6, 1.1, 4.0]), st.integers(1, 4)), min_size=1, max_size=3),
+    sample_rate=st.sampled_from([0.01, 0.2]),
+)
+def test_epsilon_composes_every_step_at_its_own_noise(phases: list[tuple[float, int]], sample_rate: float) -> None:
+    """Opacus's RDP accountant stepped at each step's noise multiplier is the reference."""
+    sigmas = [sigma for sigma, steps in phases for _ in range(steps)]
+    model = nn.Linear(5, 2).double()
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0, sample_rate=sample_rate)
+    private_steps(optimizer, model, sigmas)
+    expected = opacus_epsilon(sigmas, sample_rate, 1e-5, "rdp")
+    assert optimizer.epsilon(1e-5, accountant="rdp") == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_raised_noise_does_not_lower_the_epsilon_already_spent_and_a_resumed_run_reports_it() -> None:
+    """sigma 0.6 then 4.0 (the issue's case, shortened): the epsilon of both phases is Opacus's over
+    both, by its PRV accountant (the default) and RDP; a run resumed from a state dict saved after
+    the first phase reports the same as the uninterrupted one, and ``gdp`` refuses a changing noise."""
+    sigmas = [0.6] * 30 + [4.0] * 30
+    model = nn.Linear(5, 2).double()
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=1.0, noise_multiplier=0.6, sample_rate=0.05)
+    private_steps(optimizer, model, sigmas[:30])
+    saved = optimizer.state_dict()
+    after_first = optimizer.epsilon(1e-5)
+    private_steps(optimizer, model, sigmas[30:], seed=30)
+    assert optimizer.privacy_history == [(0.6, 0.05, 30), (4.0, 0.05, 30)]
+    for mechanism in ("prv", "rdp"):
+        expected = opacus_epsilon(sigmas, 0.05, 1e-5, mechanism)
+        assert optimizer.epsilon(1e-5, accountant=mechanism) == pytest.approx(expected, rel=1e-9)
+    assert optimizer.epsilon(1e-5) >= after_first
+    with pytest.raises(ValueError, match="'gdp' accountant composes one noise multiplier"):
+        optimizer.epsilon(1e-5, accountant="gdp")
+
+    resumed_model = nn.Linear(5, 2).double()
+    resumed = DPSGD(resumed_model, lr=0.1, max_grad_norm=1.0, noise_multiplier=4.0, sample_rate=0.05)
+    resumed.load_state_dict(saved)
+    assert resumed.epsilon(1e-5) == pytest.approx(after_first, rel=1e-12)
+    private_steps(resumed, resumed_model, sigmas[30:], seed=30)
+    assert resumed.epsilon(1e-5) == pytest.approx(optimizer.epsilon(1e-5), rel=1e-12)

@@ -4,11 +4,12 @@ The step machinery, in one place:
 
 * ``torch.optim.Optimizer`` wraps ``step`` once per class so step hooks run around it.
   A subclass whose ``step`` calls ``super().step()`` would then run the hooks twice (and
-  re-send an injected ``inputs=`` to a parent that rejects it). Here every ``step`` in
-  the input-aware part of the class hierarchy is wrapped by ``_wrap_step`` instead: the
-  outermost call runs the hooks once, hands the override its ``Inputs`` and releases the
-  captures at the end; nested ``super().step(...)`` calls pass straight through, and the
-  stock update is reached unwrapped. So hooks run exactly once, whatever else exists.
+  re-send an injected ``inputs=`` to a parent that rejects it). Here each ``step`` of the
+  input-aware classes is exposed through ``_torch.entry_step``: the outermost call runs
+  under torch's own hook wrapper (``Optimizer.profile_hook_step``), gets its ``Inputs`` and
+  releases the captures at the end; nested ``super().step(...)`` calls pass straight
+  through, and the stock update is reached unwrapped. So hooks run exactly once, whatever
+  else exists.
 * With ``torch.amp.GradScaler``, the optimizer declares ``_step_supports_amp_scaling`` so
   the scaler always calls ``step``; unscaling (with the scaler's own kernel) and skipping on
   inf/NaN happen here, before the rule runs, so a rule sees unscaled gradients and a
@@ -23,14 +24,13 @@ import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from itertools import chain
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from ._torch import entry_step, unhooked
 from .capture import Capture, Storage, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
@@ -47,13 +47,6 @@ _EXPIRED = (
 )
 
 
-def _unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
-    """A stock ``step`` without the hook-running wrapper ``torch.optim`` may have put on it."""
-    while getattr(step, "hooked", False) and hasattr(step, "__wrapped__"):
-        step = step.__wrapped__
-    return step
-
-
 def _check_step_signature(owner: str, step: Callable[..., Any]) -> None:
     parameters = inspect.signature(step).parameters.values()
     if not any(p.name == "inputs" or p.kind is p.VAR_KEYWORD for p in parameters):
@@ -63,20 +56,20 @@ def _check_step_signature(owner: str, step: Callable[..., Any]) -> None:
         )
 
 
-def _wrap_step(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
-    _check_step_signature(owner, step)
+def _entry(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` as an input-aware class exposes it: torch's own hook wrapper around the outermost
+    call (which hands the override its ``Inputs`` and releases the captures at the end), and
+    ``super().step(...)`` from an override straight through, with the same inputs."""
 
-    @functools.wraps(step)
-    def step_with_inputs(self: InputAwareOptimizer, *args: Any, **kwargs: Any) -> Any:
-        if self._step_depth:  # super().step(...) from an override: no hooks, same inputs
-            if len(args) < 2 and kwargs.get("inputs") is None:
-                kwargs["inputs"] = self._step_inputs
-            return step(self, *args, **kwargs)
+    def outermost(self: InputAwareOptimizer, *args: Any, **kwargs: Any) -> Any:
         return self._run_step(step, args, kwargs)
 
-    step_with_inputs.hooked = True  # type: ignore[attr-defined]  # torch.optim must not wrap it again
-    step_with_inputs._inputaware = True  # type: ignore[attr-defined]
-    return step_with_inputs
+    def nested(self: InputAwareOptimizer, *args: Any, **kwargs: Any) -> Any:
+        if len(args) < 2 and kwargs.get("inputs") is None:
+            kwargs["inputs"] = self._step_inputs
+        return step(self, *args, **kwargs)
+
+    return entry_step(step, outermost, nested, lambda self: self.__dict__.get("_step_depth", 0) > 0)
 
 
 def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
@@ -148,6 +141,10 @@ class InputAwareOptimizer(Optimizer):
         **kwargs: Any,
     ) -> None:
         name = type(self).__name__
+        for cls in type(self).__mro__:  # an override that cannot take its inputs, refused before any hook
+            raw = getattr(cls.__dict__.get("step"), "inputaware_entry", None)
+            if raw is not None:
+                _check_step_signature(cls.__qualname__, raw)
         if not isinstance(model, nn.Module):
             hint = ""
             if isinstance(model, Iterable) and not isinstance(model, (str, bytes)):
@@ -204,30 +201,75 @@ class InputAwareOptimizer(Optimizer):
         # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
         self._step_supports_amp_scaling = True
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> InputAwareOptimizer:
+        self = super().__new__(cls)
+        # What a copy is rebuilt from (see __reduce_ex__): the arguments, with the param groups
+        # taken again when it is copied (an iterator of parameters is spent by then).
+        self.__dict__["_arguments"] = (args, kwargs)
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) are rebuilt as a resumed run is:
+        constructed anew on the copied model with the same arguments and param groups, then
+        ``load_state_dict`` of this one's whole state (the base optimizer's included). A model
+        copied alone, without its optimizer, carries no capture (its hooks remove themselves)."""
+        args, kwargs = self.__dict__.get("_arguments", ((), {}))
+        bound = inspect.signature(type(self).__init__).bind(self, *args, **kwargs)
+        arguments = dict(bound.arguments)
+        arguments.pop("self")
+        groups = [{"params": list(group["params"])} for group in self.param_groups]
+        names = inspect.signature(type(self).__init__).parameters
+        if "params" in names:
+            arguments["params"] = groups
+        else:  # a rule that forwards params through **kwargs
+            var_keyword = next(n for n, p in names.items() if p.kind is p.VAR_KEYWORD)
+            arguments[var_keyword] = {**arguments.get(var_keyword, {}), "params": groups}
+        positional, keywords = [], {}
+        for name, value in arguments.items():
+            kind = names[name].kind
+            if kind is inspect.Parameter.VAR_POSITIONAL:
+                positional.extend(value)
+            elif kind is inspect.Parameter.VAR_KEYWORD:
+                keywords.update(value)
+            elif kind is inspect.Parameter.POSITIONAL_ONLY:
+                positional.append(value)
+            else:
+                keywords[name] = value
+        if positional and "model" in keywords:  # keep the order: the model goes first
+            positional.insert(0, keywords.pop("model"))
+        return (_rebuilt, (type(self), tuple(positional), keywords, self.state_dict()))
+
     def _compose(self, base: type[Optimizer], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Take ``base``'s update instead of this class's stock one: a stock ``base`` instance
         (which validates its hyperparameters) shares this optimizer's param groups, and its own
         ``step`` applies the update to the gradients this rule leaves. So the result is bitwise
         what ``base`` does with those gradients. Per-parameter state stays apart (``base`` keeps
-        its own, the rule ``self.state``), and ``state_dict()`` holds both: the rule's under
-        ``"rule_state"`` in each parameter's entry."""
+        its own, the rule ``self.state``); ``state_dict()`` holds both, the rule's under
+        ``"rule_state"`` in each parameter's entry, so the state-dict hooks a user registers (which
+        run after these) see one whole state."""
+        if self._has_rule() and inspect.signature(base.step).parameters["closure"].default is inspect.Parameter.empty:
+            raise ValueError(
+                f"{type(self).__name__} changes the gradients before the update, but {base.__name__} is driven by "
+                f"its closure: it re-evaluates the closure and reads the gradients that produces, so the rule's "
+                f"would never reach it. Use {base.__name__} on its own, or a base whose step takes the gradients"
+            )
         inner = base(params, *args, **kwargs)
         Optimizer.__init__(self, inner.param_groups, inner.defaults)
         self.param_groups = inner.param_groups  # one list of the same group dicts
         self.__dict__["_stock"] = base
         self._base_optimizer = inner
+        self.register_state_dict_post_hook(_with_base_state, prepend=True)
+        self.register_load_state_dict_post_hook(_split_base_state, prepend=True)
 
-    def state_dict(self) -> dict[str, Any]:
-        """As ``torch.optim.Optimizer.state_dict``; with ``base=``, each parameter's entry is the base
-        optimizer's state plus the rule's under ``"rule_state"``."""
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # torch's load_state_dict ends here. With base=, the base's own __setstate__ fills in its
+        # group defaults (not this class's stock's: an SGD key has no place in AdamW's groups).
         inner = self.__dict__.get("_base_optimizer")
         if inner is None:
-            return super().state_dict()
-        combined = inner.state_dict()
-        for index, rule_state in Optimizer.state_dict(self)["state"].items():
-            if rule_state:
-                combined["state"].setdefault(index, {})["rule_state"] = rule_state
-        return combined
+            super().__setstate__(state)
+            return
+        Optimizer.__setstate__(self, state)
+        inner.__setstate__({"state": inner.state, "param_groups": self.param_groups})
 
     # -- parameters and modules -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -272,21 +314,7 @@ class InputAwareOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, as torch does; groups saved by another optimizer (say, a stock
         ``torch.optim.SGD``) get this rule's hyperparameters from its defaults."""
-        inner = self.__dict__.get("_base_optimizer")
-        if inner is None:
-            super().load_state_dict(state_dict)
-        else:  # the base optimizer's part to it, the rule's to this one; then one list of groups again
-            base_part = {**state_dict, "state": {}}
-            rule_part = {**state_dict, "state": {}}
-            for index, entry in state_dict["state"].items():
-                entry = dict(entry)
-                rule_state = entry.pop("rule_state", None)
-                base_part["state"][index] = entry
-                if rule_state:
-                    rule_part["state"][index] = rule_state
-            inner.load_state_dict(base_part)
-            super().load_state_dict(rule_part)
-            self.param_groups = inner.param_groups
+        super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -510,7 +538,7 @@ class InputAwareOptimizer(Optimizer):
         if self._strict:
             self._coverage_checked = False
             raise RuntimeError(f"{message}. strict=True refuses this; no parameter was changed")
-        warnings.warn(message, CoverageWarning, stacklevel=5)
+        warnings.warn(message, CoverageWarning, stacklevel=7)  # the caller of step()
 
     def _warn_if_no_layers(self, capability: str, wanted: str) -> None:
         if self._layers(capability):
@@ -542,19 +570,14 @@ class InputAwareOptimizer(Optimizer):
                 group.setdefault(key, value)
 
     # -- the step ---------------------------------------------------------------------------
-    def _patch_step_function(self) -> None:
-        # Replaces torch.optim's per-class wrapping (see the module docstring).
-        self._zero_grad_profile_name = f"Optimizer.zero_grad#{type(self).__name__}.zero_grad"
-        for cls in type(self).__mro__:
-            if not issubclass(cls, InputAwareOptimizer):
-                continue
-            step = cls.__dict__.get("step")
-            if step is not None and not getattr(step, "_inputaware", False):
-                cls.step = _wrap_step(cls.__qualname__, step)  # type: ignore[method-assign]
-            if cls is InputAwareOptimizer:
-                break
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("step")
+        if step is not None and not hasattr(step, "inputaware_entry"):
+            cls.step = _entry(cls.__qualname__, step)  # type: ignore[method-assign]
 
     def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The outermost step, once torch's wrapper ran the step pre-hooks (``args`` are theirs)."""
         try:
             return self._run_step_unscaled(step, args, kwargs)
         except BaseException:
@@ -568,42 +591,29 @@ class InputAwareOptimizer(Optimizer):
             self._check_coverage()
         if self._amp_skips_step():
             return None
-        with torch.autograd.profiler.record_function(f"Optimizer.step#{type(self).__name__}.step"):
-            hook_args: tuple[Any, ...] = (self, *args)
-            for pre_hook in chain(_global_optimizer_pre_hooks.values(), self._optimizer_step_pre_hooks.values()):
-                result = pre_hook(self, hook_args, kwargs)
-                if result is not None:
-                    if not (isinstance(result, tuple) and len(result) == 2):
-                        raise RuntimeError(
-                            f"{step} must return None or a tuple of (new_args, new_kwargs), but got {result}."
-                        )
-                    hook_args, kwargs = result
-            closure, inputs, rest = _split_step_arguments(hook_args[1:], kwargs)
-            view = self._resolve_inputs(inputs)
-            hooks = self.__dict__.get("_inputs_hooks")
+        closure, inputs, rest = _split_step_arguments(args, kwargs)
+        view = self._resolve_inputs(inputs)
+        hooks = self.__dict__.get("_inputs_hooks")
+        if hooks is not None and hooks.due():
+            closure = hooks.evaluate_closure(closure)  # pre-step hooks see the closure's calls
+            hooks.before_step(self, view)
+        self._step_depth += 1
+        self._step_inputs = view
+        try:
+            out = step(self, closure, inputs=view, **rest)
             if hooks is not None and hooks.due():
-                closure = hooks.evaluate_closure(closure)  # pre-step hooks see the closure's calls
-                hooks.before_step(self, view)
-            self._step_depth += 1
-            self._step_inputs = view
-            try:
-                out = step(self, closure, inputs=view, **rest)
-                if hooks is not None and hooks.due():
-                    hooks.after_step(self, view)
-                self._optimizer_step_code()
-                for post_hook in chain(self._optimizer_step_post_hooks.values(), _global_optimizer_post_hooks.values()):
-                    post_hook(self, hook_args, kwargs)
-            finally:
-                self._step_depth -= 1
-                self._step_inputs = None
-                if inputs is None:
-                    view._expire(_EXPIRED)
-            # Released only once the step succeeded: a step that raised (and changed nothing)
-            # keeps its captures, so a retry (say, with more damping) reads the same ones.
-            self._release_captures()
-            if hooks is not None:
-                hooks.advance()
-            return out
+                hooks.after_step(self, view)
+        finally:
+            self._step_depth -= 1
+            self._step_inputs = None
+            if inputs is None:
+                view._expire(_EXPIRED)
+        # Released only once the step succeeded: a step that raised (and changed nothing)
+        # keeps its captures, so a retry (say, with more damping) reads the same ones.
+        self._release_captures()
+        if hooks is not None:
+            hooks.advance()
+        return out
 
     def _resolve_inputs(self, inputs: Any) -> Inputs:
         if inputs is None:
@@ -628,7 +638,6 @@ class InputAwareOptimizer(Optimizer):
         if self._capture is not None:
             self._capture.clear()
 
-    @functools.partial(_wrap_step, "InputAwareOptimizer")
     def step(self, closure: Callable[[], Any] | None = None, inputs: Inputs | None = None) -> Any:  # type: ignore[override]
         """Perform one optimization step.
 
@@ -643,8 +652,8 @@ class InputAwareOptimizer(Optimizer):
         """
         inner = self.__dict__.get("_base_optimizer")
         if inner is not None:  # base=: the stock base optimizer's own step, on the shared state
-            return _unhooked(type(inner).step)(inner, closure)
-        return _unhooked(self._stock.step)(self, closure)
+            return unhooked(type(inner).step)(inner, closure)
+        return unhooked(self._stock.step)(self, closure)
 
     def register_inputs_hook(
         self, hook: InputsHook, *, when: When = "pre", every: int = 1, reads: Reads = "calls"
@@ -739,19 +748,41 @@ class InputAwareOptimizer(Optimizer):
             found_inf = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.to(device))
 
-    # -- pickling ---------------------------------------------------------------------------
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.setdefault("_capture", None)
-        self.__dict__.setdefault("_step_depth", 0)
-        self.__dict__.setdefault("_unscaled_by", None)
-        self.__dict__.setdefault("_strict", False)
-        self.__dict__.setdefault("_coverage_checked", True)
-        self.__dict__.setdefault("_step_inputs", None)
-        self.__dict__.setdefault("_model_params", {})
-        self.__dict__.setdefault("_model", None)
-        self.__dict__.setdefault("_process_group", None)
-        super().__setstate__(state)
 
+def _rebuilt(cls: type[InputAwareOptimizer], args: tuple[Any, ...], kwargs: dict[str, Any], state: dict[str, Any]) -> Any:
+    optimizer = cls(*args, **kwargs)
+    optimizer.load_state_dict(state)
+    return optimizer
+
+
+def _with_base_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """State-dict post-hook of a ``base=`` composition: the base optimizer's state, the rule's under
+    ``"rule_state"``."""
+    combined = optimizer.__dict__["_base_optimizer"].state_dict()
+    for index, rule_state in state_dict["state"].items():
+        if rule_state:
+            combined["state"].setdefault(index, {})["rule_state"] = rule_state
+    return combined
+
+
+def _split_base_state(optimizer: Optimizer) -> None:
+    """Load-state-dict post-hook of a ``base=`` composition: torch loaded the whole state here (cast
+    to each parameter as the base would); the base optimizer's part goes to it, and the groups
+    are one list again."""
+    inner = optimizer.__dict__["_base_optimizer"]
+    inner.param_groups = optimizer.param_groups
+    inner.state = defaultdict(dict)
+    for param, entry in list(optimizer.state.items()):
+        rule_state = entry.pop("rule_state", None)
+        if entry:
+            inner.state[param] = entry
+        if rule_state:
+            optimizer.state[param] = rule_state
+        else:
+            del optimizer.state[param]
+
+
+InputAwareOptimizer.step = _entry("InputAwareOptimizer", InputAwareOptimizer.step)  # type: ignore[method-assign]
 
 def _same_groups(kept: list[tuple[dict[str, Any], tuple[Any, ...]]], groups: list[dict[str, Any]]) -> bool:
     """Whether ``groups`` are the very group dicts ``kept`` holds, each with the very same parameters, in order."""

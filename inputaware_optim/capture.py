@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
+from ._torch import remove_hooks_of
 from .inputs import Call, Inputs, UncapturedInputsWarning
 from .reduction import Reduction
 
@@ -161,12 +162,19 @@ class _Task:
         self.scale = scale
 
 
+def _inert_log(storage: Storage) -> _Log:
+    log = _Log(storage, False)
+    log.enabled, log.inert = False, True
+    return log
+
+
 class _Log:
     """The state the hooks write into. Hooks hold this, never the Capture, so dropping
     the Capture (or the optimizer that owns it) can always run its finalizer."""
 
     def __init__(self, storage: Storage, grad_outputs: bool) -> None:
         self.enabled = True
+        self.inert = False  # a copy's, made with the model: records nothing (see __reduce__)
         self.storage = storage
         self.grad_outputs = grad_outputs  # raw output gradients (Call.grad_outputs)
         self.keep_calls = False
@@ -190,6 +198,11 @@ class _Log:
         # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
         self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The model was copied (deepcopy, pickle, torch.save) with this capture's hooks on it: the
+        # copy has no capture, so its hooks record nothing and come off at its next forward.
+        return (_inert_log, (self.storage,))
+
     def set_readers(self, module: nn.Module, readers: tuple[Reduction, ...]) -> None:
         """Who reads ``module`` now (none: forget it), and what they need of each call."""
         if not readers:
@@ -206,6 +219,10 @@ class _Log:
 
     # -- forward --------------------------------------------------------------------------
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if self.inert:
+            for submodule in module.modules():
+                remove_hooks_of(submodule, self)
+            return
         if not torch.compiler.is_compiling():
             self.forwards += 1
 

@@ -371,6 +371,7 @@ def test_a_copied_model_neither_carries_captures_nor_records() -> None:
         assert logs and all(not log.keys and not log.enabled for log in logs)
         twin(torch.randn(3, 4)).sum().backward()
         assert all(not log.keys and not log.tasks for log in logs)
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in twin.modules())  # came off
     assert len(optimizer.capture.calls()) == 2  # the original is untouched
 
 

@@ -325,10 +325,12 @@ def test_state_dict_round_trips_through_the_stock_class(case: DropInCase, implem
     assert roundtrip(resumed.state_dict()).keys() == straight.state_dict().keys()
 
 
-def test_deepcopy_keeps_the_stock_behaviour_and_says_capture_is_gone() -> None:
+def test_deepcopy_is_the_same_optimizer_on_a_copy_of_the_model() -> None:
     model = mlp()
     optimizer = InputAwareSGD(model, lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
     clone = copy.deepcopy(optimizer)
-    assert clone.state_dict() == optimizer.state_dict()
-    with pytest.raises(RuntimeError, match="without its model"):
-        clone.capture  # noqa: B018
+    assert clone.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    assert clone.model is not model and set(clone.capture.modules) <= set(clone.model.modules())
+    assert [p for g in clone.param_groups for p in g["params"]] == list(clone.model.parameters())

@@ -231,9 +231,10 @@ def test_add_param_group_keeps_torchs_errors_and_the_rules_validation() -> None:
     dp = DPSGD(model, lr=0.1, params=model[0].parameters())
     with pytest.raises(ValueError, match="same values"):
         dp.add_param_group({"params": model[2].parameters(), "max_grad_norm": 5.0})
-    copied = copy.deepcopy(optimizer)
-    assert copied._capture is None  # a copy captures nothing, and still takes new groups as torch does
-    copied.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
+    copied = copy.deepcopy(optimizer)  # the same optimizer on a copy of the model: takes its groups
+    copied.add_param_group({"params": copied.model[2].parameters()})
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        copied.add_param_group({"params": [torch.zeros(2, requires_grad=True)]})
 
 
 @pytest.mark.parametrize(

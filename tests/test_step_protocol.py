@@ -1,0 +1,251 @@
+"""The optimizer protocol as torch defines it: step hooks once, one whole state with ``base=``,
+copies and pickles that keep everything, closure-driven bases."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch import nn
+
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Eva, InputAwareAdamW, InputAwareSGD, Inputs
+
+
+class Rule(InputAwareSGD):
+    """A user's rule: halves each gradient, then the stock step through super()."""
+
+    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+        for p in self._params():
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+        return super().step(closure, inputs=inputs)
+
+
+class DeeperRule(Rule):
+    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+        return super().step(closure, inputs=inputs)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def backward(model: nn.Module, step: int) -> None:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("plain_parent", ["none", "before", "after"])
+@pytest.mark.parametrize("cls", [InputAwareSGD, Rule, DeeperRule])
+def test_step_hooks_run_once_per_step_global_and_per_instance(cls: type, plain_parent: str) -> None:
+    def plain_parents() -> None:  # wrapping a parent class's step is what made hooks run twice
+        torch.optim.SGD(net().parameters(), lr=0.1)
+        InputAwareSGD(net(), lr=0.1)
+        Rule(net(), lr=0.1)
+
+    if plain_parent == "before":
+        plain_parents()
+    model = net()
+    optimizer = cls(model, lr=0.1)
+    if plain_parent == "after":
+        plain_parents()
+    seen: list[str] = []
+    handles = [
+        optimizer.register_step_pre_hook(lambda o, a, k: seen.append("pre")),
+        optimizer.register_step_post_hook(lambda o, a, k: seen.append("post")),
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append("global pre")),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append("global post")),
+    ]
+    try:
+        for step in range(2):
+            backward(model, step)
+            optimizer.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert seen == ["global pre", "pre", "post", "global post"] * 2
+
+
+def test_a_pre_hook_may_inject_inputs_and_they_reach_the_rule() -> None:
+    model = net()
+    received: list[Any] = []
+
+    class Reader(InputAwareSGD):
+        def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+            received.append(inputs)
+            return super().step(closure, inputs=inputs)
+
+    torch.optim.SGD(net().parameters(), lr=0.1)  # the parent's step wrapped too
+    optimizer = Reader(model, lr=0.1)
+    backward(model, 0)
+    given = optimizer.capture.inputs()
+    optimizer.register_step_pre_hook(lambda o, a, k: (a, {**k, "inputs": given}))
+    optimizer.step()
+    assert received == [given]
+
+
+# -- base=: one optimizer, one whole state ------------------------------------------------------
+
+RULES: dict[str, Callable[..., Any]] = {
+    "InputAwareSGD": lambda m, **kw: InputAwareSGD(m, **kw),
+    "Rule": lambda m, **kw: Rule(m, **kw),
+    "FOOF": lambda m, **kw: FOOF(m, update_every=2, **kw),
+    "KFAC": lambda m, **kw: KFAC(m, update_every=2, **kw),
+    "Eva": lambda m, **kw: Eva(m, **kw),
+    "NLMS": lambda m, **kw: NLMS(m, **kw),
+    "DPSGD": lambda m, **kw: DPSGD(m, max_grad_norm=1.0, noise_multiplier=0.0, **kw),
+}
+BASES: dict[str, dict[str, Any]] = {
+    "own": {"lr": 0.05},
+    "AdamW": {"lr": 0.01, "base": torch.optim.AdamW},
+}
+
+
+def _trained(rule: str, base: str, steps: int = 3) -> tuple[nn.Module, Any]:
+    model = net()
+    optimizer = RULES[rule](model, **BASES[base])
+    for step in range(steps):
+        backward(model, step)
+        optimizer.step()
+    return model, optimizer
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for index, entry in a["state"].items():
+        assert entry.keys() == b["state"][index].keys(), index
+        for key, value in entry.items():
+            other = b["state"][index][key]
+            if isinstance(value, dict):
+                _same_state({"param_groups": [], "state": {0: value}}, {"param_groups": [], "state": {0: other}})
+            else:
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (index, key)
+
+
+def _step_both(model: nn.Module, optimizer: Any, other_model: nn.Module, other: Any, steps: range) -> None:
+    for step in steps:
+        backward(model, step)
+        optimizer.step()
+        backward(other_model, step)
+        other.step()
+    for p, q in zip(model.parameters(), other_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("base", list(BASES))
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_holds_the_whole_state_and_steps_as_the_original(rule: str, base: str, how: str) -> None:
+    model, optimizer = _trained(rule, base)
+    if how == "deepcopy":
+        copied_model, copied = copy.deepcopy((model, optimizer))
+    elif how == "pickle":
+        copied_model, copied = pickle.loads(pickle.dumps((model, optimizer)))
+    else:
+        buffer = io.BytesIO()
+        torch.save((model, optimizer), buffer)
+        buffer.seek(0)
+        copied_model, copied = torch.load(buffer, weights_only=False)
+    assert type(copied).__name__ == type(optimizer).__name__
+    _same_state(optimizer.state_dict(), copied.state_dict())
+    assert copied.model is copied_model
+    _step_both(model, optimizer, copied_model, copied, range(3, 6))
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_a_copy_of_the_optimizer_alone_trains_its_own_copy_of_the_model(rule: str) -> None:
+    model, optimizer = _trained(rule, "AdamW")
+    copied = copy.deepcopy(optimizer)
+    assert copied.model is not model
+    assert {id(p) for p in copied.model.parameters()} == {id(p) for g in copied.param_groups for p in g["params"]}
+    _step_both(model, optimizer, copied.model, copied, range(3, 5))
+
+
+@pytest.mark.parametrize("base", list(BASES))
+@pytest.mark.parametrize("rule", ["InputAwareSGD", "FOOF", "Eva"])
+def test_state_dict_hooks_see_the_whole_state(rule: str, base: str) -> None:
+    model, optimizer = _trained(rule, base, steps=2)
+    whole = optimizer.state_dict()
+    calls: list[str] = []
+
+    def pre(opt: Any) -> None:
+        calls.append("pre")
+
+    def post(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        calls.append("post")
+        _same_state(state_dict, whole)
+        state_dict["marker"] = 1
+        return state_dict
+
+    optimizer.register_state_dict_pre_hook(pre)
+    optimizer.register_state_dict_post_hook(post)
+    saved = optimizer.state_dict()
+    assert saved["marker"] == 1 and calls == ["pre", "post"]
+
+    def load_pre(opt: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+        calls.append("load pre")
+        _same_state({**state_dict}, whole)
+        return {k: v for k, v in state_dict.items() if k != "marker"}
+
+    def load_post(opt: Any) -> None:
+        calls.append("load post")
+
+    resumed_model = copy.deepcopy(model)
+    resumed = RULES[rule](resumed_model, **BASES[base])
+    resumed.register_load_state_dict_pre_hook(load_pre)
+    resumed.register_load_state_dict_post_hook(load_post)
+    resumed.load_state_dict(copy.deepcopy(saved))  # as from torch.save: torch aliases the tensors it loads
+    assert calls[-2:] == ["load pre", "load post"]
+    _same_state(resumed.state_dict(), whole)
+    _step_both(model, optimizer, resumed_model, resumed, range(2, 4))
+
+
+def test_lbfgs_as_base_with_a_step_pre_hook_is_lbfgs() -> None:
+    def run(make: Callable[[nn.Module], Any], hook: bool) -> float:
+        model = net()
+        optimizer = make(model)
+        if hook:
+            optimizer.register_step_pre_hook(lambda o, a, k: None)
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        for _ in range(3):
+            optimizer.step(closure)
+        return float(closure())
+
+    stock = run(lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5), hook=False)
+    for hook in (False, True):
+        assert run(lambda m: InputAwareSGD(m, lr=0.5, base=torch.optim.LBFGS), hook) == stock
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "Eva", "NLMS", "Rule", "DPSGD"])
+def test_a_rule_that_changes_gradients_refuses_a_closure_driven_base_by_name(rule: str) -> None:
+    with pytest.raises(ValueError, match=r"LBFGS.*closure"):
+        RULES[rule](net(), lr=0.5, base=torch.optim.LBFGS)
+
+
+def test_drop_ins_compose_with_any_base() -> None:
+    model = net()
+    reference = copy.deepcopy(model)
+    optimizer = InputAwareAdamW(model, lr=0.01, base=torch.optim.RMSprop)
+    stock = torch.optim.RMSprop(reference.parameters(), lr=0.01)
+    for step in range(3):
+        backward(model, step)
+        backward(reference, step)
+        optimizer.step()
+        stock.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))

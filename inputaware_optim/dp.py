@@ -407,6 +407,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             )
         if not distributed:
             batch = self._expected_batch_size or first["samples"]
+            if batch == 0 and self._privacy[2] == "mean":
+                raise self._empty_batch()
             divisor = float(batch) if self._privacy[2] == "mean" else 1.0
             return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
         # A module this rank's samples never reached (a branch, an expert) has a zero gradient for
@@ -431,8 +433,18 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise self._uncaptured(nowhere)
         for param in [p for p in sums if sharded(p)]:  # FSDP2: this rank's shard of the sum, by a reduce-scatter
             sums[param] = reduce_scatter_like(sums[param], param)
+        if float(count) == 0 and self._privacy[2] == "mean":  # on every rank alike: the count is all-reduced
+            raise self._empty_batch()
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
+
+    def _empty_batch(self) -> RuntimeError:
+        return RuntimeError(
+            f"{type(self).__name__}: the batch of this step is empty (Poisson sampling draws empty batches), and "
+            "with loss_reduction='mean' the noise is divided by the batch the loss is a mean over. Pass "
+            "expected_batch_size=<sample_rate x dataset size> (as Opacus does): an empty batch then takes a "
+            "noise-only step. No parameter was changed"
+        )
 
     def _uncaptured(self, params: list[Tensor]) -> RuntimeError:
         """The refusal of parameters with a gradient that no captured call explains."""
@@ -587,8 +599,11 @@ class ClippedSums(Reduction):
         clip = self.clip()
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
-        for calls in by_forward.values():
-            clipped_sums, plain_sums = self._clipped_sums(calls, scale, clip)
+        for forward, calls in by_forward.items():
+            if samples[forward] == 0:  # an empty batch (Poisson sampling draws them): no sample, zero sums
+                clipped_sums, plain_sums = self._empty_sums(calls)
+            else:
+                clipped_sums, plain_sums = self._clipped_sums(calls, scale, clip)
             for param, total in clipped_sums.items():
                 out[param] = add_statistics(out.get(param), total)
             for param, total in plain_sums.items():
@@ -631,6 +646,20 @@ class ClippedSums(Reduction):
         if self.batch_dim == 0:
             return (kind or GENERIC).per_sample(module, call, names)
         return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
+
+    def _empty_sums(self, calls: dict[nn.Module, list[Call]]) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+        """The sums of a forward without samples: zero, for every parameter its calls reach (the step
+        then adds the noise alone, as Opacus does for an empty batch)."""
+        params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
+        params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
+        sums: dict[Tensor, Tensor] = {}
+        plain: dict[Tensor, Tensor] = {}
+        for param in params:
+            dtype = torch.promote_types(param.dtype, torch.float32)
+            sums[param] = torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
+            if self.verify:
+                plain[param] = self.probes.project(param, sums[param])
+        return sums, plain
 
     def _clipped_sums(
         self, calls: dict[nn.Module, list[Call]], scale: float, clip: float

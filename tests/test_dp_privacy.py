@@ -207,3 +207,58 @@ def test_a_raised_noise_does_not_lower_the_epsilon_already_spent_and_a_resumed_r
     assert resumed.epsilon(1e-5) == pytest.approx(after_first, rel=1e-12)
     private_steps(resumed, resumed_model, sigmas[30:], seed=30)
     assert resumed.epsilon(1e-5) == pytest.approx(optimizer.epsilon(1e-5), rel=1e-12)
+
+
+# -- 7. empty batches --------------------------------------------------------------------------
+
+EMPTY_BATCHES = {
+    "Linear": (lambda: nn.Sequential(nn.Linear(5, 3)), (0, 5)),
+    "Conv2d": (lambda: nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(27, 2)), (0, 2, 5, 5)),
+    "Embedding": (lambda: nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(12, 2)), (0, 3)),
+    "GroupNorm": (lambda: nn.Sequential(nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(12, 2)), (0, 4, 3)),
+}
+
+
+def empty_input(name: str) -> torch.Tensor:
+    shape = EMPTY_BATCHES[name][1]
+    return torch.zeros(shape, dtype=torch.long) if name == "Embedding" else torch.zeros(shape)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("name", list(EMPTY_BATCHES))
+def test_an_empty_batch_takes_a_noise_only_step(name: str, reduction: str) -> None:
+    """Poisson sampling draws empty batches; Opacus then steps with the noise alone, divided by the
+    expected batch size (mean) or not (sum). The private gradient is the generator's draws times
+    ``sigma * C`` (over ``E``), parameter by parameter, as the same stream drawn by hand gives."""
+    torch.manual_seed(0)
+    model = EMPTY_BATCHES[name][0]()
+    clip, sigma, expected_batch = 0.5, 1.3, 8
+    optimizer = DPSGD(
+        model,
+        lr=1.0,
+        max_grad_norm=clip,
+        noise_multiplier=sigma,
+        loss_reduction=reduction,
+        expected_batch_size=expected_batch if reduction == "mean" else None,
+        generator=torch.Generator().manual_seed(11),
+    )
+    output = model(empty_input(name))
+    (output.sum() if reduction == "sum" else output.flatten(1).sum(1).mean()).backward()
+    optimizer.step()
+    stream = torch.Generator().manual_seed(11)
+    divisor = expected_batch if reduction == "mean" else 1
+    for key, param in model.named_parameters():
+        noise = torch.randn(param.shape, generator=stream) * (sigma * clip / divisor)
+        torch.testing.assert_close(param.grad, noise, rtol=1e-6, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("name", list(EMPTY_BATCHES))
+def test_an_empty_batch_without_the_expected_batch_size_is_refused_as_empty(name: str) -> None:
+    torch.manual_seed(0)
+    model = EMPTY_BATCHES[name][0]()
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.5, noise_multiplier=1.0)
+    model(empty_input(name)).flatten(1).sum(1).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"the batch of this step is empty .* Pass expected_batch_size"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

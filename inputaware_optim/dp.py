@@ -6,7 +6,7 @@ import math
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, TypeGuard
+from typing import Any, NoReturn, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -376,6 +376,9 @@ class _PerSampleClipping(InputAwareOptimizer):
             return {}
         clip, sigma = self._group_privacy()
         totals = inputs.reduced(self._clipped)
+        for entry in totals.values():
+            if "error" in entry:
+                self._raise_kept(*entry["error"])
         data_parallel = self.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
         present = [p for p in targets if p in totals]
@@ -437,6 +440,21 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise self._empty_batch()
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
+
+    def _raise_kept(self, error: Exception, where: str | None) -> NoReturn:
+        """Raise an error the per-sample code met in a hook: of its type, from it (its traceback is the
+        cause's), naming the module and call where it was met."""
+        if where is None:  # a refusal of DP's own (its message says what to do), or met outside a layer
+            raise error
+        message = (
+            f"{type(self).__name__} could not compute the per-sample gradients of {where}: "
+            f"{type(error).__name__}: {error}. No parameter was changed"
+        )
+        try:
+            again = type(error)(message)
+        except Exception:  # an exception type whose constructor takes other arguments: as it was raised
+            raise error from None
+        raise again from error
 
     def _empty_batch(self) -> RuntimeError:
         return RuntimeError(
@@ -580,6 +598,18 @@ class ClippedSums(Reduction):
         return [n for n in self.names.get(module, ()) if module._parameters[n].requires_grad]  # type: ignore[union-attr]
 
     def finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
+        """The clipped sums of one backward pass; an error is kept in them (under ``"error"``, with the
+        module and call it came from) and raised by the step, with its type and traceback."""
+        try:
+            return self._finish(entries)
+        except Exception as error:
+            where, cause = (error.where, error.error) if isinstance(error, _Located) else (None, error)
+            reached = {c.module for _, c in entries}
+            params = [m._parameters[n] for m in reached for n in self.names.get(m, ())]
+            params += [p for p, uses in self.shared.items() if any(m in reached for m, _ in uses)]
+            return {p: {"error": (cause, where)} for p in params if p is not None}
+
+    def _finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
         by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
         shared = {m for param, uses in self.shared.items() if param.requires_grad for m, _ in uses}
         trains = {m: bool(self._trained_names(m)) or m in shared for m in {c.module for _, c in entries}}
@@ -622,8 +652,10 @@ class ClippedSums(Reduction):
         }
 
     def combine(self, a: Any, b: Any) -> Any:
-        if a is None:
+        if a is None or "error" in b:
             return b
+        if "error" in a:
+            return a
         return {
             "sum": a["sum"] + b["sum"],
             "unclipped": add_statistics(a["unclipped"], b["unclipped"]),
@@ -667,36 +699,77 @@ class ClippedSums(Reduction):
         """One forward's samples: their gradients clipped (each over every parameter) and summed; and,
         when ``verify``, summed unclipped too (which must add up to the gradient autograd computed)."""
         pieces: list[tuple[PerSample, dict[str, Tensor]]] = []
-        for module, module_calls in calls.items():
-            names = self._trained_names(module)
-            if names:
-                per = _merged([self._per_sample(module, c, names) for c in module_calls])
-                pieces.append((per, {n: module._parameters[n] for n in names}))  # type: ignore[misc]
-        for param, uses in self.shared.items():  # a weight several modules use: add their shares
-            if not param.requires_grad:
-                continue
-            shares = [self._per_sample(m, c, [n]).grads()[n] for m, n in uses for c in calls.get(m, ())]
-            if shares:
-                pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))
-        norms = [per.sq_norms() for per, _ in pieces]
-        squared = sum(n.double() for n in norms)
-        assert isinstance(squared, Tensor)
-        if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
-            squared = sum(_robust_sq_norms(per, n) for (per, _), n in zip(pieces, norms, strict=True))
+        sources: list[tuple[nn.Module, list[Call]]] = []  # where each piece came from, for errors
+        source: tuple[nn.Module, list[Call]] | None = None  # the module and call(s) being worked on
+        try:
+            for module, module_calls in calls.items():
+                names = self._trained_names(module)
+                if names:
+                    per_call = []
+                    for call in module_calls:
+                        source = (module, [call])
+                        per_call.append(self._per_sample(module, call, names))
+                    source = (module, module_calls)
+                    pieces.append((_merged(per_call), {n: module._parameters[n] for n in names}))  # type: ignore[misc]
+                    sources.append(source)
+            for param, uses in self.shared.items():  # a weight several modules use: add their shares
+                if not param.requires_grad:
+                    continue
+                shares = []
+                for m, n in uses:
+                    for call in calls.get(m, ()):
+                        source = (m, [call])
+                        shares.append(self._per_sample(m, call, [n]).grads()[n])
+                if shares:
+                    pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))
+                    sources.append((uses[0][0], [c for m, _ in uses for c in calls.get(m, ())]))
+            norms = []
+            for index, (per, _) in enumerate(pieces):
+                source = sources[index]
+                norms.append(per.sq_norms())
+            squared = sum(n.double() for n in norms)
             assert isinstance(squared, Tensor)
-        weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
-        sums: dict[Tensor, Tensor] = {}
-        plain: dict[Tensor, Tensor] = {}
-        for per, params in pieces:
-            for name, total in per.weighted_sum(weights).items():
-                param = params[name]
-                total = total.to(torch.promote_types(param.dtype, torch.float32))
-                sums[param] = sums[param] + total if param in sums else total
-            if self.verify:
-                for name, total in self.probes.plain_sums(per, params).items():
+            if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
+                squared = sum(_robust_sq_norms(per, n) for (per, _), n in zip(pieces, norms, strict=True))
+                assert isinstance(squared, Tensor)
+            weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
+            sums: dict[Tensor, Tensor] = {}
+            plain: dict[Tensor, Tensor] = {}
+            for index, (per, params) in enumerate(pieces):
+                source = sources[index]
+                for name, total in per.weighted_sum(weights).items():
                     param = params[name]
-                    plain[param] = plain[param] + total if param in plain else total
+                    total = total.to(torch.promote_types(param.dtype, torch.float32))
+                    sums[param] = sums[param] + total if param in sums else total
+                if self.verify:
+                    for name, total in self.probes.plain_sums(per, params).items():
+                        param = params[name]
+                        plain[param] = plain[param] + total if param in plain else total
+        except Exception as error:
+            if source is None:
+                raise
+            raise _Located(self._where(*source, calls), error) from error
         return sums, plain
+
+    def _where(self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]]) -> str:
+        """``module`` and which of its calls in one forward, with their input shapes."""
+        every = calls.get(module, [])
+        shapes = ", ".join(
+            "x".join(map(str, t.shape)) for c in failed for t in tree_flatten(c.args)[0] if isinstance(t, Tensor)
+        )
+        if len(failed) == 1 and failed[0] in every:
+            which = f"call {every.index(failed[0]) + 1} of {len(every)} in one forward"
+        else:
+            which = f"its {len(failed)} call(s) in one forward"
+        return f"{self.name(module)} ({type(module).__name__}), {which}, on inputs of shape {shapes or '()'}"
+
+
+class _Located(Exception):
+    """An error of the per-sample code, with the module and call it came from."""
+
+    def __init__(self, where: str, error: Exception) -> None:
+        super().__init__(where)
+        self.where, self.error = where, error
 
 
 class _Probes:

@@ -6,6 +6,7 @@ textbook way), from the same noise stream drawn by hand, or from Opacus."""
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import pytest
@@ -261,4 +262,42 @@ def test_an_empty_batch_without_the_expected_batch_size_is_refused_as_empty(name
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match=r"the batch of this step is empty .* Pass expected_batch_size"):
         optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+# -- 11. errors in the per-sample code ---------------------------------------------------------
+
+
+class PerSampleFailure(ArithmeticError):
+    """An error type of the test's own, raised where a layer's per-sample rule runs."""
+
+
+def test_an_error_in_the_per_sample_code_keeps_its_type_and_traceback_and_names_the_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The per-sample code runs in a hook at the end of backward; what it raises reaches ``step()``
+    as the same type, raised from the original (whose traceback reaches the failing function), with
+    the module, which call and its input shapes in the message."""
+    from inputaware_optim.layers import layer_kind
+
+    def failing(kind: Any, module: nn.Module, call: Any, names: Any) -> Any:
+        if module is model.middle:
+            raise PerSampleFailure("the rule failed here")
+        return original(kind, module, call, names)
+
+    model = Chain().double()
+    kind_type = type(layer_kind(model.middle))
+    original = kind_type.per_sample
+    monkeypatch.setattr(kind_type, "per_sample", failing)
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    loss_of(model(batch(4, seed=1))).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PerSampleFailure) as raised:
+        optimizer.step()
+    message = str(raised.value)
+    assert "per-sample gradients of middle (Linear), call 1 of 1 in one forward, on inputs of shape 4x6" in message
+    assert "PerSampleFailure: the rule failed here" in message
+    cause = raised.value.__cause__
+    assert isinstance(cause, PerSampleFailure)
+    assert traceback.extract_tb(cause.__traceback__)[-1].name == "failing"
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 from collections import Counter
@@ -79,6 +80,10 @@ _DOC = r"""
     dimension (which would clip per time step, not per sample) is refused at the step. Recurrent
     layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells), parametrized weights (weight or
     spectral norm) and BatchNorm are refused at construction, by name.
+
+    Under activation checkpointing, use ``use_reentrant=False`` (exact): reentrant checkpointing
+    runs each region's backward as a pass of its own, and a forward whose calls reach several
+    passes is refused at the step, by the modules of each.
 
     Micro-batches (gradient accumulation) are separate samples of one step. Under
     ``DistributedDataParallel`` each rank clips its own samples, the clipped sums are added
@@ -384,6 +389,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
+        self._refuse_split_forwards(totals)
         self._check_sums_add_up(present, totals)
         clips = set().union(*(totals[p]["clips"] for p in present))
         if clips - {clip}:
@@ -394,16 +400,10 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "before the backward of the next one (a schedule's step() after optimizer.step()). No parameter "
                 "was changed"
             )
-        first = totals[present[0]] if present else {"samples": 0, "passes": 0}
-        if any(totals[p]["overlap"] for p in present):
+        first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
+        if self._privacy[2] == "mean" and self._expected_batch_size is None and len(first["passes"]) > 1:
             raise RuntimeError(
-                f"{type(self).__name__}: the calls of one forward reached several backward passes (for example two "
-                "losses backpropagated separately), so no pass holds a sample's whole gradient to clip. Sum the "
-                "losses and call backward once per forward. No parameter was changed"
-            )
-        if self._privacy[2] == "mean" and self._expected_batch_size is None and first["passes"] > 1:
-            raise RuntimeError(
-                f"{type(self).__name__} got {first['passes']} backward passes in one step (gradient accumulation) "
+                f"{type(self).__name__} got {len(first['passes'])} backward passes in one step (gradient accumulation) "
                 "with loss_reduction='mean': to clip each sample's own gradient it must know the batch the loss "
                 "is a mean over. Pass expected_batch_size=<samples per step> (the loss of each micro-batch then "
                 "being its sum divided by that), or use loss_reduction='sum'. No parameter was changed"
@@ -440,6 +440,31 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise self._empty_batch()
         divisor = float(count) if self._privacy[2] == "mean" else 1.0
         return {p: total / divisor for p, total in sums.items()}
+
+    def _refuse_split_forwards(self, totals: dict[Tensor, Any]) -> None:
+        """Refuse a forward whose calls reached the ends of several backward passes: each pass clipped
+        its share of every sample on its own, so no sample's whole gradient was bounded by the clip."""
+        passes = {token: seen for entry in totals.values() for token, seen in entry["passes"].items()}
+        if len(passes) < 2:
+            return
+        by_forward: dict[Any, list[tuple[str, ...]]] = {}
+        for forwards, modules in passes.values():
+            for forward in forwards:
+                by_forward.setdefault(forward, []).append(modules)
+        split = next((parts for parts in by_forward.values() if len(parts) > 1), None)
+        if split is None:
+            return
+        shares = "; ".join(f"{', '.join(modules)} in pass {index + 1}" for index, modules in enumerate(split))
+        raise RuntimeError(
+            f"{type(self).__name__}: the calls of one forward reached {len(split)} separate backward passes "
+            f"({shares}), and each pass clipped its share of every sample's gradient on its own, which does not "
+            "bound the whole of it. Reentrant activation checkpointing does this: "
+            "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) runs each checkpointed region's backward "
+            "as a pass of its own. Checkpoint with use_reentrant=False (Hugging Face: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), which "
+            "DP clips exactly. Two losses of one forward backpropagated separately do it too: sum them and call "
+            "backward once. No parameter was changed"
+        )
 
     def _raise_kept(self, error: Exception, where: str | None) -> NoReturn:
         """Raise an error the per-sample code met in a hook: of its type, from it (its traceback is the
@@ -563,6 +588,7 @@ class ClippedSums(Reduction):
         # only: under data parallelism the gradient is already averaged over the ranks.
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
+        self.passes = itertools.count()  # a token per backward pass
         # ``clip()``: max_grad_norm as the optimizer's param groups hold it when a pass ends
         self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
         self.root_batches: _RootBatches | None = None
@@ -638,14 +664,15 @@ class ClippedSums(Reduction):
                 out[param] = add_statistics(out.get(param), total)
             for param, total in plain_sums.items():
                 unclipped[param] = add_statistics(unclipped.get(param), total)
+        # This pass, by a token of its own: which forwards it holds, and through which modules.
+        modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
+        passes = {next(self.passes): (frozenset(by_forward), modules)}
         return {
             p: {
                 "sum": total,
                 "unclipped": unclipped.get(p),
                 "samples": float(sum(samples.values())),
-                "passes": 1,
-                "forwards": frozenset(by_forward),
-                "overlap": False,
+                "passes": passes,
                 "clips": frozenset({clip}),
             }
             for p, total in out.items()
@@ -660,9 +687,7 @@ class ClippedSums(Reduction):
             "sum": a["sum"] + b["sum"],
             "unclipped": add_statistics(a["unclipped"], b["unclipped"]),
             "samples": a["samples"] + b["samples"],
-            "passes": a["passes"] + b["passes"],
-            "forwards": a["forwards"] | b["forwards"],
-            "overlap": a["overlap"] or b["overlap"] or bool(a["forwards"] & b["forwards"]),
+            "passes": {**a["passes"], **b["passes"]},
             "clips": a["clips"] | b["clips"],
         }
 

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call, grad, vmap
+from torch.utils.checkpoint import checkpoint
 
 from inputaware_optim import DPSGD
 
@@ -300,4 +301,48 @@ def test_an_error_in_the_per_sample_code_keeps_its_type_and_traceback_and_names_
     cause = raised.value.__cause__
     assert isinstance(cause, PerSampleFailure)
     assert traceback.extract_tb(cause.__traceback__)[-1].name == "failing"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+# -- 3. reentrant activation checkpointing -----------------------------------------------------
+
+
+class Regions(nn.Module):
+    """``Chain`` with its middle (and optionally its head) in checkpointed regions."""
+
+    def __init__(self, reentrant: bool | None, head_too: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle, self.head = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+        self.reentrant, self.head_too = reentrant, head_too
+
+    def _run(self, function: Any, h: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:
+            return function(h)
+        return checkpoint(function, h, use_reentrant=self.reentrant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self._run(lambda h: torch.tanh(self.middle(torch.tanh(h))), self.first(x))
+        return self._run(self.head, h) if self.head_too else self.head(h)
+
+
+@pytest.mark.parametrize("head_too", [False, True], ids=["one region", "two regions"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpointing_is_exact_or_refused_by_name(reentrant: bool, head_too: bool) -> None:
+    """Non-reentrant checkpointing: the step equals vmap(grad)'s per-sample clipping (of the same
+    model without checkpoints). Reentrant: each region's backward is a pass of its own, which would
+    clip each region's share on its own; the step refuses, naming the modules and use_reentrant=False."""
+    model = Regions(reentrant, head_too).double()
+    x = batch(6, seed=5)
+    expected = reference(Regions(None).double(), x, 0.05)
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    loss_of(model(x)).backward()
+    if not reentrant:
+        optimizer.step()
+        assert_grads(model, expected)
+        return
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"separate backward passes \(.*middle.*\).* use_reentrant=False") as raised:
+        optimizer.step()
+    assert "head" in str(raised.value) and "first" in str(raised.value)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -346,3 +346,68 @@ def test_checkpointing_is_exact_or_refused_by_name(reentrant: bool, head_too: bo
         optimizer.step()
     assert "head" in str(raised.value) and "first" in str(raised.value)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+# -- 5. the noise under data parallelism -------------------------------------------------------
+
+NOISE_CLIP, NOISE_SIGMA, NOISE_LOCAL_BATCH, NOISE_SEED = 0.5, 1.7, 4, 5
+
+
+def _noise_rank(rank: int, directory: str, port: int, world: int, out: str) -> None:
+    """One DDP rank: a step on samples whose gradients are zero, so the update is the noise alone."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.multiprocess import mark_done
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    layer = nn.Linear(100, 60, bias=False)
+    nn.init.zeros_(layer.weight)
+    model = DistributedDataParallel(layer)
+    optimizer = DPSGD(
+        model,
+        lr=1.0,
+        max_grad_norm=NOISE_CLIP,
+        noise_multiplier=NOISE_SIGMA,
+        expected_batch_size=NOISE_LOCAL_BATCH,
+        generator=torch.Generator().manual_seed(NOISE_SEED),  # the same seed on every rank
+    )
+    model(torch.zeros(NOISE_LOCAL_BATCH, 100)).sum().backward()
+    optimizer.step()
+    update = -layer.weight.detach().clone()
+    gathered = [torch.empty_like(update) for _ in range(world)]
+    dist.all_gather(gathered, update)
+    assert all(torch.equal(gathered[0], other) for other in gathered), "replicas diverged"
+    if rank == 0:
+        torch.save(update, out)
+    dist.barrier()
+    mark_done(directory, rank)
+    os._exit(0)  # without torch's gloo teardown (see tests/multiprocess.py)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_noise_under_ddp_has_the_standard_deviation_of_one_draw(world: int, tmp_path: Any) -> None:
+    """Under DDP the noise is drawn once for all ranks: the update's standard deviation is
+    ``sigma * C / (global batch)`` whatever the rank count (every rank drawing would make it
+    ``sqrt(world)`` or ``world`` times that), and it is exactly rank 0's generator stream."""
+    import socket
+
+    from tests.multiprocess import run_spawned
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "update.pt")
+    run_spawned(_noise_rank, args=(port, world, out), world=world)
+    update = torch.load(out)
+    global_batch = NOISE_LOCAL_BATCH * world
+    std = NOISE_SIGMA * NOISE_CLIP / global_batch
+    ratio = update.std().item() / std  # 6000 draws: the estimate is within 3% of 1 (about 3.3 standard errors)
+    assert abs(ratio - 1.0) < 0.03, f"noise std {ratio:.3f}x sigma * C / B with {world} ranks"
+    stream = torch.Generator().manual_seed(NOISE_SEED)
+    torch.testing.assert_close(update, torch.randn(update.shape, generator=stream) * std, rtol=1e-5, atol=1e-7)

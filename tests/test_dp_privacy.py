@@ -411,3 +411,50 @@ def test_the_noise_under_ddp_has_the_standard_deviation_of_one_draw(world: int, 
     assert abs(ratio - 1.0) < 0.03, f"noise std {ratio:.3f}x sigma * C / B with {world} ranks"
     stream = torch.Generator().manual_seed(NOISE_SEED)
     torch.testing.assert_close(update, torch.randn(update.shape, generator=stream) * std, rtol=1e-5, atol=1e-7)
+
+
+# -- 6. bfloat16 autocast ----------------------------------------------------------------------
+
+
+class Tokens(nn.Module):
+    """A small language model; ``tied``: its head is the embedding's weight used without calling
+    the embedding (``F.linear``), whose share of the gradient no captured call explains."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.body, self.norm = nn.Embedding(50, 32), nn.Linear(32, 64), nn.LayerNorm(64)
+        self.out, self.head = nn.Linear(64, 32), nn.Linear(32, 50)
+        self.tied = tied
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.out(torch.nn.functional.gelu(self.norm(self.body(self.embed(tokens)))))
+        logits = torch.nn.functional.linear(h, self.embed.weight) if self.tied else self.head(h)
+        return logits.mean(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_steps_within_its_rounding_of_per_sample_clipping_and_still_catches_a_tie(dtype: torch.dtype) -> None:
+    """Under ``torch.autocast("cpu", bfloat16)`` (Lightning's "bf16-mixed") autograd rounds each weight
+    gradient to bfloat16, which the add-up check must allow for: the step is per-sample clipping
+    (vmap(grad) in float64) up to bfloat16's rounding. A tied head's gap (several % of the gradient)
+    is still refused."""
+    tokens = torch.randint(0, 50, (8, 12), generator=torch.Generator().manual_seed(1))
+    model = Tokens(tied=False)
+    expected = reference(Tokens(tied=False).double(), tokens, 0.05)
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    with torch.autocast("cpu", dtype=dtype):
+        output = model(tokens)
+    loss_of(output.float()).backward()
+    optimizer.step()
+    gap = sum((model.get_parameter(k).grad.double() - v).pow(2).sum() for k, v in expected.items()) ** 0.5
+    whole = sum(v.pow(2).sum() for v in expected.values()) ** 0.5
+    assert gap / whole < 4 * torch.finfo(dtype).eps  # rounding, in the forward and the backward
+
+    tied = Tokens(tied=True)
+    optimizer = DPSGD(tied, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    with torch.autocast("cpu", dtype=dtype):
+        output = tied(tokens)
+    loss_of(output.float()).backward()
+    with pytest.raises(RuntimeError, match=r"per-sample gradients of embed do not add up .*\(off by [0-9.]+%"):
+        optimizer.step()

@@ -530,6 +530,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         gap is measured against the whole gradient's norm (a parameter whose gradient is zero up to
         rounding, say a bias a normalization cancels, must not fail on its rounding)."""
         checked: list[Tensor] = []
+        compared: list[tuple[Tensor, Tensor]] = []  # (the per-sample sum, the gradient), as compared
         pairs: list[Tensor] = []  # per parameter: the gap's norm and the gradient's, read at once below
         exact = all(d == torch.float64 for d in dtypes)  # float64 throughout: a much tighter bound
         for param in targets:
@@ -540,6 +541,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             exact = exact and grad.dtype == torch.float64
             grad = self._clipped.probes.project(param, grad)
             checked.append(param)
+            compared.append((plain, grad))
             gap, norm = torch.linalg.vector_norm(plain.to(grad.dtype) - grad), torch.linalg.vector_norm(grad)
             pairs.append(torch.stack([gap, norm]).double())
         if len({p.device for p in pairs}) == 1:
@@ -556,6 +558,17 @@ class _PerSampleClipping(InputAwareOptimizer):
         whole = math.sqrt(sum(n * n for n in norms))
         wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
         if wrong:
+            factor = _common_factor(compared, tolerance)
+            if factor is not None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: the gradient backward computed is the sum of the per-sample gradients "
+                    f"times {factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient "
+                    "clip does. Trainers do it by a setting: Lightning's Trainer(gradient_clip_val=...) (leave it "
+                    "None), Hugging Face's TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), "
+                    "Accelerate's accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call "
+                    f"out). {type(self).__name__} clips each sample's gradient itself (max_grad_norm of the "
+                    "optimizer) and must see the gradient as backward made it. No parameter was changed"
+                )
             owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
             worst = max(gaps[p] for p in wrong) / max(whole, 1e-30)
             raise RuntimeError(
@@ -563,9 +576,27 @@ class _PerSampleClipping(InputAwareOptimizer):
                 f"gradient backward computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be "
                 "clipped per sample. Typical causes: the weight is also used without calling its module (a "
                 "tied head written F.linear(h, embed.weight): call the module instead), or the gradient was "
-                "changed after backward (clip_grad_norm_, manual edits: DP replaces the gradient, leave it "
-                "as backward made it). No parameter was changed"
+                "changed after backward (clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's "
+                "max_grad_norm, manual edits: DP replaces the gradient, leave it as backward made it). No "
+                "parameter was changed"
             )
+
+
+def _common_factor(compared: list[tuple[Tensor, Tensor]], tolerance: float) -> float | None:
+    """``c`` if every gradient is ``c`` times its per-sample sum (``c`` neither 1 nor 0; up to
+    ``tolerance`` of the whole), as after a gradient clip; else ``None``."""
+    if not compared:
+        return None
+    cross = sum(float((plain.double() * grad.double()).sum()) for plain, grad in compared)
+    square = sum(float(plain.double().pow(2).sum()) for plain, _ in compared)
+    if square == 0.0:
+        return None
+    factor = cross / square
+    residual = math.sqrt(sum(float((grad.double() - factor * plain.double()).pow(2).sum()) for plain, grad in compared))
+    whole = math.sqrt(sum(float(grad.double().pow(2).sum()) for _, grad in compared))
+    if abs(factor - 1.0) <= tolerance or factor <= 0.0 or residual > tolerance * whole:
+        return None
+    return factor
 
 
 class ClippedSums(Reduction):

@@ -458,3 +458,84 @@ def test_autocast_steps_within_its_rounding_of_per_sample_clipping_and_still_cat
     loss_of(output.float()).backward()
     with pytest.raises(RuntimeError, match=r"per-sample gradients of embed do not add up .*\(off by [0-9.]+%"):
         optimizer.step()
+
+
+# -- 10. a trainer's gradient clip -------------------------------------------------------------
+
+
+def test_a_clipped_gradient_is_refused_naming_the_trainer_settings() -> None:
+    """``clip_grad_norm_`` after backward scales every gradient by one factor: the refusal says so,
+    with that factor (clip_grad_norm_'s own, ``max_norm / total_norm``), and names the trainers'
+    settings that do it."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    loss_of(model(batch(6, seed=2))).backward()
+    total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.01))
+    factor = 0.01 / (total + 1e-6)
+    with pytest.raises(RuntimeError) as raised:
+        optimizer.step()
+    message = str(raised.value)
+    assert f"per-sample gradients times {factor:.4g}, for every parameter alike" in message
+    assert "Trainer(gradient_clip_val=...)" in message and "TrainingArguments(max_grad_norm=1.0" in message
+    assert "max_grad_norm=0" in message
+
+
+def test_lightnings_gradient_clip_val_is_refused_by_its_name(tmp_path: Any) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Private(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Chain().double()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return loss_of(self.net(batch[0]))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return DPSGD(self.net, lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(batch(8, seed=3) * 50), batch_size=4)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        precision="64-true",
+        max_steps=1,
+        gradient_clip_val=1e-4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(RuntimeError, match=r"rescaled after backward.*Lightning's Trainer\(gradient_clip_val=\.\.\.\)"):
+        trainer.fit(Private(), data)
+
+
+def test_hugging_faces_max_grad_norm_is_refused_by_its_name(tmp_path: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = Chain()
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": loss_of(self.net(x) - labels)}
+
+    model = WithLoss()
+    rows = batch(8, seed=3).float() * 50
+    data = [{"x": row, "labels": torch.zeros(2)} for row in rows]
+    arguments = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=4,
+        max_grad_norm=1e-4,  # the default is 1.0
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0)
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None))
+    with pytest.raises(RuntimeError, match=r"rescaled after backward.*TrainingArguments\(max_grad_norm=1.0"):
+        trainer.train()

@@ -12,6 +12,7 @@ from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
 from .kfac import KFAC
 from .layers import Layer, LayerKind, layer_kind, register_layer
 from .lazy_adamw import LazyAdamW
+from .moe import ExpertLoads, LoadBalancing
 from .monitor import Monitor, NonFiniteError, NonFiniteFinder, NonFiniteOrigin, NonFiniteWarning
 from .nlms import NLMS
 from .reduction import Reduction
@@ -31,6 +32,7 @@ __all__ = [
     "CoverageWarning",
     "DPAdamW",
     "Eva",
+    "ExpertLoads",
     "InputAwareAdamW",
     "InputAwareOptimizer",
     "InputAwareSGD",
@@ -39,6 +41,7 @@ __all__ = [
     "Layer",
     "LayerKind",
     "LazyAdamW",
+    "LoadBalancing",
     "Monitor",
     "NonFiniteError",
     "NonFiniteFinder",

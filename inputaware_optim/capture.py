@@ -182,7 +182,8 @@ class _Log:
         self.readers: dict[nn.Module, tuple[Reduction, ...]] = {}  # module -> reductions that read it
         # module -> what its readers need: (output gradients, inputs kept, a forward, a backward)
         self.needs: dict[nn.Module, tuple[bool, bool, bool, bool]] = {}
-        self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}
+        self.own_keys: dict[nn.Module, tuple[_Key, ...]] = {}  # module -> its own parameters' keys
+        self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}  # ... and those its readers name
         self.keys: dict[Tensor, _Key] = {}
         self.tasks: dict[int, _Task] = {}
         self.counter = itertools.count()
@@ -204,7 +205,18 @@ class _Log:
         return (_inert_log, (self.storage,))
 
     def set_readers(self, module: nn.Module, readers: tuple[Reduction, ...]) -> None:
-        """Who reads ``module`` now (none: forget it), and what they need of each call."""
+        """Who reads ``module`` now (none: forget it), and what they need of each call.
+
+        A call's statistics are kept under the parameters its readers name (``Reduction.keys``),
+        which may be a child's (a router's gate): those gradients then hold the module's calls."""
+        own = self.own_keys.get(module, ())
+        below = {id(p) for p in module.parameters()}  # a child's parameters, not another module's
+        named = [
+            p for r in readers for p in r.keys(module) if id(p) in below and not any(k.param is p for k in own)
+        ]
+        keys = (*own, *(self.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(named)))
+        if keys or not any(k.param is None for k in self.keys_of.get(module, ())):
+            self.keys_of[module] = keys or (_Key(None),)
         if not readers:
             self.readers.pop(module, None)
             self.needs.pop(module, None)
@@ -261,7 +273,7 @@ class _Log:
                 if frame is not None:  # activation checkpointing: the inputs come back when recomputed
                     record.deferred = True
                     self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
-                call = Call(module, _detached(args), _detached(kwargs), None, record.forward)
+                call = Call(module, _detached(args), _detached(kwargs), None, record.forward, output.detach() if type(output) is Tensor else _detached(output))
                 record.kept = self.reduce(
                     lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
                 )
@@ -823,8 +835,8 @@ class Capture:
             params = [p for p in module._parameters.values() if p is not None]
             for param in params:
                 self._owners[param] = (*self._owners.get(param, ()), module)
-            keys = [log.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(params)] or [_Key(None)]
-            log.keys_of[module] = tuple(keys)
+            log.own_keys[module] = tuple(log.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(params))
+            log.keys_of[module] = log.own_keys[module] or (_Key(None),)
             for reduction in log.reductions:
                 if reduction.wants(module):
                     log.set_readers(module, (*log.readers.get(module, ()), reduction))

@@ -29,9 +29,11 @@ class Call:
         kwargs: Every keyword argument of the call (tensors detached).
         forward: Which forward of the root model the call was made in (a counter; ``None``
             for calls built by hand). Calls of one forward see the same samples.
+        output: What the call returned (tensors detached), in ``Reduction.forward``, which runs
+            as the call returns; ``None`` elsewhere (the capture keeps no output).
     """
 
-    __slots__ = ("_grad_slot", "args", "forward", "kwargs", "module")
+    __slots__ = ("_grad_slot", "args", "forward", "kwargs", "module", "output")
 
     def __init__(
         self,
@@ -40,8 +42,10 @@ class Call:
         kwargs: dict[str, Any],
         grad_slot: list[Any] | None = None,
         forward: int | None = None,
+        output: Any = None,
     ) -> None:
         self.module = module
+        self.output = output
         self.args = args
         self.kwargs = kwargs
         self._grad_slot = grad_slot

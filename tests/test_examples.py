@@ -18,6 +18,7 @@ RUNS = {
     "nlms_system_identification.py": (["--steps", "300"], ("below", 1e-2)),
     "lazy_adamw_bag_of_words.py": (["--steps", "5"], ("above", 0.0)),
     "dp_sgd_digits.py": (["--epochs", "1"], ("above", 0.0)),
+    "moe_load_balancing.py": (["--steps", "40"], ("below", 1.5)),  # the busiest expert over the mean load
 }
 
 

@@ -1,0 +1,177 @@
+r"""Auxiliary-loss-free load balancing of mixture-of-experts routers (DeepSeek-V3).
+
+Written on the public API only (a ``Reduction`` and ``register_inputs_hook``), as the worked
+example of how a rule reads what it needs: see CONTRIBUTING.md.
+
+Each router adds a bias :math:`b_i` to its expert scores when it selects the top-k experts
+(the bias steers routing only; the gate weights come from the unbiased scores). After each
+optimizer step, with :math:`c_i` the tokens expert :math:`i` received in that step,
+
+.. math::
+    b_i \leftarrow b_i + u \cdot \operatorname{sign}(\bar c - c_i), \qquad \bar c = \tfrac1E \textstyle\sum_j c_j
+
+(DeepSeek-V3 technical report, section 2.1.2, "Auxiliary-Loss-Free Load Balancing").
+torchtitan also subtracts the mean of the update; this follows the paper.
+
+The counts follow the gradient: a router call counts exactly when its output's gradient is in
+the router's ``.grad`` at the step. So they are exact where counting in the forward is not:
+under activation checkpointing of either kind (a re-run forward is not a second call), over
+gradient accumulation (every micro-batch since ``zero_grad``), with an evaluation forward in
+between (never reaches a backward), and under data parallelism (summed over the ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .hooks import InputsHookHandle
+from .inputs import Call, Inputs
+from .reduction import Reduction
+
+__all__ = ["ExpertLoads", "LoadBalancing"]
+
+
+def _first_integer_tensor(call: Call) -> Tensor:
+    outputs = call.output if isinstance(call.output, (tuple, list)) else (call.output,)
+    for output in outputs:
+        if isinstance(output, Tensor) and not output.is_floating_point() and not output.is_complex():
+            return output
+    raise TypeError(
+        f"{type(call.module).__name__} returned no integer tensor of selected experts; pass "
+        "selected=lambda call: ... (the experts each token was routed to, from call.output)"
+    )
+
+
+class ExpertLoads(Reduction):
+    """Tokens each expert received, per router: a bincount of each router call's selected experts,
+    kept under the router's first trained parameter while its gradient holds the call."""
+
+    def __init__(self, experts: dict[nn.Module, int], key: dict[nn.Module, Tensor], selected: Callable[[Call], Tensor]):
+        self.experts = experts
+        self.key = key
+        self.selected = selected
+
+    def wants(self, module: nn.Module) -> bool:
+        return module in self.experts
+
+    def forward(self, call: Call) -> Tensor:
+        chosen = self.selected(call).reshape(-1)
+        return torch.bincount(chosen, minlength=self.experts[call.module]).to(torch.float64)
+
+    def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
+        return (self.key[module],)
+
+
+class LoadBalancing:
+    """DeepSeek-V3's auxiliary-loss-free balancing of MoE routers, as a hook of an input-aware optimizer.
+
+    ``LoadBalancing(routers).attach(optimizer)`` moves each router's bias at every step by
+    ``update_rate * sign(mean load - load)``, from the tokens each expert received in the step.
+
+    Args:
+        routers: The router modules. Each holds its bias (a buffer or a parameter the optimizer
+            does not train) under the attribute ``bias``, one entry per expert, and owns, itself
+            or through a child (a gate ``nn.Linear``), a parameter the optimizer trains.
+        update_rate: ``u``, read at every step (set ``balancing.update_rate`` to schedule it).
+        bias: The attribute that holds each router's expert bias.
+        selected: ``selected(call)``: the experts the call routed its tokens to, from ``call.output``
+            (default: the first integer tensor the router returned, say top-k indices).
+    """
+
+    def __init__(
+        self,
+        routers: Iterable[nn.Module],
+        *,
+        update_rate: float = 1e-3,
+        bias: str = "expert_bias",
+        selected: Callable[[Call], Tensor] | None = None,
+    ) -> None:
+        self.routers = list(routers)
+        if not self.routers or not all(isinstance(r, nn.Module) for r in self.routers):
+            raise TypeError("LoadBalancing expects the router modules (a non-empty iterable of nn.Module)")
+        if not (isinstance(update_rate, (int, float)) and update_rate >= 0):
+            raise ValueError(f"Invalid update_rate: {update_rate!r} (must be a number >= 0)")
+        for router in self.routers:
+            table = getattr(router, bias, None)
+            if not isinstance(table, Tensor) or table.dim() != 1 or not table.is_floating_point():
+                raise ValueError(
+                    f"{type(router).__name__} has no expert bias {bias!r} (a 1-D floating tensor, one entry per "
+                    "expert); register it as a buffer, or name it with bias="
+                )
+        self.update_rate = float(update_rate)
+        self.bias = bias
+        self.selected = selected or _first_integer_tensor
+        self.loads: ExpertLoads | None = None
+
+    def attach(self, optimizer: Any) -> InputsHookHandle:
+        """Balance after every step of ``optimizer`` (an input-aware one); ``remove()`` the handle to stop.
+
+        Raises:
+            ValueError: If a router trains no parameter of ``optimizer`` (its calls could not be
+                told from other steps'), or its bias is trained by the optimizer.
+        """
+        trained = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        key: dict[nn.Module, Tensor] = {}
+        for router in self.routers:
+            table = getattr(router, self.bias)
+            if table in trained:
+                raise ValueError(
+                    f"the expert bias of {optimizer.capture.name(router)} is trained by the optimizer; the "
+                    "balancing moves it instead: keep it out of the optimizer's params (a buffer)"
+                )
+            owned = [p for p in router.parameters() if p in trained]
+            if not owned:
+                raise ValueError(
+                    f"{optimizer.capture.name(router)} owns no parameter the optimizer trains, so its calls "
+                    "cannot be tied to a step; give the optimizer the router's gate"
+                )
+            key[router] = owned[0]
+        self.loads = ExpertLoads({r: getattr(r, self.bias).numel() for r in self.routers}, key, self.selected)
+        optimizer.capture.add_modules(
+            [m for r in self.routers for m in r.modules() if any(p is key[r] for p in m.parameters(recurse=False))]
+            + self.routers
+        )
+        return optimizer.register_inputs_hook(self, when="pre", reads=self.loads)
+
+    @torch.no_grad()
+    def __call__(self, optimizer: Any, inputs: Inputs) -> None:
+        """The pre-step hook: count each router's loads (summed over ranks) and move its bias.
+
+        Raises:
+            RuntimeError: Before any change, if a router's parameter has gradient that no captured
+                call explains (its loads are unknown).
+        """
+        assert self.loads is not None
+        totals = inputs.reduced(self.loads)
+        counts: dict[nn.Module, Tensor | None] = {r: totals.get(self.loads.key[r]) for r in self.routers}
+        unexplained = [
+            optimizer.capture.name(r)
+            for r, count in counts.items()
+            if count is None and (grad := self.loads.key[r].grad) is not None and bool(grad.any())
+        ]
+        if unexplained:
+            raise RuntimeError(
+                f"{', '.join(unexplained)} got gradient from no captured call (called under no_grad, or its "
+                "weight used without calling it), so its loads are unknown; no bias was moved"
+            )
+        group = optimizer.data_parallel_group
+        if group is not None:  # every rank joins with every router, zeros where its batch reached none
+            sizes = [self.loads.experts[r] for r in self.routers]
+            device = getattr(self.routers[0], self.bias).device
+            flat = torch.cat(
+                [
+                    torch.zeros(n, dtype=torch.float64, device=device) if c is None else c
+                    for c, n in zip(counts.values(), sizes, strict=True)
+                ]
+            )
+            torch.distributed.all_reduce(flat, group=group)
+            counts = dict(zip(self.routers, flat.split(sizes), strict=True))
+        for router, load in counts.items():
+            if load is None or not bool(load.any()):
+                continue  # no token reached it this step
+            table = getattr(router, self.bias)
+            table.add_(torch.sign(load.mean() - load).to(table.dtype), alpha=self.update_rate)

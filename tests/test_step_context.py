@@ -1,0 +1,68 @@
+"""What the step reads is read at the step: a layer frozen mid-run is a layer without gradient."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from inputaware_optim import FOOF, KFAC, NLMS, Eva, InputAwareAdamW, LazyAdamW
+
+from .test_step_protocol import Rule
+
+RULES: dict[str, Callable[[nn.Module], Any]] = {
+    "InputAwareAdamW": lambda m: InputAwareAdamW(m, lr=0.01),
+    "Rule": lambda m: Rule(m, lr=0.05, momentum=0.9),
+    "FOOF": lambda m: FOOF(m, lr=0.05, update_every=2),
+    "KFAC": lambda m: KFAC(m, lr=0.05, update_every=2),
+    "Eva": lambda m: Eva(m, lr=0.05),
+    "NLMS": lambda m: NLMS(m, lr=0.05),
+    "LazyAdamW": lambda m: LazyAdamW(m, lr=0.01),
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(10, 4)
+        self.first = nn.Linear(4, 6)
+        self.second = nn.Linear(6, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(self.embed(tokens).mean(1))))
+
+
+def backward(model: Net, step: int) -> None:
+    tokens = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(step))
+    model.zero_grad()
+    model(tokens).pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("frozen", ["first", "second", "embed"])
+def test_a_layer_frozen_mid_run_is_updated_as_one_without_gradient(rule: str, frozen: str) -> None:
+    model = Net()
+    optimizer = RULES[rule](model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # coverage notes about the embedding, alike in both runs
+        for step in range(3):
+            backward(model, step)
+            optimizer.step()
+        reference_model, reference = copy.deepcopy((model, optimizer))
+        getattr(model, frozen).requires_grad_(False)  # fine-tuning: frozen after construction
+        for step in range(3, 7):
+            backward(model, step)
+            optimizer.step()
+            backward(reference_model, step)
+            for p in getattr(reference_model, frozen).parameters():
+                p.grad = None  # the same layer, trainable but without a gradient this step
+            reference.step()
+    for (name, p), q in zip(model.named_parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert all(p.grad is None for p in getattr(model, frozen).parameters())

@@ -67,3 +67,24 @@ def test_readme_torchrun_examples_run(index: int, tmp_path: Path) -> None:
     # Every rank must succeed; a SIGABRT passes only after every rank reached destroy_process_group()
     # (torch 2.13's gloo teardown, see tests/multiprocess.py).
     run_torchrun(script, world=2, timeout=180)
+
+
+def test_contributing_rule_runs_and_is_the_rule_it_describes() -> None:
+    import torch
+    from torch import nn
+
+    text = (README.parent / "CONTRIBUTING.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
+    assert blocks
+    namespace: dict[str, object] = {"__name__": "contributing"}
+    for block in blocks:
+        exec(compile(block, "CONTRIBUTING.md", "exec"), namespace)
+    model = nn.Linear(3, 2)
+    x = torch.randn(4, 3)
+    expected = model.weight.detach() - 0.1 * torch.func.grad(
+        lambda w: torch.nn.functional.linear(x, w, model.bias).sum()
+    )(model.weight.detach()) / (x.pow(2).mean() + 1e-8)
+    optimizer = namespace["InputNormalizedSGD"](model, lr=0.1)  # type: ignore[operator]
+    model(x).sum().backward()
+    optimizer.step()
+    torch.testing.assert_close(model.weight.detach(), expected)

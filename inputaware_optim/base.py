@@ -173,11 +173,32 @@ class InputAwareOptimizer(Optimizer):
             raise TypeError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass, say torch.optim.AdamW)")
         if base is not None and issubclass(base, InputAwareOptimizer):
             raise TypeError(f"Invalid base: {base.__name__} is input-aware itself; pass the stock optimizer class")
+        lr = kwargs.get("lr", args[0] if args else None)
+        if isinstance(lr, (Iterable, Mapping)) and not isinstance(lr, (Tensor, str)):
+            raise TypeError(
+                f"{name} got {type(lr).__name__} for lr: the parameters are a keyword argument here, "
+                f"{name}(model, params=param_groups, lr=...)"
+            )
         try:
             if base is None:
                 super().__init__(params, *args, **kwargs)  # torch validates the hyperparameters first
             else:
                 self._compose(base, params, args, kwargs)
+        except TypeError as error:
+            if "unexpected keyword argument" not in str(error):
+                raise
+            keyword = str(error).rsplit(" ", 1)[-1]
+            stock = base or self._stock
+            accepted = [
+                n
+                for function in (type(self).__init__, stock.__init__)
+                for n, p in inspect.signature(function).parameters.items()
+                if n not in ("self", "model", "params") and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+            ]
+            raise TypeError(
+                f"{name}() got an unexpected keyword argument {keyword} (neither its own nor {stock.__name__}'s); "
+                f"it takes: {', '.join(dict.fromkeys(accepted))}"
+            ) from error
         except ValueError as error:
             if "empty parameter list" in str(error) and not any(p.requires_grad for p in self._model_params):
                 raise ValueError(

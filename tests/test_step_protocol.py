@@ -249,3 +249,27 @@ def test_drop_ins_compose_with_any_base() -> None:
         optimizer.step()
         stock.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_parameters_given_where_lr_goes_are_refused_by_name(rule: str) -> None:
+    model = net()
+    with pytest.raises(TypeError, match=r"got (list|generator) for lr: the parameters are a keyword argument"):
+        RULES[rule](model, lr=[{"params": list(model.parameters())}])
+    with pytest.raises(TypeError, match=r"got (list|generator) for lr"):
+        RULES[rule](model, lr=model.parameters())
+
+
+@pytest.mark.parametrize("base", list(BASES))
+@pytest.mark.parametrize("rule", list(RULES))
+def test_a_misspelled_keyword_is_refused_naming_the_class_that_was_called(rule: str, base: str) -> None:
+    name = {"Rule": "Rule"}.get(rule, rule)
+    with pytest.raises(TypeError, match=rf"^{name}\(\) got an unexpected keyword argument 'dampning'.*it takes: .*lr"):
+        RULES[rule](net(), dampning=0.1, **BASES[base])
+
+
+@pytest.mark.parametrize("cls", [FOOF, KFAC, Eva, NLMS, DPSGD])
+def test_param_groups_given_second_as_torch_takes_them_are_refused_by_name(cls: type) -> None:
+    model = net()
+    with pytest.raises(TypeError, match=rf"{cls.__name__} got list for lr.*{cls.__name__}\(model, params=param_groups"):
+        cls(model, [{"params": list(model.parameters())}])

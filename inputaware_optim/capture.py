@@ -26,8 +26,22 @@ Mechanism: the forward hook registers a pre-hook on the autograd node of each ou
 first such call in a backward pass, a final callback is queued on that pass; it runs once
 the pass is complete (after DDP's and FSDP's own callbacks) and commits the pass's calls
 to each parameter whose ``.grad`` changed during the pass. A parameter's gradient is
-watched by identity and version: ``None``, another tensor, or an in-place change that left
-it all zeros means it was cleared, and what it held is dropped.
+watched by identity and version: ``None`` or another tensor means it was cleared, and what it
+held is dropped. An in-place change is a clear if it left the gradient all zeros and is a
+rescaling (``clip_grad_norm_``, unscaling) otherwise; a gradient that was all zeros already (a
+layer behind dead ReLUs) stays all zeros under both, so there the other gradients tell: a clear
+(``zero_grad(set_to_none=False)`` of an optimizer or a module) leaves every gradient it reached
+all zeros, a rescaling leaves the others as they were, nonzero.
+
+Passes that do not accumulate into ``.grad``:
+    * ``torch.autograd.grad(loss, params)`` returns the gradient instead: its calls are
+      kept with the returned tensor, and arrive if that very tensor is assigned to ``.grad``
+      (``p.grad = g``, a custom training loop); they are dropped with it. A gradient assigned
+      by hand otherwise (a copy, a sum) holds no known call.
+    * A pass that reaches no gradient of a call's parameters (``torch.autograd.grad(loss, x)``
+      for an input gradient, ``backward(inputs=...)``) delivers nothing; if its graph is
+      kept (``create_graph=True``, as gradient penalties do), the calls wait for the pass that
+      carries their gradient into ``.grad`` (the penalty's ``backward()``).
 
 Other semantics:
     * Calls under ``torch.no_grad()``, ``inference_mode()`` or a ``torch.func`` transform
@@ -75,10 +89,13 @@ class _Record:
         "check",
         "deferred",
         "forward",
+        "forward_kept",
         "index",
         "kept",
         "kwargs",
         "module",
+        "outputs",
+        "rearm",
         "slot",
         "task",
         "waiting",
@@ -95,10 +112,23 @@ class _Record:
         self.kept: list[Any] | None = None  # per reduction: forward() result, then backward()'s
         self.task: int | None = None  # the backward pass that reached it
         self.waiting = 0  # outputs whose gradient has not arrived yet
+        self.outputs = 0  # outputs that can carry a gradient
         self.deferred = False  # some reader's forward waits for checkpointing's recomputation
+        # Reached by a pass that accumulates into none of its parameters' gradients (an input
+        # gradient, torch.autograd.grad): it waits for the next pass, with its readers' forward
+        # results (``forward_kept``) kept for it.
+        self.rearm = False
+        self.forward_kept: list[Any] | None = None
 
     def view(self) -> Call:
         return Call(self.module, _detached(self.args), _detached(self.kwargs or {}), self.slot, self.forward)
+
+    def snapshot(self) -> _Record:
+        """A copy of what a reader of raw calls sees, that a later pass through this call leaves as it is."""
+        copy = _Record(self.module, self.index, self.forward)
+        copy.args, copy.kwargs, copy.check = self.args, self.kwargs, self.check
+        copy.slot = None if self.slot is None else list(self.slot)
+        return copy
 
 
 class _Key:
@@ -107,7 +137,7 @@ class _Key:
     ``param`` is ``None`` for a watched module that owns no parameter: its calls count
     from their backward until the capture is read and released."""
 
-    __slots__ = ("calls", "grad", "param", "totals", "version")
+    __slots__ = ("accumulator", "calls", "grad", "param", "totals", "version")
 
     def __init__(self, param: Tensor | None) -> None:
         self.param = param
@@ -115,6 +145,7 @@ class _Key:
         self.totals: dict[Reduction, Any] = {}
         self.grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
         self.version = 0
+        self.accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
 
     def state(self) -> Any:
         grad = self.param.grad if self.param is not None else None
@@ -128,21 +159,44 @@ class _Key:
         self.totals = {}
         self.grad = None
 
-    def refresh(self) -> None:
-        """Drop what the gradient no longer holds (it was cleared since the last commit)."""
-        if self.param is None or not self.holds():
-            return
-        grad = self.param.grad
+    def status(self) -> str:
+        """How the gradient changed since the last commit: ``"same"``, ``"replaced"`` (``None`` or
+        another tensor: cleared), ``"scaled"`` (changed in place, not all zeros) or ``"zeroed"``
+        (changed in place and all zeros: cleared, or a zero gradient rescaled)."""
+        grad = self.param.grad if self.param is not None else None
         if grad is None or self.grad is None or self.grad() is not grad:
-            self.drop()
-        elif grad._version != self.version:
-            # Changed in place: zeroed (zero_grad(set_to_none=False)) or rescaled (clipping,
-            # unscaling, data-parallel averaging). Only zeroing clears it.
-            values = grad._values() if grad.is_sparse else grad
-            if values.numel() and not bool(values.any()):
-                self.drop()
-            else:
-                self.version = grad._version
+            return "replaced"
+        if grad._version == self.version:
+            return "same"
+        values = grad._values() if grad.is_sparse else grad
+        if values.numel() == 0:
+            return "same"
+        return "scaled" if bool(values.any()) else "zeroed"
+
+    def reach(self) -> str:
+        """What the current backward pass does with this parameter's gradient: ``"accumulates"``
+        into ``.grad``, ``"returns"`` it (``torch.autograd.grad`` with the parameter among its
+        inputs), or ``"skips"`` it (the pass computes no gradient of it)."""
+        param = self.param
+        if param is None:
+            return _ACCUMULATES  # a module that owns no parameter: its calls count from their backward
+        if not param.requires_grad:
+            return _SKIPS
+        if self.accumulator is None and not self.find_accumulator():
+            return _ACCUMULATES  # (none to ask, as in compiled code's backward: followed as a plain backward)
+        return _pass_reaches(self.accumulator)
+
+    def find_accumulator(self) -> bool:
+        """Look up the parameter's ``AccumulateGrad`` node (kept: the one the engine runs while it
+        lives). Done where autograd runs, when the key is made: compiled code's backward cannot."""
+        param = self.param
+        if param is None or not param.requires_grad:
+            return False
+        try:
+            self.accumulator = torch.autograd.graph.get_gradient_edge(param).node
+        except Exception:  # (a tensor subclass or mode without one)
+            return False
+        return True
 
     def commit(self) -> None:
         grad = self.param.grad if self.param is not None else None
@@ -154,12 +208,29 @@ class _Task:
     """The calls one backward pass reached, each parameter's gradient before it, and the loss
     scale its output gradients carry (``GradScaler``; ``None`` when unscaled)."""
 
-    __slots__ = ("before", "records", "scale")
+    __slots__ = ("before", "handles", "kinds", "records", "returned", "scale")
 
     def __init__(self, scale: float | None) -> None:
         self.records: list[_Record] = []
         self.before: dict[_Key, Any] = {}
         self.scale = scale
+        self.kinds: dict[_Key, str] = {}  # what the pass does with each reached key's gradient (_Key.reach)
+        self.returned: dict[_Key, Tensor] = {}  # the gradient torch.autograd.grad returns, per key
+        self.handles: list[RemovableHandle] = []  # the tensor hooks that see those gradients
+
+
+class _Returned:
+    """The calls (and statistics) of a gradient ``torch.autograd.grad`` returned, until that tensor
+    is assigned to its parameter's ``.grad`` or dies."""
+
+    __slots__ = ("calls", "grad", "key", "totals", "version")
+
+    def __init__(
+        self, grad: weakref.ref[Tensor], key: _Key, calls: list[_Record], totals: dict[Reduction, Any]
+    ) -> None:
+        self.grad, self.key, self.calls, self.totals = grad, key, calls, totals
+        tensor = grad()
+        self.version = tensor._version if tensor is not None else 0
 
 
 def _inert_log(storage: Storage) -> _Log:
@@ -198,6 +269,10 @@ class _Log:
         self.compiled: dict[int, _Record] = {}
         # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
         self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
+        # Gradients torch.autograd.grad returned, by id, with their calls (see _Returned).
+        self.returned: dict[int, _Returned] = {}
+        # Some gradient was seen rescaled in place (changed, not all zeros) since the last commit.
+        self.rescaled = False
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The model was copied (deepcopy, pickle, torch.save) with this capture's hooks on it: the
@@ -228,6 +303,67 @@ class _Log:
             any(type(r).forward is not Reduction.forward for r in readers),
             any(type(r).backward is not Reduction.backward for r in readers),
         )
+
+    # -- following the gradient --------------------------------------------------------------
+    def refresh_keys(self, keys: Iterable[_Key]) -> bool:
+        """Drop what cleared gradients no longer hold, and give a gradient ``torch.autograd.grad``
+        returned, now assigned to ``.grad``, its calls. True if what some key holds changed."""
+        changed = False
+        zeroed: list[_Key] = []
+        for key in keys:
+            if key.param is None:  # (a module that owns no parameter: held until read and released)
+                continue
+            if self.returned and self._adopt(key):
+                changed = True
+            if not key.holds():
+                continue
+            status = key.status()
+            if status == "replaced":
+                key.drop()
+                changed = True
+            elif status == "scaled":
+                key.version = key.param.grad._version  # type: ignore[union-attr]
+                self.rescaled = True
+            elif status == "zeroed":
+                zeroed.append(key)
+        if zeroed:
+            # All zeros after an in-place change: a clear, or a rescaling of a gradient that was all
+            # zeros already. A clear zeroes every gradient it reaches; a rescaling leaves the others
+            # nonzero: a rescaling if another gradient committed since was rescaled too.
+            if not self.rescaled:
+                others = (k for k in self.keys.values() if k.grad is not None and k not in zeroed)
+                self.rescaled = any(k.status() == "scaled" for k in others)
+            for key in zeroed:
+                if self.rescaled:
+                    key.version = key.param.grad._version  # type: ignore[union-attr]
+                else:
+                    key.drop()
+                    changed = True
+        return changed
+
+    def _adopt(self, key: _Key) -> bool:
+        """If ``key``'s gradient is a tensor ``torch.autograd.grad`` returned, give it that pass's calls."""
+        grad = key.param.grad if key.param is not None else None
+        if grad is None or (key.grad is not None and key.grad() is grad):
+            return False
+        entry = self.returned.get(id(grad))
+        if entry is None or entry.key is not key or entry.grad() is not grad:
+            return False
+        del self.returned[id(grad)]
+        key.calls, key.totals = entry.calls, entry.totals
+        key.grad, key.version = entry.grad, entry.version
+        return True
+
+    def keep_returned(self, grad: Tensor, key: _Key, calls: list[_Record], totals: dict[Reduction, Any]) -> None:
+        """Keep the calls of a gradient ``torch.autograd.grad`` returned for as long as the tensor lives."""
+        returned, ident = self.returned, id(grad)
+
+        def forget(_: Any) -> None:  # the tensor died (its id may be reused after this)
+            entry = returned.get(ident)
+            if entry is not None and entry.grad() is None:
+                del returned[ident]
+
+        returned[ident] = _Returned(weakref.ref(grad, forget), key, calls, totals)
 
     # -- forward --------------------------------------------------------------------------
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -283,6 +419,7 @@ class _Log:
             if not t.requires_grad:
                 continue
             record.waiting += 1
+            record.outputs += 1
             node = t.grad_fn
             if node is None:  # a leaf returned as output
                 t.register_hook(functools.partial(self._leaf_gradient, record, position))
@@ -339,22 +476,34 @@ class _Log:
         if task is None:
             task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
             _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
-        if record.slot is not None and grad is not None:
-            previous = record.slot[position]  # reached twice (an output used twice): the total flowed back
-            record.slot[position] = grad if previous is None else previous + grad
+            # What the gradients hold, as the pass finds them: all of them now, before the pass
+            # accumulates into any (which would look like a rescaling to a later look).
+            if self.refresh_keys(self.keys.values()):
+                self.generation += 1
         if record.task is None:
             record.task = task_id
             task.records.append(record)
-            for key in self.keys_of.get(record.module, ()):
-                if key not in task.before:
-                    key.refresh()
+            keys = self.keys_of.get(record.module, ())
+            rearm = bool(keys)
+            for key in keys:
+                kind = task.kinds.get(key)
+                if kind is None:
                     task.before[key] = key.state()
+                    kind = task.kinds[key] = key.reach()
+                    if kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
+                        assert key.param is not None
+                        task.handles.append(key.param.register_hook(functools.partial(_note_returned, task, key)))
+                rearm = rearm and kind != _ACCUMULATES
+            record.rearm = rearm and not record.deferred and record.module is not _PENDING
         elif record.task != task_id:
             self.error = (
                 f"backward ran twice through one forward call (of {type(record.module).__name__}), for example "
                 "with retain_graph=True; what it contributed cannot be told apart. Run one backward per forward"
             )
             return
+        if record.slot is not None and grad is not None:
+            previous = record.slot[position]  # reached twice (an output used twice): the total flowed back
+            record.slot[position] = grad if previous is None else previous + grad
         record.waiting -= 1
         if record.waiting == 0 and not record.deferred:  # (a deferred one is reduced once recomputed)
             self._reduce_backward(record, task.scale)
@@ -369,6 +518,8 @@ class _Log:
                 return
             call = Call(record.module, (), {}, record.slot, record.forward)
             kept = record.kept
+            if record.rearm:
+                record.forward_kept = kept
             record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
             record.waiting = -1  # reduced
 
@@ -379,6 +530,19 @@ class _Log:
         task = self.tasks.pop(task_id, None)
         if task is None:
             return
+        for handle in task.handles:
+            handle.remove()
+        changed = {key for key, before in task.before.items() if key.param is None or _changed(key.state(), before)}
+        # Calls whose gradient went into no .grad wait for the next pass through them (a gradient
+        # penalty's backward after its torch.autograd.grad(create_graph=True)); if none comes, they
+        # go with the graph that holds them.
+        waiting = {
+            id(record)
+            for record in task.records
+            if record.rearm
+            and not record.deferred
+            and not any(key in changed for key in self.keys_of.get(record.module, ()))
+        }
         for record in task.records:
             if record.deferred:
                 self.error = self.error or (
@@ -390,10 +554,16 @@ class _Log:
                 record.deferred = False
             elif record.waiting > 0:  # some output never got a gradient: reduce with what came
                 self._reduce_backward(record, task.scale)
+        returned = set(task.returned)
+        counted = [
+            record
+            for record in task.records
+            if id(record) not in waiting or any(key in returned for key in self.keys_of.get(record.module, ()))
+        ]
         finished: list[tuple[Reduction, dict[Tensor, Any]]] = []
         for reduction in self.reductions:
             entries = []
-            for record in task.records:
+            for record in counted:
                 readers = self.readers.get(record.module, ())
                 if reduction in readers and record.kept is not None:
                     call = Call(record.module, (), {}, record.slot, record.forward)
@@ -401,13 +571,31 @@ class _Log:
             totals = self.reduce(functools.partial(reduction.finish, entries)) if entries else None
             if totals is not None:
                 finished.append((reduction, totals))
+        snapshots = {id(r): r.snapshot() for r in task.records if self.keep_calls and id(r) in waiting and returned}
         for record in task.records:
-            record.kept = None  # free what the reductions kept (inputs, output gradients)
+            if id(record) in waiting:  # ready for the next pass, with its readers' forward results
+                record.task, record.waiting, record.rearm = None, record.outputs, False
+                if record.forward_kept is not None:
+                    record.kept, record.forward_kept = record.forward_kept, None
+                if record.slot is not None:
+                    record.slot = [None] * len(record.slot)
+                continue
+            record.kept = record.forward_kept = None  # free what the reductions kept (inputs, output gradients)
             if not self.keep_calls:
                 record.slot = None
                 record.args, record.kwargs = (), None
             self.compiled.pop(record.index, None)
-        changed = {key for key, before in task.before.items() if key.param is None or _changed(key.state(), before)}
+        for key, grad in task.returned.items():  # torch.autograd.grad returned these: kept with them
+            if key in changed or key.param is None:
+                continue
+            calls = [
+                snapshots.get(id(r), r)
+                for r in task.records
+                if self.keep_calls and key in self.keys_of.get(r.module, ())
+            ]
+            totals = {r: t[key.param] for r, t in finished if key.param in t}
+            self.keep_returned(grad, key, calls, totals)
+        task.returned.clear()
         for key in changed:
             key.commit()
             if self.keep_calls:
@@ -418,6 +606,7 @@ class _Log:
                     key.totals[reduction] = reduction.combine(key.totals.get(reduction), totals[key.param])
         if changed:
             self.generation += 1
+            self.rescaled = False
 
     def reduce(self, compute: Any) -> Any:
         """Run reductions' code from a hook. An error there is kept and raised at the next read
@@ -446,7 +635,7 @@ class _Log:
     def open_compiled(self, outputs: int) -> int:
         key = next(self.counter)
         record = _Record(_PENDING, key, self.forwards)
-        record.waiting = outputs
+        record.waiting = record.outputs = outputs
         self.compiled[key] = record
         return key
 
@@ -495,6 +684,7 @@ class _Log:
         self.compiled.clear()
         self.awaiting.clear()
         self.error = None
+        self.rescaled = False
         self.generation += 1
 
     # A model copied (copy.deepcopy) or pickled with its hooks must not carry the captured
@@ -534,6 +724,29 @@ def _plain_math(compute: Any) -> Any:
         return compute()
     finally:
         _set_grad_enabled(previous)
+
+
+_ACCUMULATES, _RETURNS, _SKIPS = "accumulates", "returns", "skips"
+
+
+def _pass_reaches(accumulator: Any) -> str:
+    """What the running backward pass does with the gradient of the parameter whose
+    ``AccumulateGrad`` node is ``accumulator`` (see ``_Key.reach``).
+
+    Private engine query: ``_will_engine_execute_node`` says whether the pass runs the node
+    (accumulates into ``.grad``); for a node whose gradient ``torch.autograd.grad`` returns
+    instead, it refuses with an error naming ``autograd.grad()``. tests/test_capture_faults.py
+    checks all three answers, so a change in torch fails there loudly.
+    """
+    try:
+        return _ACCUMULATES if torch._C._will_engine_execute_node(accumulator) else _SKIPS
+    except RuntimeError as error:
+        return _RETURNS if "autograd.grad()" in str(error) else _ACCUMULATES
+
+
+def _note_returned(task: _Task, key: _Key, grad: Tensor) -> None:
+    """Tensor hook on a parameter, for one pass of ``torch.autograd.grad``: the gradient it returns."""
+    task.returned[key] = grad
 
 
 def _loss_scale(scaler: Any) -> float | None:
@@ -752,6 +965,7 @@ def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
     # (Dynamo guards on it) and stops recording into a log nobody reads.
     log.enabled = False
     log.clear()
+    log.returned.clear()
     for handle in handles:
         handle.remove()
     handles.clear()
@@ -799,7 +1013,6 @@ class Capture:
         self._owners: dict[Tensor, tuple[nn.Module, ...]] = {}
         self._modules: list[nn.Module] = []
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
-        self._warned: set[int] = set()  # ids of modules already reported as uncaptured
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
         self._removed = False
         self._hooked: set[int] = set()  # ids of the modules that carry our forward hook
@@ -876,6 +1089,7 @@ class Capture:
         if bool(value) != self._log.keep_calls:
             self._log.keep_calls = bool(value)
             self.clear()
+            self._log.returned.clear()  # (kept with or without raw calls as it was)
             self._sync_hooks()
 
     @property
@@ -952,6 +1166,9 @@ class Capture:
             if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
                 self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
                 self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
+        for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
+            if key.accumulator is None:
+                key.find_accumulator()
 
     def owners(self, param: Tensor) -> tuple[nn.Module, ...]:
         """The watched modules that directly own ``param`` (empty if none)."""
@@ -974,10 +1191,7 @@ class Capture:
         if error is not None:
             self.clear()
             raise RuntimeError(f"{error}. The captures of this step were dropped")
-        before = [key.holds() for key in log.keys.values()]
-        for key in log.keys.values():
-            key.refresh()
-        if before != [key.holds() for key in log.keys.values()]:
+        if log.refresh_keys(log.keys.values()):
             log.generation += 1
 
     def _gradients_rescaled(self) -> None:
@@ -1028,7 +1242,9 @@ class Capture:
 
     def _live_inputs(self) -> Inputs:
         """``Inputs`` that read the capture at each access (used for the duration of one step)."""
-        return Inputs(self._committed, self._owners, self._watched, on_missing=self._warn_missing, reduced=self)
+        warned: set[int] = set()  # (each step warns of a module once: a fallback is said at every step it happens)
+        on_missing = functools.partial(self._warn_missing, warned)
+        return Inputs(self._committed, self._owners, self._watched, on_missing=on_missing, reduced=self)
 
     def uncaptured(self) -> dict[str, nn.Module]:
         """The watched modules that own a parameter with a gradient but no call in it.
@@ -1046,25 +1262,29 @@ class Capture:
             and any(p is not None and p.grad is not None for p in m._parameters.values())
         }
 
-    def _warn_missing(self, param: Tensor) -> None:
-        modules = [m for m in self._owners.get(param, ()) if id(m) not in self._warned]
+    def _warn_missing(self, warned: set[int], param: Tensor) -> None:
+        modules = [m for m in self._owners.get(param, ()) if id(m) not in warned]
         if not modules:
             return
-        self._warned.update(id(m) for m in modules)
+        warned.update(id(m) for m in modules)
         names = ", ".join(self.name(m) for m in modules)
         warnings.warn(
             f"a rule asked for the inputs of {names}, whose parameter has a gradient, but that gradient "
             "holds no captured call; the rule gets None and treats it as it treats uncaptured "
             "parameters. Typical causes: the weight is used without calling the module (as "
-            "nn.MultiheadAttention does with out_proj), the forward ran under no_grad(), or compiled "
+            "nn.MultiheadAttention does with out_proj), the forward ran under no_grad(), compiled "
             "code (torch.compile of a function that calls the model before the optimizer existed) "
-            "runs without the hooks. Capture.uncaptured() lists them all.",
+            "runs without the hooks, or the gradient was set by hand to a tensor other than the one "
+            "torch.autograd.grad returned (a copy, a sum). Capture.uncaptured() lists them all.",
             UncapturedInputsWarning,
             stacklevel=4,
         )
 
     def clear(self) -> None:
-        """Forget everything captured (releasing every captured tensor)."""
+        """Forget everything the gradients hold (releasing every captured tensor).
+
+        The calls of a gradient ``torch.autograd.grad`` returned are not in any ``.grad`` yet:
+        they stay with that tensor until it is assigned to ``.grad`` or dies."""
         self._log.clear()
         self._cache = (None, ([], {}))
 

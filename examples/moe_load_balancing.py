@@ -40,7 +40,9 @@ class MoE(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.router = Router()
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(DIM, 32), nn.GELU(), nn.Linear(32, DIM)) for _ in range(EXPERTS))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(DIM, 32), nn.GELU(), nn.Linear(32, DIM)) for _ in range(EXPERTS)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, indices = self.router(x)

@@ -12,6 +12,19 @@ fails there, by name, rather than somewhere in a rule.
   ``_forward_pre_hooks`` (with the ``*_with_kwargs`` and ``_forward_hooks_always_called`` flags
   by the same key), and iterates over a copy of them when called, so a hook may remove itself.
   ``remove_hooks_of`` relies on it for hooks that arrive in a copied model without their handles.
+* Autograd: ``torch._C._current_graph_task_id()`` is -1 outside backward and one id per backward
+  pass (a reentrant checkpoint region's nested backward is a pass of its own); a callback queued
+  on ``Variable._execution_engine`` runs when the current pass is complete, after its hooks.
+* ``torch._C._functorch.peek_interpreter_stack()`` is ``None`` outside ``torch.func`` transforms.
+* ``torch.utils.checkpoint`` (non-reentrant) installs saved-tensor hooks whose pack hook is a
+  closure over its region's frame (``recompute_fn``, ``weak_holders``), and whose re-run in
+  backward uses a pack hook named ``_recomputation_hook``.
+* Dynamo keeps compiled code per code object (``_debug_get_cache_entry_list``) and drops it with
+  ``reset_code``.
+* ``GradScaler``: an optimizer whose class sets ``_step_supports_amp_scaling = True`` is handed
+  ``grad_scale`` and ``found_inf`` as attributes and stepped even on inf/NaN (it unscales and
+  skips by itself); ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel.
+* ``torch.utils._pytree``'s ``tree_flatten``/``tree_unflatten``/``tree_map_only``.
 * So a subclass whose ``step`` calls ``super().step()`` would run the hooks twice once the
   parent class was wrapped too (any plain instance of it created). ``entry_step`` below gives
   each input-aware ``step`` torch's own wrapper for the outermost call and lets nested calls
@@ -21,12 +34,31 @@ fails there, by name, rather than somewhere in a rule.
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-__all__ = ["entry_step", "remove_hooks_of", "unhooked"]
+__all__ = [
+    "checkpoint_frame",
+    "drop_compiled_code",
+    "entry_step",
+    "functorch_level",
+    "grad_scaler_unscale_",
+    "graph_task_id",
+    "queue_end_of_backward",
+    "recomputing_checkpointed_forward",
+    "remove_hooks_of",
+    "set_grad_enabled",
+    "tree_flatten",
+    "tree_map_only",
+    "tree_unflatten",
+    "unhooked",
+]
 
 
 def unhooked(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -78,3 +110,76 @@ def remove_hooks_of(module: Any, owner: object) -> None:
         hooks = getattr(module, name)
         for key in keys:
             hooks.pop(key, None)
+
+
+# -- autograd ----------------------------------------------------------------------------------
+set_grad_enabled = torch._C._set_grad_enabled  # torch.no_grad() without the context manager's cost
+graph_task_id = torch._C._current_graph_task_id
+functorch_level = torch._C._functorch.peek_interpreter_stack
+
+
+def queue_end_of_backward(callback: Any) -> None:
+    """Run ``callback`` when the current backward pass is complete."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# -- activation checkpointing ----------------------------------------------------------------------
+def _top_saved_tensors_hooks() -> Any:
+    get = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return get(False)
+    except TypeError:  # older releases take no argument
+        return get()  # type: ignore[call-arg]
+
+
+def recomputing_checkpointed_forward() -> bool:
+    """True while non-reentrant activation checkpointing re-runs a forward in backward."""
+    top = _top_saved_tensors_hooks()
+    if top is None:
+        return False
+    return getattr(top[0], "__qualname__", "").startswith("_recomputation_hook")
+
+
+def checkpoint_frame() -> Any:
+    """The non-reentrant checkpoint region running now (its original forward, or its re-run in
+    backward), or ``None``: read from the saved-tensor hooks torch.utils.checkpoint installs."""
+    top = _top_saved_tensors_hooks()
+    if top is None:
+        return None
+    pack = inspect.unwrap(top[0])  # the re-run's pack hook is wrapped by torch._dynamo.disable
+    for cell in getattr(pack, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, weakref.ref):  # the re-run's hook holds its region by weak reference
+            value = value()
+        if value is not None and hasattr(value, "recompute_fn") and hasattr(value, "weak_holders"):
+            return value
+    return None
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+def drop_compiled_code(modules: list[Any]) -> bool:
+    """Drop the code Dynamo compiled for these modules' forwards, so their next call recompiles
+    (with the hooks added since). False if this release offers no way to."""
+    try:
+        from torch._C._dynamo.eval_frame import reset_code
+        from torch._dynamo import external_utils
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    except ImportError:  # pragma: no cover - depends on the torch release
+        return False
+    codes = set()
+    for module in modules:
+        inner = getattr(module, "_orig_mod", module)
+        codes.add(type(inner).forward.__code__)
+        if hasattr(external_utils, "wrap_inline"):
+            codes.add(external_utils.wrap_inline(inner).__code__)
+    for code in codes:
+        if _debug_get_cache_entry_list(code):
+            reset_code(code)
+    return True
+
+
+# -- GradScaler --------------------------------------------------------------------------------------
+def grad_scaler_unscale_(grads: list[Any], found_inf: Any, inv_scale: Any) -> None:
+    """Multiply ``grads`` by ``inv_scale`` in place with GradScaler's own kernel (so the result is
+    bitwise the scaler's), setting ``found_inf`` to 1 if any value is not finite."""
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

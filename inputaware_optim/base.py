@@ -18,7 +18,6 @@ The step machinery, in one place:
 
 from __future__ import annotations
 
-import functools
 import inspect
 import warnings
 import weakref
@@ -30,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ._torch import entry_step, unhooked
+from ._torch import entry_step, grad_scaler_unscale_, unhooked
 from .capture import Capture, Storage, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
@@ -767,10 +766,12 @@ class InputAwareOptimizer(Optimizer):
             grouped[(grad.device, grad.dtype)].append(grad)
         for (device, _), grads in grouped.items():
             found_inf = torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale.to(device))
+            grad_scaler_unscale_(grads, found_inf, inv_scale.to(device))
 
 
-def _rebuilt(cls: type[InputAwareOptimizer], args: tuple[Any, ...], kwargs: dict[str, Any], state: dict[str, Any]) -> Any:
+def _rebuilt(
+    cls: type[InputAwareOptimizer], args: tuple[Any, ...], kwargs: dict[str, Any], state: dict[str, Any]
+) -> Any:
     optimizer = cls(*args, **kwargs)
     optimizer.load_state_dict(state)
     return optimizer
@@ -804,6 +805,7 @@ def _split_base_state(optimizer: Optimizer) -> None:
 
 
 InputAwareOptimizer.step = _entry("InputAwareOptimizer", InputAwareOptimizer.step)  # type: ignore[method-assign]
+
 
 def _same_groups(kept: list[tuple[dict[str, Any], tuple[Any, ...]]], groups: list[dict[str, Any]]) -> bool:
     """Whether ``groups`` are the very group dicts ``kept`` holds, each with the very same parameters, in order."""

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import inspect
 import itertools
 import warnings
 import weakref
@@ -68,10 +67,10 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
-from ._torch import remove_hooks_of
+from . import _torch
+from ._torch import drop_compiled_code, remove_hooks_of, tree_flatten, tree_map_only, tree_unflatten
 from .inputs import Call, Inputs, UncapturedInputsWarning
 from .reduction import Reduction
 
@@ -286,9 +285,7 @@ class _Log:
         which may be a child's (a router's gate): those gradients then hold the module's calls."""
         own = self.own_keys.get(module, ())
         below = {id(p) for p in module.parameters()}  # a child's parameters, not another module's
-        named = [
-            p for r in readers for p in r.keys(module) if id(p) in below and not any(k.param is p for k in own)
-        ]
+        named = [p for r in readers for p in r.keys(module) if id(p) in below and not any(k.param is p for k in own)]
         keys = (*own, *(self.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(named)))
         if keys or not any(k.param is None for k in self.keys_of.get(module, ())):
             self.keys_of[module] = keys or (_Key(None),)
@@ -409,7 +406,14 @@ class _Log:
                 if frame is not None:  # activation checkpointing: the inputs come back when recomputed
                     record.deferred = True
                     self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
-                call = Call(module, _detached(args), _detached(kwargs), None, record.forward, output.detach() if type(output) is Tensor else _detached(output))
+                call = Call(
+                    module,
+                    _detached(args),
+                    _detached(kwargs),
+                    None,
+                    record.forward,
+                    output.detach() if type(output) is Tensor else _detached(output),
+                )
                 record.kept = self.reduce(
                     lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
                 )
@@ -706,10 +710,14 @@ class _Pending(nn.Module):
 
 _PENDING = _Pending()
 _grad_enabled = torch.is_grad_enabled
-_set_grad_enabled = torch._C._set_grad_enabled
 _compiling = torch.compiler.is_compiling
-_graph_task_id = torch._C._current_graph_task_id
-_functorch_level = torch._C._functorch.peek_interpreter_stack
+# Reached through _torch.py, where each is tested (hot path: bound once here).
+_set_grad_enabled = _torch.set_grad_enabled
+_graph_task_id = _torch.graph_task_id
+_functorch_level = _torch.functorch_level
+_queue_end_of_backward = _torch.queue_end_of_backward
+_recomputing_checkpointed_forward = _torch.recomputing_checkpointed_forward
+_checkpoint_frame = _torch.checkpoint_frame
 
 
 def _plain_math(compute: Any) -> Any:
@@ -755,11 +763,6 @@ def _loss_scale(scaler: Any) -> float | None:
         return None
     scale = float(scaler.get_scale())
     return None if scale == 1.0 else scale
-
-
-def _queue_end_of_backward(callback: Any) -> None:
-    """Run ``callback`` when the current backward pass is complete (the one private engine call we make)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _changed(now: Any, before: Any) -> bool:
@@ -863,38 +866,6 @@ def _tap_compiled_outputs(output: Any, key: Tensor, log_id: int) -> Any:
     return tree_unflatten(tapped, spec)
 
 
-def _recomputing_checkpointed_forward() -> bool:
-    """True while non-reentrant activation checkpointing re-runs a forward in backward."""
-    top = _top_saved_tensors_hooks()
-    if top is None:
-        return False
-    return getattr(top[0], "__qualname__", "").startswith("_recomputation_hook")
-
-
-def _checkpoint_frame() -> Any:
-    """The non-reentrant checkpoint region running now (its original forward, or its re-run in
-    backward), or ``None``: read from the saved-tensor hooks torch.utils.checkpoint installs."""
-    top = _top_saved_tensors_hooks()
-    if top is None:
-        return None
-    pack = inspect.unwrap(top[0])  # the re-run's pack hook is wrapped by torch._dynamo.disable
-    for cell in getattr(pack, "__closure__", None) or ():
-        value = cell.cell_contents
-        if isinstance(value, weakref.ref):  # the re-run's hook holds its region by weak reference
-            value = value()
-        if value is not None and hasattr(value, "recompute_fn") and hasattr(value, "weak_holders"):
-            return value
-    return None
-
-
-def _top_saved_tensors_hooks() -> Any:
-    get = torch._C._autograd._top_saved_tensors_default_hooks
-    try:
-        return get(False)
-    except TypeError:  # older releases take no argument
-        return get()  # type: ignore[call-arg]
-
-
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module that holds the layers: ``model`` without ``torch.compile`` and data-parallel wrappers."""
     return _wrapper_chain(model)[-1]
@@ -939,25 +910,12 @@ def _drop_code_compiled_without_hooks(model: nn.Module, root: nn.Module) -> None
     ]
     if not compiled:
         return
-    try:
-        from torch._C._dynamo.eval_frame import reset_code
-        from torch._dynamo import external_utils
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    except ImportError as error:  # pragma: no cover - depends on the torch release
+    if not drop_compiled_code(compiled):
         raise RuntimeError(
             "the model was compiled with torch.compile before this capture was built, and this "
             "release of torch offers no way to retrace it with hooks. Build the optimizer (or "
             "Capture) before the model's first compiled call, or call torch._dynamo.reset() first."
-        ) from error
-    codes = set()
-    for module in compiled:
-        inner = getattr(module, "_orig_mod", module)
-        codes.add(type(inner).forward.__code__)
-        if hasattr(external_utils, "wrap_inline"):
-            codes.add(external_utils.wrap_inline(inner).__code__)
-    for code in codes:
-        if _debug_get_cache_entry_list(code):
-            reset_code(code)
+        )
 
 
 def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:

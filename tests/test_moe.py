@@ -122,7 +122,7 @@ def test_the_bias_moves_by_the_papers_rule_and_balances_the_loads() -> None:
     model = Net()
     optimizer = InputAwareSGD(model, lr=0.0)  # the routing changes by the bias alone
     rate = 0.005
-    balancing, seen = attach(model, optimizer, rate)
+    balancing, _ = attach(model, optimizer, rate)
     x = data(0, tokens=256)
     spread = []
     for _ in range(150):
@@ -157,7 +157,7 @@ def test_refusals_name_the_router_and_change_nothing() -> None:
         LoadBalancing([model.moe.router]).attach(optimizer)
     model.moe.router.expert_bias = nn.Parameter(torch.zeros(EXPERTS))
     optimizer = InputAwareSGD(model, lr=0.1)
-    with pytest.raises(ValueError, match="expert bias of moe.router is trained"):
+    with pytest.raises(ValueError, match=r"expert bias of moe\.router is trained"):
         LoadBalancing([model.moe.router]).attach(optimizer)
 
 

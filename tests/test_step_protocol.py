@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Eva, InputAwareAdamW, InputAwareSGD, Inputs
 

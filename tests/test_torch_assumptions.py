@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from inputaware_optim._torch import entry_step, unhooked
+from inputaware_optim._torch import entry_step, grad_scaler_unscale_, unhooked
 
 
 def _fresh_sgd_subclass() -> type[torch.optim.SGD]:
@@ -125,3 +125,114 @@ def test_a_forward_hook_may_remove_itself_by_its_key_while_the_module_runs() -> 
     assert list(layer._forward_hooks) == [kept.id]
     for name in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
         assert not getattr(layer, name), name
+
+
+def test_graph_task_id_is_one_per_backward_pass_and_a_queued_callback_runs_after_its_hooks() -> None:
+    from inputaware_optim._torch import graph_task_id, queue_end_of_backward
+
+    assert graph_task_id() == -1
+    seen: list[Any] = []
+
+    def hook(grad: torch.Tensor) -> None:
+        seen.append(graph_task_id())
+        if len(seen) == 1:
+            queue_end_of_backward(lambda: seen.append("end"))
+
+    x = torch.ones(2, requires_grad=True)
+    for _ in range(2):
+        y = x * 2
+        y.register_hook(hook)
+        z = y * 3
+        z.register_hook(hook)
+        z.sum().backward()
+    first, second = seen[:3], seen[3:]
+    assert first[0] == first[1] != -1 and first[2] == "end"
+    assert second[0] == second[1] != first[0] and len(second) == 2  # queued only by the first pass
+
+
+def test_a_reentrant_checkpoint_region_is_a_backward_pass_of_its_own() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    from inputaware_optim._torch import graph_task_id
+
+    ids: list[int] = []
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        out = h * 2
+        if torch.is_grad_enabled():  # the re-run in backward
+            out.register_hook(lambda g: ids.append(graph_task_id()))
+        return out
+
+    x = torch.ones(2, requires_grad=True)
+    y = x * 1.0
+    y.register_hook(lambda g: ids.append(graph_task_id()))
+    checkpoint(region, y, use_reentrant=True).sum().backward()
+    assert len(ids) == 2 and ids[0] != ids[1]
+
+
+def test_functorch_level_is_none_outside_transforms_only() -> None:
+    from inputaware_optim._torch import functorch_level
+
+    assert functorch_level() is None
+    seen: list[Any] = []
+    torch.func.vmap(lambda t: seen.append(functorch_level()) or t)(torch.ones(2, 3))
+    assert seen and seen[0] is not None
+
+
+def test_checkpoint_frame_is_the_region_in_its_forward_and_its_rerun() -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    from inputaware_optim._torch import checkpoint_frame, recomputing_checkpointed_forward
+
+    seen: list[tuple[Any, bool]] = []
+
+    def region(h: torch.Tensor) -> torch.Tensor:
+        seen.append((checkpoint_frame(), recomputing_checkpointed_forward()))
+        return h.sin()
+
+    assert checkpoint_frame() is None and not recomputing_checkpointed_forward()
+    x = torch.ones(3, requires_grad=True)
+    checkpoint(region, x, use_reentrant=False).sum().backward()
+    (forward_frame, forward_rerun), (backward_frame, backward_rerun) = seen
+    assert forward_frame is not None and forward_frame is backward_frame
+    assert (forward_rerun, backward_rerun) == (False, True)
+
+
+def test_dynamo_keeps_code_per_code_object_and_drops_it() -> None:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from inputaware_optim._torch import drop_compiled_code
+
+    class Small(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2 + 1
+
+    module = Small()
+    compiled = torch.compile(module, backend="eager")
+    compiled(torch.ones(2))
+    assert _debug_get_cache_entry_list(Small.forward.__code__)
+    assert drop_compiled_code([compiled])
+    assert not _debug_get_cache_entry_list(Small.forward.__code__)
+
+
+def test_grad_scaler_protocol_for_an_optimizer_that_unscales_itself() -> None:
+    """An optimizer declaring ``_step_supports_amp_scaling`` gets ``grad_scale`` and ``found_inf`` set and
+    is stepped even on inf; ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel."""
+    seen: dict[str, Any] = {}
+
+    class Own(torch.optim.SGD):
+        _step_supports_amp_scaling = True
+
+        def step(self, closure: Any = None) -> None:
+            seen["grad_scale"] = getattr(self, "grad_scale", None)
+            seen["found_inf"] = getattr(self, "found_inf", None)
+
+    param = nn.Parameter(torch.ones(2))
+    optimizer = Own([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale((param * float("inf")).sum()).backward()
+    scaler.step(optimizer)
+    assert float(seen["grad_scale"]) == 4.0 and float(seen["found_inf"]) == 1.0
+    grads, found = [torch.tensor([8.0, 4.0])], torch.zeros(1)
+    grad_scaler_unscale_(grads, found, torch.tensor(0.25))
+    assert grads[0].tolist() == [2.0, 1.0] and float(found) == 0.0

@@ -207,7 +207,7 @@ class _Task:
     """The calls one backward pass reached, each parameter's gradient before it, and the loss
     scale its output gradients carry (``GradScaler``; ``None`` when unscaled)."""
 
-    __slots__ = ("before", "handles", "kinds", "records", "returned", "scale")
+    __slots__ = ("accumulates", "before", "handles", "kinds", "records", "returned", "scale")
 
     def __init__(self, scale: float | None) -> None:
         self.records: list[_Record] = []
@@ -216,6 +216,9 @@ class _Task:
         self.kinds: dict[_Key, str] = {}  # what the pass does with each reached key's gradient (_Key.reach)
         self.returned: dict[_Key, Tensor] = {}  # the gradient torch.autograd.grad returns, per key
         self.handles: list[RemovableHandle] = []  # the tensor hooks that see those gradients
+        # The pass accumulated into some .grad (a backward(), never torch.autograd.grad): the others
+        # it reaches it accumulates into too (or, under backward(inputs=...), may skip; not asked).
+        self.accumulates = False
 
 
 class _Returned:
@@ -493,8 +496,10 @@ class _Log:
                 kind = task.kinds.get(key)
                 if kind is None:
                     task.before[key] = key.state()
-                    kind = task.kinds[key] = key.reach()
-                    if kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
+                    kind = task.kinds[key] = _ACCUMULATES if task.accumulates else key.reach()
+                    if kind == _ACCUMULATES and key.param is not None and key.param.requires_grad:
+                        task.accumulates = True
+                    elif kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
                         assert key.param is not None
                         task.handles.append(key.param.register_hook(functools.partial(_note_returned, task, key)))
                 rearm = rearm and kind != _ACCUMULATES

@@ -71,6 +71,36 @@ def _entry(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
     return entry_step(step, outermost, nested, lambda self: self.__dict__.get("_step_depth", 0) > 0)
 
 
+def _check_arguments(cls: type, model: Any, storage: Any, capture_grad_outputs: Any, base: Any, lr: Any) -> None:
+    """Refuse, before anything is built, what the constructor of ``cls`` cannot take."""
+    name = cls.__name__
+    for owner in cls.__mro__:  # an override that cannot take its inputs
+        raw = getattr(owner.__dict__.get("step"), "inputaware_entry", None)
+        if raw is not None:
+            _check_step_signature(owner.__qualname__, raw)
+    if not isinstance(model, nn.Module):
+        hint = ""
+        if isinstance(model, Iterable) and not isinstance(model, (str, bytes)):
+            hint = (
+                f"; unlike torch.optim, {name} takes the model itself, then the parameters: "
+                f"{name}(model, lr=...) or {name}(model, params=param_groups, lr=...)"
+            )
+        raise TypeError(f"{name} expects an nn.Module as its first argument, got {type(model).__name__}{hint}")
+    if storage not in ("reference", "clone", "cpu"):
+        raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
+    if capture_grad_outputs is False and cls.capture_grad_outputs:
+        raise ValueError(f"{name} needs the output gradients of its layers; leave capture_grad_outputs unset")
+    if base is not None and not (isinstance(base, type) and issubclass(base, Optimizer)):
+        raise TypeError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass, say torch.optim.AdamW)")
+    if base is not None and issubclass(base, InputAwareOptimizer):
+        raise TypeError(f"Invalid base: {base.__name__} is input-aware itself; pass the stock optimizer class")
+    if isinstance(lr, (Iterable, Mapping)) and not isinstance(lr, (Tensor, str)):
+        raise TypeError(
+            f"{name} got {type(lr).__name__} for lr: the parameters are a keyword argument here, "
+            f"{name}(model, params=param_groups, lr=...)"
+        )
+
+
 def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
     """Run a step's closure with grad enabled (rules run under ``torch.no_grad()``) and return its loss."""
     if closure is None:
@@ -139,21 +169,9 @@ class InputAwareOptimizer(Optimizer):
         base: type[Optimizer] | None = None,
         **kwargs: Any,
     ) -> None:
-        name = type(self).__name__
-        for cls in type(self).__mro__:  # an override that cannot take its inputs, refused before any hook
-            raw = getattr(cls.__dict__.get("step"), "inputaware_entry", None)
-            if raw is not None:
-                _check_step_signature(cls.__qualname__, raw)
-        if not isinstance(model, nn.Module):
-            hint = ""
-            if isinstance(model, Iterable) and not isinstance(model, (str, bytes)):
-                hint = (
-                    f"; unlike torch.optim, {name} takes the model itself, then the parameters: "
-                    f"{name}(model, lr=...) or {name}(model, params=param_groups, lr=...)"
-                )
-            raise TypeError(f"{name} expects an nn.Module as its first argument, got {type(model).__name__}{hint}")
-        if storage not in ("reference", "clone", "cpu"):
-            raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
+        _check_arguments(
+            type(self), model, storage, capture_grad_outputs, base, kwargs.get("lr", args[0] if args else None)
+        )
         self._capture: Capture | None = None
         self._strict = bool(strict)
         self._process_group = process_group
@@ -166,21 +184,33 @@ class InputAwareOptimizer(Optimizer):
         self._model_params: dict[Tensor, None] = dict.fromkeys(root.parameters())
         if params is None:
             params = [p for p in self._model_params if p.requires_grad]
-        if capture_grad_outputs is False and type(self).capture_grad_outputs:
-            raise ValueError(f"{name} needs the output gradients of its layers; leave capture_grad_outputs unset")
-        if base is not None and not (isinstance(base, type) and issubclass(base, Optimizer)):
-            raise TypeError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass, say torch.optim.AdamW)")
-        if base is not None and issubclass(base, InputAwareOptimizer):
-            raise TypeError(f"Invalid base: {base.__name__} is input-aware itself; pass the stock optimizer class")
-        lr = kwargs.get("lr", args[0] if args else None)
-        if isinstance(lr, (Iterable, Mapping)) and not isinstance(lr, (Tensor, str)):
-            raise TypeError(
-                f"{name} got {type(lr).__name__} for lr: the parameters are a keyword argument here, "
-                f"{name}(model, params=param_groups, lr=...)"
-            )
+        self._construct_stock(base, params, args, kwargs)
+        self._check_param_groups()  # a rule's validation: before any hook is attached, so failing leaves none
+        wanted_grad_outputs = type(self).capture_grad_outputs if capture_grad_outputs is None else capture_grad_outputs
+        reads_calls = self._has_rule() if type(self).reads_calls is None else bool(type(self).reads_calls)
+        self._capture = Capture(
+            model,
+            self._modules_to_capture(self._params()),
+            storage=storage,
+            grad_outputs=wanted_grad_outputs,
+            keep_calls=reads_calls,
+        )
+        self._capture.grad_scaler = grad_scaler
+        # The capture lives and dies with its optimizer, even if someone still holds the capture.
+        weakref.finalize(self, self._capture.remove)
+        self._install_reductions()
+        # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
+        self._step_supports_amp_scaling = True
+
+    def _construct_stock(
+        self, base: type[Optimizer] | None, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """The stock optimizer's (or ``base``'s) construction, which validates its hyperparameters;
+        its refusals name this class."""
+        name = type(self).__name__
         try:
             if base is None:
-                super().__init__(params, *args, **kwargs)  # torch validates the hyperparameters first
+                super().__init__(params, *args, **kwargs)
             else:
                 self._compose(base, params, args, kwargs)
         except TypeError as error:
@@ -204,22 +234,6 @@ class InputAwareOptimizer(Optimizer):
                     f"{name}: the model has no parameter that requires grad, so there is nothing to train"
                 ) from error
             raise
-        self._check_param_groups()  # a rule's validation: before any hook is attached, so failing leaves none
-        wanted_grad_outputs = type(self).capture_grad_outputs if capture_grad_outputs is None else capture_grad_outputs
-        reads_calls = self._has_rule() if type(self).reads_calls is None else bool(type(self).reads_calls)
-        self._capture = Capture(
-            model,
-            self._modules_to_capture(self._params()),
-            storage=storage,
-            grad_outputs=wanted_grad_outputs,
-            keep_calls=reads_calls,
-        )
-        self._capture.grad_scaler = grad_scaler
-        # The capture lives and dies with its optimizer, even if someone still holds the capture.
-        weakref.finalize(self, self._capture.remove)
-        self._install_reductions()
-        # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
-        self._step_supports_amp_scaling = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> InputAwareOptimizer:
         self = super().__new__(cls)

@@ -539,3 +539,58 @@ def test_hugging_faces_max_grad_norm_is_refused_by_its_name(tmp_path: Any) -> No
     trainer = transformers.Trainer(model=model, args=arguments, train_dataset=data, optimizers=(optimizer, None))
     with pytest.raises(RuntimeError, match=r"rescaled after backward.*TrainingArguments\(max_grad_norm=1.0"):
         trainer.train()
+
+
+# -- 8. the README's Poisson recipe, against Opacus on the same draws --------------------------
+
+POISSON_DRAWS = [[0, 4, 9], [1, 2, 3, 5, 6, 7, 8], [10, 11, 12, 13, 14], [2, 9]]  # batches of 3, 7, 5, 2
+EXPECTED_BATCH = 4
+
+
+def poisson_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(8)
+    return torch.randn(15, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (15,), generator=generator)
+
+
+def opacus_poisson_run(clip: float) -> list[torch.Tensor]:
+    """Opacus's semantics for Poisson batches: the loss a mean over the drawn batch, each sample's
+    gradient multiplied back by the drawn size, the clipped sum divided by the expected batch size."""
+    from opacus import GradSampleModule
+    from opacus.optimizers import DPOptimizer
+
+    x, y = poisson_data()
+    model = GradSampleModule(_poisson_model())
+    optimizer = DPOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        noise_multiplier=0.0,
+        max_grad_norm=clip,
+        expected_batch_size=EXPECTED_BATCH,
+        loss_reduction="mean",
+    )
+    for draw in POISSON_DRAWS:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x[draw]), y[draw]).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model._module.parameters()]
+
+
+def _poisson_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+@pytest.mark.parametrize("clip", [0.05, 100.0], ids=["clipped", "unclipped"])
+def test_the_readme_poisson_recipe_is_opacus_on_the_same_draws(clip: float) -> None:
+    """The README's recipe: the loss of a drawn batch is its *sum* over the expected batch size, so
+    that each sample's own gradient is exactly its loss's (a mean over the drawn ``n`` would scale it
+    by ``E / n`` before clipping: 1.43x Opacus's update on unclipped samples in the issue's case)."""
+    pytest.importorskip("opacus")
+    x, y = poisson_data()
+    model = _poisson_model()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=clip, noise_multiplier=0.0, expected_batch_size=EXPECTED_BATCH)
+    for draw in POISSON_DRAWS:
+        optimizer.zero_grad()
+        (nn.functional.cross_entropy(model(x[draw]), y[draw], reduction="sum") / EXPECTED_BATCH).backward()
+        optimizer.step()
+    for p, q in zip(model.parameters(), opacus_poisson_run(clip), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)

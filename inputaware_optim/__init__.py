@@ -9,6 +9,7 @@ from .eva import Eva
 from .foof import FOOF
 from .hooks import InputsHookHandle
 from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
+from .integrations import __getattr__ as __getattr__  # the trainer callbacks, built on first use
 from .kfac import KFAC
 from .layers import Layer, LayerKind, layer_kind, register_layer
 from .lazy_adamw import LazyAdamW

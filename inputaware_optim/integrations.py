@@ -1,0 +1,281 @@
+"""Trainer callbacks: a ``Monitor`` on the trainer's optimizer, logged to the trainer's own logger.
+
+``LightningMonitorCallback`` is a ``lightning.pytorch.Callback``; ``HuggingFaceMonitorCallback`` a
+``transformers.TrainerCallback``. Both frameworks are optional: each class is built on first use
+(``from inputaware_optim import LightningMonitorCallback`` imports Lightning then, not before).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .base import InputAwareOptimizer
+from .dp import DPSGD, DPAdamW
+from .monitor import Monitor
+
+if TYPE_CHECKING:  # the classes are built by __getattr__ below, on first use
+    from lightning.pytorch import Callback as _LightningCallback
+    from transformers import TrainerCallback as _TrainerCallback
+
+    class LightningMonitorCallback(_LightningCallback):
+        def __init__(
+            self, every: int | None = None, *, grad_outputs: bool = False, delta: float = 1e-5, accountant: str = "prv"
+        ) -> None: ...
+
+        monitors: list[Monitor]
+
+    class HuggingFaceMonitorCallback(_TrainerCallback):
+        def __init__(
+            self,
+            every: int | None = None,
+            *,
+            grad_outputs: bool = False,
+            delta: float = 1e-5,
+            accountant: str = "prv",
+            tensorboard: Any = None,
+        ) -> None: ...
+
+        monitors: list[Monitor]
+
+
+__all__ = ["HuggingFaceMonitorCallback", "LightningMonitorCallback"]
+
+
+def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The optimizer under a trainer's wrapper (Accelerate's ``AcceleratedOptimizer`` holds it in ``.optimizer``)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"the trainer's optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer
+
+
+class _MonitorLogging:
+    """What both callbacks share: the monitors, the records waiting for the trainer's step count, and ε."""
+
+    def __init__(self, every: int | None, grad_outputs: bool, delta: float, accountant: str) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"Invalid every: {every!r}; it must be a positive integer (or None: the trainer's)")
+        if not 0.0 < delta < 1.0:
+            raise ValueError(f"Invalid delta: {delta!r} (must be in (0, 1))")
+        self.every = every
+        self.grad_outputs = grad_outputs
+        self.delta = delta
+        self.accountant = accountant
+        self.monitors: list[Monitor] = []
+        self._private: list[Any] = []  # the DP optimizers whose epsilon is logged
+        self._pending: dict[str, float] = {}
+
+    def _attach(self, optimizers: list[Any], model: torch.nn.Module, every: int) -> None:
+        self._remove()
+        self.monitors.clear()
+        self._private.clear()
+        optimizers = [_unwrap_optimizer(o) for o in optimizers]
+        for index, optimizer in enumerate(optimizers):
+            prefix = f"optimizer{index}/" if len(optimizers) > 1 else ""
+            self.monitors.append(
+                Monitor(
+                    optimizer,
+                    None if isinstance(optimizer, InputAwareOptimizer) else model,
+                    every=every,
+                    grad_outputs=self.grad_outputs,
+                    callback=partial(self._keep, prefix=prefix),
+                )
+            )
+            if isinstance(optimizer, (DPSGD, DPAdamW)):
+                try:
+                    optimizer.epsilon(self.delta, accountant=self.accountant)
+                except (ValueError, ImportError) as error:
+                    warnings.warn(f"the privacy spent is not logged: {error}", UserWarning, stacklevel=3)
+                else:
+                    self._private.append((prefix, optimizer))
+
+    def _keep(self, record: dict[str, Any], prefix: str) -> None:
+        for kind in ("modules", "parameters"):
+            for name, statistics in record[kind].items():
+                for statistic, value in statistics.items():
+                    self._pending[f"{prefix}{statistic}/{name}"] = float(value)
+
+    def _take(self) -> dict[str, float]:
+        """The scalars of the records since the last call, and ε where they are new."""
+        scalars, self._pending = self._pending, {}
+        if scalars:
+            for prefix, optimizer in self._private:
+                scalars[f"{prefix}privacy/epsilon"] = optimizer.epsilon(self.delta, accountant=self.accountant)
+        return scalars
+
+    def _remove(self) -> None:
+        """Take the monitors off (their ``last`` records stay readable)."""
+        for monitor in self.monitors:
+            monitor.remove()
+
+
+def _lightning_callback() -> type:
+    import lightning.pytorch as pl
+
+    class LightningMonitorCallback(pl.Callback, _MonitorLogging):
+        """Monitors a Lightning ``Trainer``'s optimizers and logs to the trainer's loggers.
+
+        At ``on_train_start`` a :class:`~inputaware_optim.Monitor` is attached to each of the trainer's
+        optimizers (an input-aware one directly; a plain ``torch.optim`` one through a capture of the
+        ``LightningModule``). Every ``every`` optimizer steps its statistics go to each of
+        ``trainer.loggers`` (``log_metrics``, at ``trainer.global_step``) under the ``Monitor``'s
+        tags (``input_rms/<module>``, ``update_to_weight/<parameter>``, ...), with the
+        ``privacy/epsilon`` spent so far where the optimizer is ``DPSGD`` or ``DPAdamW``.
+
+        Args:
+            every: Log every ``every`` optimizer steps (default: the trainer's ``log_every_n_steps``).
+            grad_outputs: Also log output-gradient statistics.
+            delta: The :math:`\\delta` the logged :math:`\\varepsilon` is for (DP optimizers only).
+            accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
+
+        Attributes:
+            monitors: The monitors attached during training, one per optimizer (``monitors[0].last``
+                is the latest record).
+        """
+
+        def __init__(
+            self, every: int | None = None, *, grad_outputs: bool = False, delta: float = 1e-5, accountant: str = "prv"
+        ) -> None:
+            pl.Callback.__init__(self)
+            _MonitorLogging.__init__(self, every, grad_outputs, delta, accountant)
+
+        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            every = self.every if self.every is not None else max(1, int(getattr(trainer, "log_every_n_steps", 1)))
+            self._attach(list(trainer.optimizers), pl_module, every)
+
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            self._write(trainer)
+
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            self._write(trainer)
+            self._remove()
+
+        def _write(self, trainer: pl.Trainer) -> None:
+            scalars = self._take()
+            if scalars and trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics(scalars, step=trainer.global_step)
+
+    LightningMonitorCallback.__module__ = __name__
+    LightningMonitorCallback.__qualname__ = "LightningMonitorCallback"
+    return LightningMonitorCallback
+
+
+def _hugging_face_callback() -> type:
+    import transformers
+
+    class HuggingFaceMonitorCallback(transformers.TrainerCallback, _MonitorLogging):
+        """Monitors a Hugging Face ``Trainer``'s optimizer and logs to TensorBoard beside the trainer.
+
+        At ``on_train_begin`` a :class:`~inputaware_optim.Monitor` is attached to the trainer's
+        optimizer (under Accelerate's wrapper; a plain ``torch.optim`` one through a capture of the
+        model). Every ``every`` optimizer steps its statistics are written at ``state.global_step``
+        under the ``Monitor``'s tags (``input_rms/<module>``, ``update_to_weight/<parameter>``, ...),
+        with the ``privacy/epsilon`` spent so far where the optimizer is ``DPSGD`` or ``DPAdamW``.
+
+        A ``TrainerCallback`` cannot reach the ``TensorBoardCallback``'s writer, so this one writes
+        its own event file: into ``tensorboard`` (a ``SummaryWriter``, for example the one handed to
+        ``TensorBoardCallback(tb_writer=...)``, or a folder), else into ``TENSORBOARD_LOGGING_DIR``
+        (the folder the ``TensorBoardCallback`` uses when it is set), else into
+        ``<output_dir>/runs/<time>_<host>`` as the ``TensorBoardCallback`` names its own folder.
+        Only the main process writes.
+
+        Args:
+            every: Log every ``every`` optimizer steps (default: the trainer's ``logging_steps``).
+            grad_outputs: Also log output-gradient statistics.
+            delta: The :math:`\\delta` the logged :math:`\\varepsilon` is for (DP optimizers only).
+            accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
+            tensorboard: A ``SummaryWriter`` or a folder (default: as above).
+
+        Attributes:
+            monitors: The monitors attached during training (``monitors[0].last`` is the latest record).
+            log_dir: The folder the scalars are written to (set when training begins).
+        """
+
+        def __init__(
+            self,
+            every: int | None = None,
+            *,
+            grad_outputs: bool = False,
+            delta: float = 1e-5,
+            accountant: str = "prv",
+            tensorboard: Any = None,
+        ) -> None:
+            _MonitorLogging.__init__(self, every, grad_outputs, delta, accountant)
+            self.tensorboard = tensorboard
+            self.log_dir: str | None = None
+            self._writer: Any = None
+            self._own_writer = False
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+            if optimizer is None or model is None:
+                raise RuntimeError("HuggingFaceMonitorCallback: the Trainer handed the callback no model or optimizer")
+            every = self.every if self.every is not None else max(1, int(state.logging_steps or 1))
+            self._attach([optimizer], model, every)
+            if not state.is_world_process_zero:
+                return
+            if self.tensorboard is not None and not isinstance(self.tensorboard, (str, os.PathLike)):
+                self._writer, self._own_writer = self.tensorboard, False
+                self.log_dir = getattr(self._writer, "log_dir", None)
+                return
+            from torch.utils.tensorboard import SummaryWriter
+
+            if self.tensorboard is not None:
+                self.log_dir = os.fspath(self.tensorboard)
+            elif os.getenv("TENSORBOARD_LOGGING_DIR"):
+                self.log_dir = os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"])
+            else:
+                from transformers.integrations.integration_utils import default_logdir
+
+                self.log_dir = os.path.join(args.output_dir, default_logdir())
+            self._writer, self._own_writer = SummaryWriter(log_dir=self.log_dir), True
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._write(state.global_step)
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._write(state.global_step)
+            self._remove()
+            if self._writer is not None:
+                self._writer.flush()
+                if self._own_writer:
+                    self._writer.close()
+            self._writer = None
+
+        def _write(self, step: int) -> None:
+            scalars = self._take()
+            if self._writer is not None:
+                for tag, value in scalars.items():
+                    self._writer.add_scalar(tag, value, step)
+                if scalars:
+                    self._writer.flush()
+
+    HuggingFaceMonitorCallback.__module__ = __name__
+    HuggingFaceMonitorCallback.__qualname__ = "HuggingFaceMonitorCallback"
+    return HuggingFaceMonitorCallback
+
+
+_BUILDERS = {"LightningMonitorCallback": _lightning_callback, "HuggingFaceMonitorCallback": _hugging_face_callback}
+_BUILT: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> type:
+    """Build a callback class on first use, importing its framework then (PEP 562)."""
+    if name not in _BUILDERS:
+        raise AttributeError(f"module 'inputaware_optim' has no attribute {name!r}")
+    if name not in _BUILT:
+        try:
+            _BUILT[name] = _BUILDERS[name]()
+        except ImportError as error:
+            raise ImportError(
+                f"{name} needs its trainer's package: pip install 'inputaware_optim[integration]' "
+                "(with torch pinned, see the README)"
+            ) from error
+    return _BUILT[name]

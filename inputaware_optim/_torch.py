@@ -24,6 +24,7 @@ fails there, by name, rather than somewhere in a rule.
 * ``GradScaler``: an optimizer whose class sets ``_step_supports_amp_scaling = True`` is handed
   ``grad_scale`` and ``found_inf`` as attributes and stepped even on inf/NaN (it unscales and
   skips by itself); ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel.
+* ``torch._foreach_sub``/``torch._foreach_norm``: one kernel over a list of tensors.
 * ``torch.utils._pytree``'s ``tree_flatten``/``tree_unflatten``/``tree_map_only``.
 * So a subclass whose ``step`` calls ``super().step()`` would run the hooks twice once the
   parent class was wrapped too (any plain instance of it created). ``entry_step`` below gives
@@ -47,6 +48,8 @@ __all__ = [
     "checkpoint_frame",
     "drop_compiled_code",
     "entry_step",
+    "foreach_norm",
+    "foreach_sub",
     "functorch_level",
     "grad_scaler_unscale_",
     "graph_task_id",
@@ -183,3 +186,8 @@ def grad_scaler_unscale_(grads: list[Any], found_inf: Any, inv_scale: Any) -> No
     """Multiply ``grads`` by ``inv_scale`` in place with GradScaler's own kernel (so the result is
     bitwise the scaler's), setting ``found_inf`` to 1 if any value is not finite."""
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+# -- foreach kernels -----------------------------------------------------------------------------------
+foreach_sub = torch._foreach_sub
+foreach_norm = torch._foreach_norm

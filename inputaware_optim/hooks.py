@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ._torch import foreach_sub
 from .capture import Capture
 from .inputs import Inputs
 from .reduction import Reduction
@@ -193,7 +194,7 @@ class StepHooks:
         if before is not None:
             with torch.no_grad():
                 params = [p.detach() for p in before]
-                changes = torch._foreach_sub(params, list(before.values()))  # one pass; the copies go
+                changes = foreach_sub(params, list(before.values()))  # one pass; the copies go
                 updates = dict(zip(before, changes, strict=True))
                 del before
         for entry in due:

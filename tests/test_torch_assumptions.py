@@ -236,3 +236,11 @@ def test_grad_scaler_protocol_for_an_optimizer_that_unscales_itself() -> None:
     grads, found = [torch.tensor([8.0, 4.0])], torch.zeros(1)
     grad_scaler_unscale_(grads, found, torch.tensor(0.25))
     assert grads[0].tolist() == [2.0, 1.0] and float(found) == 0.0
+
+
+def test_foreach_kernels_are_the_per_tensor_ones() -> None:
+    from inputaware_optim._torch import foreach_norm, foreach_sub
+
+    a, b = [torch.randn(3), torch.randn(2, 2)], [torch.randn(3), torch.randn(2, 2)]
+    assert all(torch.equal(x, y - z) for x, y, z in zip(foreach_sub(a, b), a, b, strict=True))
+    assert all(torch.equal(n, torch.linalg.vector_norm(x)) for n, x in zip(foreach_norm(a), a, strict=True))

@@ -298,7 +298,8 @@ class _PerSampleClipping(InputAwareOptimizer):
                 raise ValueError(
                     f"{name} cannot compute per-sample gradients of {where}: torch.func has no per-sample rule "
                     "for its fused recurrent kernel. Use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in "
-                    "replacements built from linear layers, exact here), or write the recurrence with nn.Linear"
+                    "replacements built from linear layers, exact here with batch_first=True on padded tensors; "
+                    "sequence-first and PackedSequence inputs are refused), or write the recurrence with nn.Linear"
                 )
             if parametrize.is_parametrized(module) and any(p in trained for p in module.parameters()):
                 raise ValueError(

@@ -594,3 +594,37 @@ def test_the_readme_poisson_recipe_is_opacus_on_the_same_draws(clip: float) -> N
         optimizer.step()
     for p, q in zip(model.parameters(), opacus_poisson_run(clip), strict=True):
         torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)
+
+
+# -- 9. Opacus's recurrent layers: exact batch-first and padded, refused otherwise -------------
+
+
+@pytest.mark.parametrize("layout", ["sequence-first", "packed"])
+@pytest.mark.parametrize("name", ["DPLSTM", "DPGRU", "DPRNN"])
+def test_opacus_recurrent_layers_sequence_first_or_packed_are_refused(name: str, layout: str) -> None:
+    """The README's claim, narrowed: Opacus's DPLSTM / DPGRU / DPRNN are exact batch-first on padded
+    tensors (tests/test_layers.py, against vmap(grad)); sequence-first (with a sequence length other
+    than the batch size) and PackedSequence inputs are refused at the step, changing nothing."""
+    layers = pytest.importorskip("opacus.layers")
+
+    class Recurrent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.rnn, self.head = getattr(layers, name)(4, 5, batch_first=layout == "packed"), nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if layout == "packed":
+                packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([6, 5, 3]), batch_first=True)
+                return self.head(nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0][:, -1])
+            return self.head(self.rnn(x)[0][-1])
+
+    model = Recurrent().double()
+    shape = (3, 6, 4) if layout == "packed" else (6, 3, 4)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    model(x).pow(2).sum(1).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="No parameter was changed"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -287,12 +287,26 @@ def test_a_gradient_penalty_delivers_each_call_once() -> None:
     assert [len(c) for c in optimizer.log[model[2]]] == [2, 5]
 
 
-def test_kfac_steps_under_a_gradient_penalty() -> None:
+def test_kfac_factors_under_a_gradient_penalty_are_those_of_the_penalized_loss() -> None:
     model = net()
+    reference = copy.deepcopy(model)
     optimizer = KFAC(model, lr=LR, update_every=1)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UncapturedInputsWarning)
         optimizer.zero_grad()
         penalized_loss_of(model, batch(0)).backward()
         optimizer.step()
-    assert all("output_grad_second_moment" in optimizer.state[layer.weight] for layer in layers_of(model))
+    # By hand: each layer's input and the gradient of the penalized loss at its output (autograd.grad,
+    # not retain_grad, which also sums the penalty's own input-gradient pass into .grad).
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    handles = [m.register_forward_hook(lambda m, a, y: calls.append((a[0], y))) for m in layers_of(reference)]
+    total = penalized_loss_of(reference, batch(0))
+    for handle in handles:
+        handle.remove()
+    grads = torch.autograd.grad(total, [y for _, y in calls])
+    for layer, (x, _), g in zip(layers_of(model), calls, grads, strict=True):
+        rows = with_ones(x.detach())
+        state = optimizer.state[layer.weight]
+        torch.testing.assert_close(state["input_second_moment"], rows.T @ rows / len(rows))
+        # G = E[Ds Ds^T] with Ds = B g (a loss averaged over the batch B): B g^T g
+        torch.testing.assert_close(state["output_grad_second_moment"], len(g) * g.T @ g)

@@ -74,7 +74,7 @@ def test_callbacks_validate_their_arguments() -> None:
 
     with pytest.raises(ValueError, match="Invalid every: 0"):
         LightningMonitorCallback(every=0)
-    with pytest.raises(ValueError, match="Invalid delta: 1.5"):
+    with pytest.raises(ValueError, match=r"Invalid delta: 1\.5"):
         LightningMonitorCallback(delta=1.5)
     with pytest.raises(AttributeError, match="no attribute 'NoSuchCallback'"):
         import inputaware_optim

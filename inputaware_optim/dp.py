@@ -16,6 +16,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten
 
+from ._torch import remove_hooks_of
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
@@ -1039,6 +1040,11 @@ class _RootBatches:
         while len(self.sizes) > self._KEEP:
             del self.sizes[next(iter(self.sizes))]
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Copied with the model (deepcopy, pickle, torch.save, an EMA twin): the copy belongs to no
+        # optimizer, so its hook records nothing and takes itself off at its next call.
+        return (_inert_root_batches, ())
+
     def check(self, forward: Any, samples: int, calls: dict[nn.Module, list[Call]], names: Any) -> None:
         sizes = self.sizes.pop(forward, None)
         if not sizes or samples in sizes or any(m is self.root for m in calls):
@@ -1052,6 +1058,17 @@ class _RootBatches:
             "time step instead of per sample, which breaks the privacy bound. Pass batch_dim=1 if every layer "
             "gets (T, B, ...), or keep the batch first throughout (batch_first=True). No parameter was changed"
         )
+
+
+class _InertRootBatches:
+    """A copied ``_RootBatches`` hook: removes itself from the module it runs on."""
+
+    def hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        remove_hooks_of(module, self)
+
+
+def _inert_root_batches() -> Any:
+    return _InertRootBatches().hook  # a bound method, as remove_hooks_of finds hooks by their owner
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:

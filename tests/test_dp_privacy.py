@@ -6,6 +6,7 @@ textbook way), from the same noise stream drawn by hand, or from Opacus."""
 
 from __future__ import annotations
 
+import copy
 import traceback
 from typing import Any
 
@@ -628,3 +629,18 @@ def test_opacus_recurrent_layers_sequence_first_or_packed_are_refused(name: str,
     with pytest.raises(RuntimeError, match="No parameter was changed"):
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+# -- a model copied with DP's hooks on it --------------------------------------------------------
+
+
+def test_a_model_copied_after_dp_was_built_runs_and_sheds_every_hook() -> None:
+    """An EMA twin (``copy.deepcopy(model)``) carries DP's root-batch hook and the capture's hooks;
+    it has no optimizer, so the hooks record nothing and come off at its first forward."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    twin = copy.deepcopy(model)
+    twin(batch(3, seed=1))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in twin.modules())
+    loss_of(model(batch(3, seed=1))).backward()  # the original still steps
+    optimizer.step()

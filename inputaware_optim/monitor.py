@@ -3,16 +3,22 @@
 ``Monitor`` logs, every ``every`` steps, per watched module the mean, RMS, largest magnitude,
 fraction of exact zeros and count of non-finite values of its inputs (and of its output
 gradients, with ``grad_outputs=True``), and per parameter the gradient norm, the update norm
-and the update-to-weight ratio. The module statistics are a ``Reduction``: computed in the
-hooks, summed over the calls in each parameter's gradient, and no input is kept; on steps
-``every`` skips nothing is computed at all. Under data parallelism they are summed over the
-ranks, so every rank holds the statistics of the whole batch (output gradients: those of each
-rank's own loss); rank 0 writes them to the sinks (a TensorBoard ``SummaryWriter``, JSON lines,
-CSV, a callback).
+and the update-to-weight ratio. The module statistics are a ``Reduction`` of the optimizer's
+``Capture``: computed in the hooks, summed over the calls in each parameter's gradient, and no
+input is kept; a tensor several watched modules receive in one forward (a container and its
+first child, the query, key and value projections) is summarised once; on steps ``every``
+skips nothing is computed at all. Under data parallelism they are summed over the ranks, so
+every rank holds the statistics of the whole batch (output gradients: those of each rank's own
+loss); rank 0 writes them to the sinks (a TensorBoard ``SummaryWriter``, JSON lines, CSV, a
+callback).
 
 ``NonFiniteFinder`` names, when a step's gradient is not finite, the first module call whose
 inputs were finite and whose output was not (forward), or else the first, in backward order,
-whose output gradient was finite and whose input gradient was not.
+whose output gradient was finite and whose input gradient was not. Its hooks keep one sum per
+tensor and never synchronise with the device; only a non-finite step is looked into.
+
+Both live as long as their optimizer (or until ``remove()``): an optimizer dropped with its
+tools leaves the model as it was, with no hook and no reference.
 
 ``python -m inputaware_optim plot LOG.jsonl -o out.png`` draws a JSON-lines log as per-layer
 heatmaps over steps.
@@ -33,11 +39,10 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
+from ._torch import foreach_norm, tree_flatten
 from .capture import Capture, unwrap_model
 from .distributed import data_parallel_group
-from .hooks import StepHooks
 from .inputs import Call, Inputs
 from .reduction import Reduction
 
@@ -60,48 +65,138 @@ _COUNT, _SUM, _SQUARES, _ZEROS, _NONFINITE, _MAX_ABS = range(6)
 _SUMMED = slice(0, 5)
 
 
-def _summary(tensors: Iterable[Any]) -> Tensor | None:
+def _per_tensor_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The 2-norm of each tensor (0-d tensors, no host synchronization).
+
+    On an accelerator torch's multi-tensor norm (private: ``_torch.foreach_norm``) takes one launch
+    for the whole list. On CPU torch runs that as this same loop of public ``vector_norm`` calls,
+    so the public form is used there.
+    """
+    if tensors:
+        device = tensors[0].device
+        if device.type != "cpu" and all(t.device == device for t in tensors):
+            return list(foreach_norm(list(tensors)))
+    return [torch.linalg.vector_norm(t) for t in tensors]
+
+
+def _norms(tensors: Sequence[Tensor]) -> Tensor:
+    """The 2-norm of each tensor, as one float64 tensor."""
+    if not tensors:
+        return torch.zeros(0, dtype=torch.float64)
+    norms = _per_tensor_norms(tensors)
+    device = norms[0].device
+    return torch.stack([n.to(device, torch.float64) for n in norms])
+
+
+def _written_norms(tensors: list[Tensor], write: Callable[[int], object]) -> list[Tensor]:
+    """``write(i)`` for each tensor, then the 2-norm of each: on CPU each right after its write,
+    while the tensor is in cache (about a quarter faster than two loops); elsewhere one launch."""
+    norms = []
+    for i, t in enumerate(tensors):
+        write(i)
+        if t.device.type == "cpu":
+            norms.append(torch.linalg.vector_norm(t))
+    return norms if len(norms) == len(tensors) else _per_tensor_norms(tensors)
+
+
+def _dense_values(grad: Tensor) -> Tensor:
+    return grad.coalesce()._values() if grad.is_sparse else grad
+
+
+# -- module statistics --------------------------------------------------------------------------
+
+
+class _SeenTensors:
+    """Summaries of the tensors already summarised in the current forward of the model.
+
+    Watched modules often receive one tensor: a module with parameters of its own and its first
+    child, or the query, key and value projections of an attention block. A tensor is known by
+    its storage (the object, held weakly, so a freed address taken by a new tensor is not
+    mistaken for it), its view and its version (an in-place change makes it a new tensor).
+    """
+
+    __slots__ = ("forward", "rows")
+
+    def __init__(self) -> None:
+        self.forward: int | None = None
+        self.rows: dict[tuple[Any, ...], tuple[weakref.ref[Any], Tensor]] = {}
+
+    @staticmethod
+    def _key(t: Tensor) -> tuple[Any, ...] | None:
+        if t.is_inference() or t.is_sparse:
+            return None  # (no version counter, no plain storage)
+        return (t.data_ptr(), t.dtype, t.shape, t.stride(), t._version)
+
+    def get(self, t: Tensor, forward: int | None) -> tuple[tuple[Any, ...] | None, Tensor | None]:
+        if forward is None:
+            return None, None
+        if forward != self.forward:
+            self.forward, self.rows = forward, {}
+        key = self._key(t)
+        entry = self.rows.get(key) if key is not None else None
+        if entry is not None and entry[0]() is t.untyped_storage():
+            return key, entry[1]
+        return key, None
+
+    def put(self, key: tuple[Any, ...], t: Tensor, row: Tensor) -> None:
+        self.rows[key] = (weakref.ref(t.untyped_storage()), row)
+
+
+def _summary(tensors: Iterable[Any], seen: _SeenTensors | None = None, forward: int | None = None) -> Tensor | None:
     """``[count, sum, sum of squares, zeros, non-finite, max |x|]`` (float64) over the floating-point tensors."""
     total: Tensor | None = None
     for t in tensors:
         if not isinstance(t, Tensor) or not t.is_floating_point() or t.numel() == 0:
             continue
-        x = t.detach().reshape(-1)
-        if x.dtype in (torch.float16, torch.bfloat16):
-            x = x.float()
-        row = _cpu_summary(x) if x.device.type == "cpu" and x.dtype in _BITS else _device_summary(x)
+        key, row = seen.get(t, forward) if seen is not None else (None, None)
+        if row is None:
+            row = _summarize(t)
+            if key is not None and seen is not None:
+                seen.put(key, t, row)
         total = row if total is None else _combine(total, row)
     return total
 
 
+def _summarize(t: Tensor) -> Tensor:
+    x = t.detach().reshape(-1)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x = x.float()
+    return _cpu_summary(x) if x.device.type == "cpu" and x.dtype in _BITS else _device_summary(x)
+
+
 def _device_summary(x: Tensor) -> Tensor:
-    """The summary of flat ``x`` on an accelerator: plain counts, no host synchronization."""
+    """The summary of flat ``x`` on an accelerator: sums accumulated in float64 inside the
+    reductions (finite values never overflow them), no host synchronization."""
     low, high = torch.aminmax(x)
     return torch.stack(
         [
-            x.new_full((), float(x.numel())),
-            x.sum(),
-            torch.dot(x, x),
-            (x == 0).sum().to(x.dtype),
-            torch.isfinite(x).logical_not_().sum().to(x.dtype),
-            torch.maximum(high, -low),
+            torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device),
+            x.sum(dtype=torch.float64),
+            torch.linalg.vector_norm(x, dtype=torch.float64).square(),
+            (x == 0).sum().to(torch.float64),
+            torch.isfinite(x).logical_not_().sum().to(torch.float64),
+            torch.maximum(high, -low).to(torch.float64),
         ]
-    ).double()
+    )
 
 
 _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def _cpu_summary(x: Tensor) -> Tensor:
-    """The summary of flat float32/float64 ``x`` on CPU, where reading a value is free and ``isfinite``,
-    ``== 0`` and ``count_nonzero`` on floats are several times slower than a sum.
+    """The summary of flat float32/float64 ``x`` on CPU, from the fastest reductions there.
 
-    +0.0 is the only float whose bits are all zero: zeros are counted on the integer view, and
-    exactly only where its smallest value says there is a -0.0 (the most negative integer).
-    Non-finite values are counted only where the sum, NaN or infinite whenever one is, says so.
+    Reading a value is free on CPU, while ``isfinite``, ``== 0``, ``count_nonzero`` on floats and
+    the float64 casts are several times slower than a sum: the sums run in ``x``'s dtype and are
+    done again in float64 only where they are not finite although every value is (they
+    overflowed). +0.0 is the only float whose bits are all zero: zeros are counted on the integer
+    view, and exactly only where its smallest value says there is a -0.0 (the most negative
+    integer). Non-finite values are counted only where the sum, NaN or infinite whenever one is,
+    says so.
     """
     count = x.numel()
     total = x.sum().item()
+    squares = torch.dot(x, x).item()
     bits = x.view(_BITS[x.dtype])
     if bits.amin().item() == torch.iinfo(bits.dtype).min:  # a -0.0
         zeros = int((x == 0).sum())
@@ -109,7 +204,9 @@ def _cpu_summary(x: Tensor) -> Tensor:
         zeros = count - int(torch.count_nonzero(bits))
     nonfinite = 0 if math.isfinite(total) else int(torch.isfinite(x).logical_not_().sum())
     largest = torch.maximum(x.amax(), -x.amin()).item()  # NaN where x holds one (two passes beat aminmax here)
-    squares = torch.dot(x, x).item()
+    if nonfinite == 0 and not (math.isfinite(total) and math.isfinite(squares)):
+        wide = x.double()  # finite values whose sum (or sum of squares) overflowed x's dtype
+        total, squares = wide.sum().item(), torch.dot(wide, wide).item()
     return torch.tensor([count, total, squares, zeros, nonfinite, largest], dtype=torch.float64)
 
 
@@ -135,18 +232,41 @@ def _describe(row: Sequence[float]) -> dict[str, float]:
     }
 
 
+def _trained_parameter(module: nn.Module) -> Tensor | None:
+    """The parameter a module's statistics are kept under: its first trained one (a frozen weight's
+    gradient never holds a call), else its first."""
+    first = None
+    for p in module._parameters.values():
+        if p is None:
+            continue
+        if p.requires_grad:
+            return p
+        first = first if first is not None else p
+    return first
+
+
+def _layer_description(module: nn.Module) -> str:
+    """``"Linear 8x4"``: the module's class and the shape of its first parameter."""
+    param = next((p for p in module._parameters.values() if p is not None), None)
+    shape = "x".join(str(n) for n in param.shape) if param is not None else ""
+    return f"{type(module).__name__} {shape}".strip()
+
+
 class _InputStatistics(Reduction):
-    """The summary of each call's floating-point arguments, kept under the module's first parameter."""
+    """The summary of each call's floating-point arguments, kept under the module's trained parameter."""
+
+    def __init__(self) -> None:
+        self._seen = _SeenTensors()
 
     def forward(self, call: Call) -> Any:
-        return _summary([*call.args, *call.kwargs.values()])
+        return _summary([*call.args, *call.kwargs.values()], self._seen, call.forward)
 
     def combine(self, a: Any, b: Any) -> Any:
         return _combine(a, b)
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
-        first = next((p for p in module._parameters.values() if p is not None), None)
-        return () if first is None else (first,)
+        param = _trained_parameter(module)
+        return () if param is None else (param,)
 
 
 class _GradOutputStatistics(_InputStatistics):
@@ -170,12 +290,16 @@ class Monitor:
     Per parameter: ``grad_norm`` (before the update), ``update_norm`` and ``update_to_weight``
     (the update's norm over the weight's norm before it).
 
+    The monitor lives as long as its optimizer, kept or not; ``remove()`` (or leaving its ``with``
+    block) stops it. With ``every=1`` it keeps a copy of the weights between steps (the update is
+    measured against it, without allocating one at every step).
+
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
         model: The model (or a ``Capture`` of it) for a plain ``torch.optim`` optimizer; its modules
             that own an optimized parameter are watched. The capture is cleared after each step, as
-            an input-aware optimizer's step does. Torch runs a plain optimizer's step hooks before
-            its closure: step with a closure through an input-aware optimizer instead.
+            an input-aware optimizer's step does. A closure given to the step (``LBFGS``,
+            Lightning) is evaluated by the optimizer as usual; the statistics are read after it.
         every: Log every ``every`` steps, from the first; nothing is computed on the others.
         grad_outputs: Also log statistics of the output gradients.
         tensorboard: A ``torch.utils.tensorboard.SummaryWriter``, or a log folder for one.
@@ -185,7 +309,7 @@ class Monitor:
 
     Attributes:
         last: The latest record: ``{"step": int, "modules": {name: {statistic: value}},
-            "parameters": {name: {statistic: value}}}``.
+            "parameters": {name: {statistic: value}}, "layers": {name: "Linear 8x4"}}``.
     """
 
     def __init__(
@@ -210,12 +334,16 @@ class Monitor:
         self._reductions: list[Reduction] = [_InputStatistics()]
         if grad_outputs:
             self._reductions.append(_GradOutputStatistics())
-        self._removers: list[Callable[[], None]] = []
         self._own_capture: Capture | None = None
-        if isinstance(optimizer, InputAwareOptimizer):
-            self.capture = optimizer.capture
-            group: Callable[[], Any] = lambda: optimizer.data_parallel_group  # noqa: E731 - read when logging
-            register = optimizer.register_inputs_hook
+        self._handles: list[Any] = []
+        self._pending: dict[str, Any] | None = None
+        self._weights: dict[Tensor, Tensor] = {}  # each parameter before the update (updated in place)
+        self._weight_norms: dict[Tensor, Tensor] = {}
+        self._plain = not isinstance(optimizer, InputAwareOptimizer)
+        self._step = 0  # a plain optimizer's coming step
+        if not self._plain:
+            self.capture = optimizer.capture  # type: ignore[attr-defined]
+            self._group: Callable[[], Any] = lambda: optimizer.data_parallel_group  # type: ignore[attr-defined]
         else:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"Monitor watches a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -230,19 +358,26 @@ class Monitor:
                 root = unwrap_model(model)
                 owners = [m for m in root.modules() if any(id(p) in params for p in m._parameters.values())]
                 self.capture = self._own_capture = Capture(model, owners, keep_calls=False)
-            model = self.capture._model
-            group = lambda: data_parallel_group(model)  # noqa: E731
-            register = _plain_optimizer_hooks(optimizer, self.capture, self._removers)
-        self._group = group
+            wrapped = self.capture._model
+            self._group = lambda: data_parallel_group(wrapped)
         root = self.capture._root
         self._param_names: dict[Tensor, str] = {}
         for name, param in root.named_parameters(remove_duplicate=False):
             self._param_names.setdefault(param, name)
-        self._sinks = _Sinks(tensorboard, jsonl, csv, callback, self._writes(group()))
-        self._pending: dict[str, Any] | None = None
-        self._pre = register(self._before_update, when="pre", every=every, reads=self._reductions)
-        self._post = register(self._after_update, when="post", every=every, reads="updates")
-        self._removers[:0] = [self._pre.remove, self._post.remove]
+        self._sinks = _Sinks(tensorboard, jsonl, csv, callback, self._writes(self._group()))
+        self._finalizer = weakref.finalize(self, self._sinks.close)
+        if self._plain:
+            self._handles = [
+                optimizer.register_step_pre_hook(self._plain_before),
+                optimizer.register_step_post_hook(self._plain_after),
+            ]
+            self._arm()
+        else:
+            register = optimizer.register_inputs_hook  # type: ignore[attr-defined]
+            self._handles = [
+                register(self._before_update, when="pre", every=every, reads=self._reductions),
+                register(self._after_update, when="post", every=every, reads=None),
+            ]
 
     @staticmethod
     def _writes(group: Any) -> bool:
@@ -252,16 +387,65 @@ class Monitor:
     def _params(self) -> list[Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    # -- a plain torch.optim optimizer: its own step hooks ---------------------------------------
+    def _arm(self) -> None:
+        """Compute the statistics in the hooks exactly for the steps that log them."""
+        due = self._step % self.every == 0
+        for reduction in self._reductions:
+            if due:
+                self.capture.add_reduction(reduction)
+            else:
+                self.capture.remove_reduction(reduction)
+
+    def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._step % self.every:
+            return None
+        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._before_update(optimizer, None)
+            return None
+        # Torch runs step pre-hooks before the step evaluates its closure: the gradient (and its
+        # calls) exist only once the closure has run. Keep the weights now, read the rest after
+        # each evaluation (an LBFGS step evaluates it several times: the last one is logged).
+        self._keep_weights([p for p in self._params() if p.requires_grad])
+
+        def closure_then_read() -> Any:
+            loss = closure()
+            self._read(self.capture.reduced)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_read}
+        return (args[0], closure_then_read, *args[2:]), kwargs
+
+    def _plain_after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            if self._step % self.every == 0:
+                self._after_update(optimizer, None, None)
+        finally:
+            self.capture.clear()  # the step consumed what it read, as an input-aware optimizer's step does
+            self._step += 1
+            self._arm()
+
+    # -- the logged step ---------------------------------------------------------------------------
     @torch.no_grad()
-    def _before_update(self, optimizer: Any, inputs: Inputs) -> None:
+    def _before_update(self, optimizer: Any, inputs: Inputs | None) -> None:
+        self._read(inputs.reduced if inputs is not None else self.capture.reduced)
+        self._keep_weights(self._pending["params"] if self._pending is not None else [])
+
+    @torch.no_grad()
+    def _read(self, reduced: Callable[[Reduction], dict[Tensor, Any]]) -> None:
+        """The module statistics (summed over ranks) and the gradient norms, as tensors (no host sync)."""
         # The same rows on every rank, whichever modules each one called: the reduction lines up.
-        keys = list(dict.fromkeys(k for m in self.capture.modules for k in self._reductions[0].keys(m)))
+        modules = self.capture.modules
+        keys = list(dict.fromkeys(k for m in modules for k in self._reductions[0].keys(m)))
         names, rows, kinds = [], [], []
-        empty = torch.zeros(6, dtype=torch.float64)
-        for kind, reduction in zip(("input", "grad_output"), self._reductions, strict=False):
-            reduced = inputs.reduced(reduction)
+        tables = [reduced(reduction) for reduction in self._reductions]
+        first = next((row for got in tables for row in got.values() if row is not None), None)
+        empty = torch.zeros(6, dtype=torch.float64, device=first.device if first is not None else None)
+        for kind, got in zip(("input", "grad_output"), tables, strict=False):
             for key in keys:
-                row = reduced.get(key)
+                row = got.get(key)
                 names.append(self._module_name(key))
                 kinds.append(kind)
                 rows.append(empty if row is None else row)
@@ -270,30 +454,67 @@ class Monitor:
         if group is not None and torch.distributed.is_initialized():
             _all_reduce_statistics(table, group)
         grads = {p: p.grad for p in self._params() if p.grad is not None}
-        params = list(grads)
-        norms = _norms([_dense_values(g) for g in grads.values()] + [p.detach() for p in params])
-        self._pending = {"names": names, "kinds": kinds, "table": table, "params": params, "norms": norms}
+        layers = {}
+        for key in keys:
+            owners = self.capture.owners(key)
+            if owners:
+                layers[self._module_name(key)] = _layer_description(owners[0])
+        self._pending = {
+            "names": names,
+            "kinds": kinds,
+            "table": table,
+            "params": list(grads),
+            "grad_norms": _norms([_dense_values(g) for g in grads.values()]),
+            "layers": layers,
+        }
+
+    def _keep_weights(self, params: list[Tensor]) -> None:
+        """Copy the weights before the update into buffers kept across logged steps, and take their norms."""
+        weights = self._weights
+        for p in params:
+            kept = weights.get(p)
+            if kept is None or kept.shape != p.shape or kept.dtype != p.dtype or kept.device != p.device:
+                weights[p] = torch.empty_like(p.detach())
+        copies = [weights[p] for p in params]
+        norms = _written_norms(copies, lambda i: copies[i].copy_(params[i].detach()))
+        self._weight_norms = dict(zip(params, norms, strict=True))
 
     def _module_name(self, param: Tensor) -> str:
         return " + ".join(self.capture.name(m) for m in self.capture.owners(param)) or self._param_names.get(param, "?")
 
     @torch.no_grad()
-    def _after_update(self, optimizer: Any, inputs: Inputs, updates: dict[Tensor, Tensor] | None) -> None:
+    def _after_update(self, optimizer: Any, inputs: Any, updates: Any) -> None:
         pending, self._pending = self._pending, None
         if pending is None:
             return
         params = pending["params"]
-        updates = updates or {}
-        changes = _norms([updates[p] if p in updates else p.new_zeros(()) for p in params])
+        # (a parameter that got its gradient after the weights were kept has no copy: zero)
+        changes = [self._weights.get(p, torch.zeros_like(p.detach())) for p in params]
+        weight_norms = [self._weight_norms.get(p, p.new_zeros(())) for p in params]
+        # In place: the buffers are refilled at the next logged step.
+        change_norms = _written_norms(changes, lambda i: changes[i].sub_(params[i].detach()))
         table = pending["table"]
-        values = torch.cat([table.reshape(-1), pending["norms"].to(table.device), changes.to(table.device)])
+        device = table.device
+        values = torch.cat(
+            [
+                table.reshape(-1),
+                pending["grad_norms"].to(device),
+                torch.stack([n.to(device, torch.float64) for n in weight_norms]) if params else table.new_zeros(0),
+                torch.stack([n.to(device, torch.float64) for n in change_norms]) if params else table.new_zeros(0),
+            ]
+        )
         flat = values.tolist()  # the one host synchronization of a logged step
+        if self.every > 1:
+            self._weights.clear()  # (kept between steps only when every step is logged)
+        self._weight_norms = {}
         width, count = 6, len(pending["names"])
-        record: dict[str, Any] = {"step": self._pre.step, "modules": {}, "parameters": {}}
+        step = self._step if self._plain else self._handles[0].step
+        record: dict[str, Any] = {"step": step, "modules": {}, "parameters": {}, "layers": pending["layers"]}
         for index, (name, kind) in enumerate(zip(pending["names"], pending["kinds"], strict=True)):
             described = _describe(flat[index * width : (index + 1) * width])
-            entry = record["modules"].setdefault(name, {})
-            entry.update({f"{kind}_{k}": v for k, v in described.items()})
+            if described:  # (a module no call of this step reached has no statistics)
+                entry = record["modules"].setdefault(name, {})
+                entry.update({f"{kind}_{k}": v for k, v in described.items()})
         offset, n = count * width, len(params)
         for i, param in enumerate(params):
             grad_norm, weight_norm, update_norm = flat[offset + i], flat[offset + n + i], flat[offset + 2 * n + i]
@@ -312,31 +533,22 @@ class Monitor:
 
     def remove(self) -> None:
         """Stop monitoring: take the hooks off and close the sinks this monitor opened."""
-        for remove in self._removers:
-            remove()
-        self._removers.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if self._plain:
+            for reduction in self._reductions:
+                self.capture.remove_reduction(reduction)
         if self._own_capture is not None:
             self._own_capture.remove()
-        self._sinks.close()
+        self._weights.clear()
+        self._finalizer()
 
     def __enter__(self) -> Monitor:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def _norms(tensors: list[Tensor]) -> Tensor:
-    """The 2-norm of each tensor, as one float64 tensor."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64)
-    norms = torch._foreach_norm(tensors)
-    device = norms[0].device
-    return torch.stack([n.to(device, torch.float64) for n in norms])
-
-
-def _dense_values(grad: Tensor) -> Tensor:
-    return grad.coalesce()._values() if grad.is_sparse else grad
 
 
 def _all_reduce_statistics(table: Tensor, group: Any) -> None:
@@ -348,30 +560,6 @@ def _all_reduce_statistics(table: Tensor, group: Any) -> None:
     dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     table[:, _SUMMED] = summed
     table[:, _MAX_ABS] = largest
-
-
-def _plain_optimizer_hooks(
-    optimizer: torch.optim.Optimizer, capture: Capture, removers: list[Callable[[], None]]
-) -> Callable[..., Any]:
-    """``register_inputs_hook`` for a plain ``torch.optim`` optimizer, driven by its own step hooks."""
-    registry = StepHooks(capture, lambda: [p for g in optimizer.param_groups for p in g["params"]])
-    state: dict[str, Inputs | None] = {"inputs": None}
-
-    def before(opt: Any, args: Any, kwargs: Any) -> None:
-        if registry.due():
-            inputs = state["inputs"] = capture.inputs()
-            registry.before_step(opt, inputs)
-
-    def after(opt: Any, args: Any, kwargs: Any) -> None:
-        inputs, state["inputs"] = state["inputs"], None
-        if inputs is not None:
-            registry.after_step(opt, inputs)
-        capture.clear()  # the step consumed what it read, as an input-aware optimizer's step does
-        registry.advance()
-
-    removers.append(optimizer.register_step_pre_hook(before).remove)
-    removers.append(optimizer.register_step_post_hook(after).remove)
-    return registry.register
 
 
 class _Sinks:
@@ -438,11 +626,10 @@ class _Sinks:
         for sink in (self.jsonl, self.csv):
             if sink is not None:
                 sink.close()
-        if self.own_writer:
+        if self.own_writer and self.writer is not None:
             self.writer.close()
-        self.jsonl = self.csv = self.csv_writer = None
-        if self.own_writer:
             self.writer = None
+        self.jsonl = self.csv = self.csv_writer = None
 
 
 # -- the first non-finite value ---------------------------------------------------------------
@@ -492,54 +679,223 @@ class NonFiniteOrigin:
         return f"step {self.step}: {self.module} (call {self.call}) {what}"
 
 
-class _Check:
-    """One module call: sums of its inputs, outputs and their gradients (0-d tensors, no sync)."""
+class _Tensor:
+    """A tensor a hooked call saw: its sum and its gradient's (0-d, non-finite wherever a value is)."""
 
-    __slots__ = ("backward", "call", "grad_inputs", "grad_outputs", "inputs", "module", "outputs")
+    __slots__ = ("arrival", "finite", "forward", "grad", "grad_finite", "ref", "total", "version")
 
-    def __init__(self, module: nn.Module, call: int) -> None:
+    def __init__(self, t: Tensor, version: int, forward: int) -> None:
+        self.ref = weakref.ref(t)
+        self.version = version
+        self.forward = forward  # the model's forward it was seen in
+        self.total = _total(t)
+        self.grad: Tensor | None = None
+        self.arrival: int | None = None  # when its gradient arrived, in backward order
+        self.finite = self.grad_finite = True  # (filled in when a step is looked into)
+
+
+class _Seen:
+    """One call of a hooked module: the tensors it took and returned."""
+
+    __slots__ = ("forward", "inputs", "module", "outputs")
+
+    def __init__(self, module: nn.Module, forward: int) -> None:
         self.module = module
-        self.call = call
-        self.inputs: list[Tensor] = []
-        self.outputs: list[Tensor] = []
-        self.grad_outputs: list[Tensor] = []
-        self.grad_inputs: list[Tensor] = []
-        self.backward: int | None = None  # when its output gradient arrived, in backward order
+        self.forward = forward
+        self.inputs: list[_Tensor] = []
+        self.outputs: list[_Tensor] = []
 
 
-def _sums(tensors: Iterable[Any], into: list[Tensor]) -> None:
-    """Append a 0-d tensor per floating-point tensor that is finite iff the tensor is (its sum: one pass)."""
-    for t in tensors:
-        if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
-            into.append(t.detach().sum(dtype=torch.float32))
+def _total(t: Tensor) -> Tensor:
+    """The sum of ``t`` in its own dtype (float32 for float16, whose range a sum leaves quickly)."""
+    t = t.detach()
+    return t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
 
 
-def _finite(values: list[Tensor]) -> bool:
-    """Whether every 0-d tensor in ``values`` is finite (one host synchronization)."""
+def _version(t: Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+# Calls kept between two checks at most (forwards that never reach a backward and whose outputs
+# are still alive stop adding once there are this many).
+_MAX_CALLS = 100_000
+
+
+class _Watch:
+    """What the finder's hooks saw since the last check. The hooks hold this, never the finder or
+    its optimizer, so dropping those (or the finder's ``remove()``) takes everything off the model."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.forward = 0  # the model's forwards, counted by the root's pre-hook
+        self.calls: dict[int, list[_Seen]] = {}  # by forward, in forward order
+        self.size = 0
+        self.tensors: dict[int, _Tensor] = {}  # by id, each tensor summed (and hooked) once per version
+        self.reached: set[int] = set()  # the forwards a gradient came back to
+        self.arrivals = 0
+
+    def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.forward += 1
+        # A forward whose outputs were dropped without a backward (an evaluation with grad enabled)
+        # can never reach one: forget it.
+        dropped = [
+            f
+            for f, calls in self.calls.items()
+            if f not in self.reached and all(o.ref() is None for c in calls for o in c.outputs)
+        ]
+        if dropped:
+            for f in dropped:
+                self.size -= len(self.calls.pop(f))
+            self.tensors = {k: v for k, v in self.tensors.items() if v.ref() is not None}
+
+    def record(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or self.size >= _MAX_CALLS:
+            return
+        seen = _Seen(module, self.forward)
+        for t in args if not kwargs else (*args, *kwargs.values()):
+            if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
+                seen.inputs.append(self._track(t))
+        for t in [output] if type(output) is Tensor else tree_flatten(output)[0]:
+            if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
+                seen.outputs.append(self._track(t))
+        self.calls.setdefault(self.forward, []).append(seen)
+        self.size += 1
+
+    # One module's output is usually the next one's input: each tensor is summed, and its
+    # gradient hooked, once, and shared by the calls that see it.
+    def _track(self, t: Tensor) -> _Tensor:
+        version = _version(t)
+        entry = self.tensors.get(id(t))
+        if entry is not None and entry.ref() is t and entry.version == version:
+            return entry
+        entry = self.tensors[id(t)] = _Tensor(t, version, self.forward)
+        if t.requires_grad:
+            t.register_hook(functools.partial(self._gradient, entry))
+        return entry
+
+    def _gradient(self, entry: _Tensor, grad: Tensor) -> None:
+        total = _total(grad)
+        entry.grad = total if entry.grad is None else entry.grad + total
+        if entry.arrival is None:
+            entry.arrival = self.arrivals
+            self.arrivals += 1
+        self.reached.add(entry.forward)
+
+    # -- a non-finite step: where it began ---------------------------------------------------
+    def origin(
+        self, step: int, names: dict[nn.Module, str], inside: dict[nn.Module, set[int]]
+    ) -> NonFiniteOrigin | None:
+        calls = [c for f, group in self.calls.items() if f in self.reached for c in group]
+        tensors = list({id(e): e for c in calls for e in (*c.inputs, *c.outputs)}.values())
+        _mark_finite(tensors)
+        numbers: dict[int, int] = {}
+        index: dict[int, int] = {}
+        for c in calls:  # which call of its module, among the calls of forwards that reached a backward
+            index[id(c)] = numbers.get(id(c.module), 0)
+            numbers[id(c.module)] = index[id(c)] + 1
+
+        def found(c: _Seen, phase: Any) -> NonFiniteOrigin:
+            return NonFiniteOrigin(names[c.module], index[id(c)], step, phase)
+
+        for c in calls:
+            if all(e.finite for e in c.inputs) and not all(e.finite for e in c.outputs):
+                return found(c, "forward")
+        for c in calls:  # no module made it: it came in with the data, or from code outside modules
+            if not all(e.finite for e in c.inputs):
+                return found(c, "input")
+
+        def arrival(c: _Seen) -> int:
+            return min((e.arrival for e in c.outputs if e.arrival is not None), default=-1)
+
+        arrived = sorted((c for c in calls if arrival(c) >= 0), key=arrival)
+        # A parameter's gradient sums over the module's calls: it names the module only where the
+        # gradient reaching every one of its calls was finite.
+        clean = {c.module for c in calls} - {c.module for c in calls if not all(e.grad_finite for e in c.outputs)}
+        candidates = [
+            c
+            for c in arrived
+            if all(e.grad_finite for e in c.outputs)
+            and (
+                not all(e.grad_finite for e in c.inputs)
+                or (c.module in clean and not _parameter_gradients_finite(c.module))
+            )
+        ]
+        # A module whose gradient went bad inside a hooked submodule is a candidate too: name the innermost.
+        inner = [
+            c
+            for c in candidates
+            if not any(id(o.module) in inside[c.module] and o.module is not c.module for o in candidates)
+        ]
+        if inner:
+            return found(inner[0], "backward")
+        if arrived and not all(e.grad_finite for e in arrived[0].outputs):
+            return NonFiniteOrigin("", 0, step, "loss")
+        return None
+
+
+def _mark_finite(tensors: list[_Tensor]) -> None:
+    """Set ``finite`` and ``grad_finite`` on each tensor, with one host synchronization."""
+    values = [e.total for e in tensors] + [e.grad for e in tensors if e.grad is not None]
     if not values:
+        return
+    device = values[0].device
+    flags = torch.isfinite(torch.stack([v.to(device, torch.float64) for v in values])).tolist()
+    position = len(tensors)
+    for e, flag in zip(tensors, flags, strict=False):
+        e.finite = flag
+        if e.grad is not None:
+            e.grad_finite = flags[position]
+            position += 1
+
+
+def _parameter_gradients_finite(module: nn.Module) -> bool:
+    grads = [_dense_values(p.grad) for p in module._parameters.values() if p is not None and p.grad is not None]
+    return all(bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every value of every tensor is finite, with one host synchronization.
+
+    One total per tensor, non-finite wherever a value is: its sum on CPU (several times cheaper
+    than a norm there), its 2-norm on an accelerator (one launch for the list). A total that is not
+    finite while the values are (it overflowed) is told apart by checking that tensor's values.
+    """
+    totals = [t.sum() for t in tensors] if tensors[0].device.type == "cpu" else _per_tensor_norms(tensors)
+    device = totals[0].device
+    flags = torch.isfinite(torch.stack([v.to(device, torch.float64) for v in totals]))
+    if bool(flags.all()):
         return True
-    first = values[0]
-    return bool(torch.isfinite(torch.stack([v.to(first.device, torch.float32) for v in values])).all())
+    return all(flag or bool(torch.isfinite(t).all()) for t, flag in zip(tensors, flags.tolist(), strict=True))
 
 
-# Calls kept between two steps at most (forwards that never reach a step, say in evaluation with
-# grad enabled, stop adding once there are this many; the first non-finite value is in the first).
-_MAX_CHECKS = 100_000
+def _take_off(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 class NonFiniteFinder:
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
-    Every module of the model gets a forward hook that keeps the float32 sum of each of the
-    call's inputs and outputs (non-finite exactly when the tensor is, or when the sum overflows
-    float32), and tensor hooks that keep those of their gradients: 0-d tensors, with no host
-    synchronization in the hooks. At each step one check of the gradients decides; only a
-    non-finite step is inspected: the first call in forward order whose inputs were finite and
-    whose output was not; else the first whose input was not (the data, or code outside
-    modules); else the first in backward order whose output gradient was finite and whose input
-    gradient (or own parameter's gradient) was not, innermost module first.
-    Where a tensor feeds several modules its gradient is their sum, so the first of them in
+    The modules that compute (those without submodules, and those with parameters of their own)
+    get a forward hook that keeps the sum of each tensor a call takes or returns, once per tensor,
+    in the tensor's dtype (non-finite exactly when the tensor is, or when the sum overflows), and a
+    tensor hook that keeps the sum of its gradient: 0-d tensors, with no host synchronization in
+    the hooks. At each step one check of the gradients decides; only a non-finite step is looked
+    into, over the forwards of the model that reached a backward (a forward whose output was
+    dropped, say an evaluation with grad enabled, is forgotten): the first call in forward order
+    whose inputs were finite and whose output was not; else the first whose input was not (the
+    data, or code outside those modules); else the first in backward order whose output gradient
+    was finite and whose input gradient (or own parameter's gradient) was not, innermost module
+    first. Where a tensor feeds several modules its gradient is their sum, so the first of them in
     backward order is named.
+
+    The finder lives as long as its optimizer, kept or not; ``remove()`` takes it off. With a
+    closure (``LBFGS``, Lightning), the gradient is checked after each evaluation of the closure.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
@@ -577,134 +933,75 @@ class NonFiniteFinder:
         self._names: dict[nn.Module, str] = {}
         for name, module in root.named_modules(remove_duplicate=False):
             self._names.setdefault(module, name or type(root).__name__)
-        self._inside = {m: {id(s) for s in m.modules()} for m in self._names}
-        self._checks: list[_Check] = []
-        self._counts: dict[nn.Module, int] = {}
-        self._arrivals = 0
-        self._seen: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}
-        self._waiting: dict[int, tuple[weakref.ref[Tensor], list[tuple[_Check, bool]]]] = {}
-        self._handles: list[Any] = [m.register_forward_hook(self._record, with_kwargs=True) for m in self._names]
+        hooked = [m for m in self._names if not m._modules or any(p is not None for p in m._parameters.values())]
+        self._inside = {m: {id(s) for s in m.modules()} for m in hooked}
+        self._watch = _Watch()
+        watch = self._watch
+        self._model_handles: list[Any] = [root.register_forward_pre_hook(watch.open_forward, with_kwargs=True)]
+        self._model_handles += [m.register_forward_hook(watch.record, with_kwargs=True) for m in hooked]
+        # Held by the finder only: the model never refers to it.
+        self._finalizer = weakref.finalize(self, _take_off, self._model_handles)
         if isinstance(optimizer, InputAwareOptimizer):
-            self._handles.append(optimizer.register_inputs_hook(lambda opt, inputs: self._check(), reads=None))
+            self._step_handles: list[Any] = [optimizer.register_inputs_hook(self._inputs_hook, reads=None)]
         else:
-            self._handles.append(optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._check()))
-
-    # -- hooks ------------------------------------------------------------------------------
-    def _record(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or len(self._checks) >= _MAX_CHECKS:
-            return
-        call = self._counts.get(module, 0)
-        self._counts[module] = call + 1
-        check = _Check(module, call)
-        inputs = args if not kwargs else (*args, *kwargs.values())
-        outputs = [output] if type(output) is Tensor else tree_flatten(output)[0]
-        self._checks.append(check)
-        for tensors, sums, is_output in ((inputs, check.inputs, False), (outputs, check.outputs, True)):
-            for t in tensors:
-                if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
-                    sums.append(self._sum_of(t))
-                    if t.requires_grad:
-                        self._listen(t, check, is_output)
-
-    # One module's output is usually the next one's input: each tensor is summed, and its
-    # gradient hooked, once (by identity, for the step), and shared by the calls that see it.
-    def _sum_of(self, t: Tensor) -> Tensor:
-        seen = self._seen.get(id(t))
-        if seen is not None and seen[0]() is t and seen[1] == t._version:  # not changed in place since
-            return seen[2]
-        total = t.detach().sum(dtype=torch.float32)
-        self._seen[id(t)] = (weakref.ref(t), t._version, total)
-        return total
-
-    def _listen(self, t: Tensor, check: _Check, is_output: bool) -> None:
-        waiting = self._waiting.get(id(t))
-        if waiting is None or waiting[0]() is not t:
-            waiting = (weakref.ref(t), [])
-            self._waiting[id(t)] = waiting
-            t.register_hook(functools.partial(self._gradient, waiting[1]))
-        waiting[1].append((check, is_output))
-
-    def _gradient(self, listeners: list[tuple[_Check, bool]], grad: Tensor) -> None:
-        total = grad.detach().sum(dtype=torch.float32)
-        for check, is_output in listeners:
-            if not is_output:
-                check.grad_inputs.append(total)
-                continue
-            if check.backward is None:
-                check.backward = self._arrivals
-                self._arrivals += 1
-            check.grad_outputs.append(total)
+            self._step_handles = [optimizer.register_step_pre_hook(self._plain_before)]
 
     # -- the step ---------------------------------------------------------------------------
-    def _check(self) -> None:
+    def _inputs_hook(self, optimizer: Any, inputs: Any) -> None:
+        step, self.step = self.step, self.step + 1
+        self._check(step)
+
+    def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        step, self.step = self.step, self.step + 1
+        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._check(step)
+            return None
+
+        # Torch runs step pre-hooks before the step evaluates its closure: check after each evaluation.
+        def closure_then_check() -> Any:
+            loss = closure()
+            self._check(step)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_check}
+        return (args[0], closure_then_check, *args[2:]), kwargs
+
+    def _check(self, step: int) -> None:
         try:
             grads = [
                 _dense_values(p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
             ]
-            # One fused call; on CPU the norm accumulates in double, so only a non-finite value makes it so.
-            if not grads or _finite(list(torch._foreach_norm(grads))):
+            if not grads or _all_finite(grads):
                 return
-            origin = self._origin()
+            origin = self._watch.origin(step, self._names, self._inside)
             self.found = origin
             message = "the gradient is not finite; " + (
                 origin.describe()
                 if origin
-                else f"step {self.step}: no module call of this process explains it (under data parallelism, "
+                else f"step {step}: no module call of this process explains it (under data parallelism, "
                 "another rank's report names it)"
             )
             if self.action == "raise":
                 raise NonFiniteError(message, origin)
-            warnings.warn(message, NonFiniteWarning, stacklevel=2)
+            warnings.warn(message, NonFiniteWarning, stacklevel=3)
         finally:
-            self._checks = []
-            self._counts = {}
-            self._seen = {}
-            self._waiting = {}
-            self._arrivals = 0
-            self.step += 1
-
-    def _origin(self) -> NonFiniteOrigin | None:
-        checks = self._checks
-        for check in checks:
-            if _finite(check.inputs) and not _finite(check.outputs):
-                return NonFiniteOrigin(self._names[check.module], check.call, self.step, "forward")
-        for check in checks:  # no module made it: it came in with the data, or from code outside modules
-            if not _finite(check.inputs):
-                return NonFiniteOrigin(self._names[check.module], check.call, self.step, "input")
-        arrived = sorted((c for c in checks if c.backward is not None), key=lambda c: c.backward or 0)
-        # A parameter's gradient sums over the module's calls: it names the module only where the
-        # gradient reaching every one of its calls was finite.
-        clean = {c.module for c in checks} - {c.module for c in checks if not _finite(c.grad_outputs)}
-        candidates = [
-            c
-            for c in arrived
-            if _finite(c.grad_outputs)
-            and (not _finite(c.grad_inputs) or (c.module in clean and not _finite(_parameter_sums(c.module))))
-        ]
-        # A module whose gradient went bad inside a submodule is a candidate too: name the innermost.
-        inner = [
-            c
-            for c in candidates
-            if not any(id(o.module) in self._inside[c.module] and o.module is not c.module for o in candidates)
-        ]
-        if inner:
-            return NonFiniteOrigin(self._names[inner[0].module], inner[0].call, self.step, "backward")
-        if arrived and not _finite(arrived[0].grad_outputs):
-            return NonFiniteOrigin("", 0, self.step, "loss")
-        return None
+            self._watch.reset()
 
     def remove(self) -> None:
-        """Take the hooks off."""
-        for handle in self._handles:
+        """Take the hooks off the model and the optimizer."""
+        for handle in self._step_handles:
             handle.remove()
-        self._handles.clear()
-        self._checks = []
+        self._step_handles.clear()
+        self._finalizer()
+        self._watch.reset()
 
+    def __enter__(self) -> NonFiniteFinder:
+        return self
 
-def _parameter_sums(module: nn.Module) -> list[Tensor]:
-    values: list[Tensor] = []
-    _sums((_dense_values(p.grad) for p in module._parameters.values() if p is not None and p.grad is not None), values)
-    return values
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
 
 
 # -- pictures ---------------------------------------------------------------------------------
@@ -715,6 +1012,8 @@ PLOTTED = (
     ("parameters", "update_to_weight", "update norm / weight norm", True),
 )
 
+_ZERO_COLOUR, _MISSING_COLOUR = "black", "#d9d9d9"
+
 
 def plot(log: str | Path, out: str | Path) -> Path:
     """Draw a ``Monitor`` JSON-lines log as per-layer heatmaps over steps (input RMS, zero fraction,
@@ -723,14 +1022,47 @@ def plot(log: str | Path, out: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import LogNorm
 
     records = [json.loads(line) for line in Path(log).read_text().splitlines() if line.strip()]
     if not records:
         raise ValueError(f"{log} holds no record; write one with Monitor(..., jsonl={str(log)!r})")
+    figure = _figure(records, Path(log).name)
+    out = Path(out)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+    return out
+
+
+def _row_label(name: str, layers: dict[str, str], table: str) -> str:
+    """``"2 (Linear 8x4)"``: the qualified name and, where the log has it, what the layer is."""
+    module = name.rpartition(".")[0] if table == "parameters" else name
+    kind = layers.get(module)
+    return f"{name} ({kind})" if kind else name
+
+
+def _figure(records: list[dict[str, Any]], source: str) -> Any:
+    """The heatmaps of ``records`` as a matplotlib figure: one panel per statistic, a row per layer
+    (qualified name and kind), a colour bar each; on the logarithmic ones, exact zeros in their own
+    colour (below the bar's range) and steps without a value in another."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize
+
     steps = [r["step"] for r in records]
-    figure, axes = plt.subplots(len(PLOTTED), 1, figsize=(10, 3 + 2.5 * len(PLOTTED)), squeeze=False)
+    layers: dict[str, str] = {}
+    for record in records:
+        layers.update(record.get("layers", {}))
+    heights = []
+    for table, statistic, _, _ in PLOTTED:
+        heights.append(max(1, len({n for r in records for n, s in r[table].items() if statistic in s})))
+    figure, axes = plt.subplots(
+        len(PLOTTED),
+        1,
+        figsize=(11, 2.5 + 0.9 * len(PLOTTED) + 0.22 * sum(heights)),
+        squeeze=False,
+        gridspec_kw={"height_ratios": heights},
+    )
+    figure.suptitle(f"Monitor: {source}, steps {steps[0]} to {steps[-1]} ({len(records)} logged)")
     for axis, (table, statistic, title, logarithmic) in zip(axes[:, 0], PLOTTED, strict=True):
         names = list(dict.fromkeys(n for r in records for n, s in r[table].items() if statistic in s))
         grid = np.full((max(len(names), 1), len(records)), np.nan)
@@ -739,22 +1071,33 @@ def plot(log: str | Path, out: str | Path) -> Path:
                 value = record[table].get(name, {}).get(statistic)
                 if value is not None and math.isfinite(value):
                     grid[row, column] = value
+        colours = plt.get_cmap("viridis").with_extremes(bad=_MISSING_COLOUR, under=_ZERO_COLOUR)
+        extend = "neither"
         positive = grid[np.isfinite(grid) & (grid > 0)]
-        norm = LogNorm(positive.min(), positive.max()) if logarithmic and positive.size else None
+        if logarithmic:
+            low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
+            norm: Any = LogNorm(low, high if high > low else low * 10)
+            shown = np.where(grid == 0, low / 10, grid)  # below the range: drawn in the zero colour
+            if (grid == 0).any():
+                extend = "min"
+        else:
+            norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
+            shown = grid
         image = axis.imshow(
-            np.ma.masked_invalid(np.where(grid > 0, grid, np.nan) if norm is not None else grid),
+            np.ma.masked_invalid(shown),
             aspect="auto",
             interpolation="nearest",
             norm=norm,
-            cmap="viridis",
+            cmap=colours,
             extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
         )
-        axis.set_yticks(range(len(names)), names, fontsize=7)
+        axis.set_yticks(range(len(names)), [_row_label(n, layers, table) for n in names], fontsize=7)
         axis.set_title(title)
         axis.set_xlabel("step")
-        figure.colorbar(image, ax=axis)
+        bar = figure.colorbar(image, ax=axis, extend=extend)
+        notes = ["grey: not logged"] if np.isnan(grid).any() else []
+        if extend == "min":
+            notes.insert(0, f"{_ZERO_COLOUR}: exactly 0")
+        bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)
     figure.tight_layout()
-    out = Path(out)
-    figure.savefig(out, dpi=110)
-    plt.close(figure)
-    return out
+    return figure

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import math
@@ -266,9 +267,9 @@ def by_hand(tensors: list[Tensor]) -> dict[str, float]:
     }
 
 
-def assert_statistics(got: dict[str, float], want: dict[str, float], prefix: str) -> None:
+def assert_statistics(got: dict[str, float], want: dict[str, float], prefix: str, *, absolute: float = 1e-9) -> None:
     for name, value in want.items():
-        assert got[f"{prefix}_{name}"] == pytest.approx(value, rel=1e-6, abs=1e-9, nan_ok=True), (prefix, name)
+        assert got[f"{prefix}_{name}"] == pytest.approx(value, rel=1e-6, abs=absolute, nan_ok=True), (prefix, name)
 
 
 @pytest.mark.parametrize("optimizer", ["InputAwareAdamW", "torch.optim.AdamW"])
@@ -579,3 +580,373 @@ def test_summary_statistics_equal_float64_by_hand(values: list[float], dtype: to
     scale = max((abs(v) for v in values if math.isfinite(v)), default=1.0) * len(values)
     for name, value in want.items():
         assert got[f"input_{name}"] == pytest.approx(value, rel=1e-5, abs=1e-6 * scale, nan_ok=True), name
+
+
+# -- a plain optimizer's closure (issue 19) ------------------------------------------------------
+
+
+def test_monitor_on_a_plain_optimizer_stepped_with_a_closure_logs_what_the_step_used() -> None:
+    model, twin = Reused(), Reused()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    stock = torch.optim.AdamW(twin.parameters(), lr=0.05)
+    monitor = Monitor(opt, model, grad_outputs=True)
+    reference = Capture(model, grad_outputs=True)
+    names = {m: n for n, m in model.named_modules()}
+    for step in range(3):
+
+        def closure(net: nn.Module = model, o: Any = opt, step: int = step) -> Tensor:
+            net(batch(70 + step)).sum().backward()  # (dropped by the zero_grad below)
+            o.zero_grad()
+            loss = net(batch(step)).pow(2).mean() / 2
+            loss.backward()
+            return loss
+
+        weights = {p: p.detach().double().clone() for p in model.parameters()}
+        opt.step(closure)
+        stock.step(functools.partial(closure, twin, stock))
+        calls = reference.calls()
+        reference.clear()
+        record = monitor.last
+        assert record is not None and record["step"] == step
+        for module in (model.first, model.shared, model.out):
+            mine = [c for c in calls if c.module is module]
+            assert len(mine) == (2 if module is model.shared else 1)
+            got = record["modules"][names[module]]
+            assert_statistics(got, by_hand([c.input for c in mine]), "input")
+            assert_statistics(got, by_hand([c.grad_output for c in mine]), "grad_output")
+        for name, param in model.named_parameters():
+            got = record["parameters"][name]
+            update = param.detach().double() - weights[param]
+            assert got["grad_norm"] == pytest.approx(param.grad.double().norm().item(), rel=1e-6)
+            assert got["update_norm"] == pytest.approx(update.norm().item(), rel=1e-5, abs=1e-9)
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)  # monitoring changed nothing about training
+    monitor.remove()
+
+
+def test_monitor_leaves_an_lbfgs_closure_as_it_was() -> None:
+    trained = []
+    for monitored in (False, True):
+        model = mlp()
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+        records: list[dict[str, Any]] = []
+        if monitored:
+            Monitor(opt, model, callback=records.append)
+        for step in range(3):
+
+            def closure(step: int = step, opt: Any = opt, model: nn.Module = model) -> Tensor:
+                opt.zero_grad()
+                loss = model(batch(step)).pow(2).mean()
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        trained.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*trained, strict=True):
+        assert torch.equal(a, b)  # each evaluation of the closure recomputed the loss
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert set(records[-1]["modules"]) == {"0", "2"}
+
+
+def test_finder_checks_the_gradient_of_a_plain_optimizers_closure() -> None:
+    model = Reused()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    finder = NonFiniteFinder(opt, model)
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = model(batch(0)).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    model.poison.backward_at = 1
+    with pytest.warns(NonFiniteWarning, match=r"step 1: poison \(call 1\) in the backward"):
+        opt.step(closure)
+    assert finder.found is not None and finder.found.step == 1
+    finder.remove()
+
+
+# -- lifecycle (issue 19) -------------------------------------------------------------------------
+
+HOOK_DICTS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def assert_as_it_was(model: nn.Module) -> None:
+    for name, module in model.named_modules():
+        for attribute in HOOK_DICTS:
+            assert not getattr(module, attribute), (name, attribute)
+    for name, param in model.named_parameters():
+        assert not param._backward_hooks and not getattr(param, "_post_accumulate_grad_hooks", None), name
+
+
+@pytest.mark.parametrize("ending", ["del", "remove"])
+@pytest.mark.parametrize("tools", ["Monitor", "NonFiniteFinder", "both"])
+@pytest.mark.parametrize("optimizer", ["InputAwareAdamW", "torch.optim.AdamW"])
+def test_dropping_the_tools_and_their_optimizer_leaves_the_model_as_it_was(
+    optimizer: str, tools: str, ending: str
+) -> None:
+    model = Reused()
+    plain = optimizer == "torch.optim.AdamW"
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=0.01) if plain else InputAwareAdamW(model, lr=0.01)
+    made: list[Any] = []
+    if tools in ("Monitor", "both"):
+        made.append(Monitor(opt, model, grad_outputs=True) if plain else Monitor(opt, grad_outputs=True))
+    if tools in ("NonFiniteFinder", "both"):
+        made.append(NonFiniteFinder(opt, model) if plain else NonFiniteFinder(opt))
+    for step in range(2):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    model(batch(9)).sum()  # a forward left half-way (never backpropagated)
+    if ending == "remove":
+        for each in made:
+            each.remove()
+        assert_as_it_was(model)
+        del each
+    refs = [weakref.ref(opt), *(weakref.ref(tool) for tool in made)]
+    del opt, made
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+    assert_as_it_was(model)
+    model(batch(0)).sum().backward()  # and it trains as a plain model
+
+
+# -- statistics a module's gradient holds (issue 21, item 4) -------------------------------------
+
+
+@pytest.mark.parametrize("optimizer", ["InputAwareAdamW", "torch.optim.AdamW"])
+def test_a_module_with_a_frozen_weight_and_a_trained_bias_is_logged(optimizer: str) -> None:
+    model = Reused()
+    model.shared.weight.requires_grad_(False)
+    if optimizer == "InputAwareAdamW":
+        opt: torch.optim.Optimizer = InputAwareAdamW(model, lr=0.05)
+        monitor = Monitor(opt, grad_outputs=True)
+    else:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        monitor = Monitor(opt, model, grad_outputs=True)
+    reference = Capture(model, grad_outputs=True)
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    calls = [c for c in reference.calls() if c.module is model.shared]
+    opt.step()
+    assert monitor.last is not None and len(calls) == 2
+    got = monitor.last["modules"]["shared"]
+    assert_statistics(got, by_hand([c.input for c in calls]), "input")
+    assert_statistics(got, by_hand([c.grad_output for c in calls]), "grad_output")
+    assert "shared.bias" in monitor.last["parameters"] and "shared.weight" not in monitor.last["parameters"]
+    monitor.remove()
+
+
+@pytest.mark.parametrize("scale", [1e37, 3e20])  # the sum overflows float32; the sum of squares only
+def test_finite_inputs_whose_sums_overflow_are_logged_as_float64_computes_them(scale: float) -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = InputAwareSGD(model, lr=0.0)
+    monitor = Monitor(opt)
+    x = (torch.rand(200, 4, generator=torch.Generator().manual_seed(0)) + 0.5) * scale
+    x[0, 0] = 0.0
+    opt.zero_grad()
+    (model(x) * 0).sum().backward()
+    opt.step()
+    assert monitor.last is not None
+    got, want = monitor.last["modules"]["0"], by_hand([x])
+    assert all(math.isfinite(v) for v in want.values())
+    assert_statistics(got, want, "input")
+    monitor.remove()
+
+
+# -- a forward that never reached a backward (issue 21, item 5) ----------------------------------
+
+
+@pytest.mark.parametrize("kept", [False, True])
+@pytest.mark.parametrize("optimizer", ["InputAwareSGD", "torch.optim.SGD"])
+def test_finder_ignores_a_nan_of_a_forward_that_never_reached_a_backward(optimizer: str, kept: bool) -> None:
+    model = Reused()
+    if optimizer == "InputAwareSGD":
+        opt: torch.optim.Optimizer = InputAwareSGD(model, lr=0.1)
+        finder = NonFiniteFinder(opt)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        finder = NonFiniteFinder(opt, model)
+    model.poison.forward_at = 0
+    validation = model(batch(5))  # an evaluation with grad enabled, NaN in poison's forward
+    assert not torch.isfinite(validation).all()
+    if not kept:
+        del validation
+    model.poison.forward_at, model.poison.backward_at = None, 1
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    with pytest.warns(NonFiniteWarning, match=r"step 0: poison \(call 1\) in the backward"):
+        opt.step()
+    assert finder.found is not None and (finder.found.module, finder.found.call, finder.found.phase) == (
+        "poison",
+        1,
+        "backward",
+    )
+    finder.remove()
+
+
+# -- cost (issue 22) ------------------------------------------------------------------------------
+
+
+class Block(nn.Module):
+    """A module with a parameter of its own whose input is its first child's, and three children fed one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.scale = nn.Parameter(torch.ones(8))
+        self.norm = nn.LayerNorm(8)
+        self.query, self.key, self.value = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        scores = torch.softmax(self.query(h) @ self.key(h).T, dim=-1)
+        return (scores @ self.value(h)) * self.scale
+
+
+def test_monitor_summarises_each_tensor_once_per_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    from inputaware_optim import monitor as monitor_module
+
+    model = Block()
+    opt = InputAwareAdamW(model, lr=0.01)
+    monitor = Monitor(opt)
+    reference = Capture(model)
+    summarised: list[Tensor] = []
+    original = monitor_module._summarize
+    monkeypatch.setattr(monitor_module, "_summarize", lambda t: summarised.append(t) or original(t))
+    names = {m: n or "Block" for n, m in model.named_modules()}
+    for step in range(2):
+        opt.zero_grad()
+        for micro in range(2):
+            model(torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * step + micro))).sum().backward()
+        calls = reference.calls()
+        opt.step()
+        reference.clear()
+        # x for the block and the norm, h for query, key and value: two summaries per forward, not five
+        assert len(summarised) == 4 * (step + 1)
+        record = monitor.last
+        assert record is not None
+        for module in (model, model.norm, model.query, model.key, model.value):
+            mine = [c for c in calls if c.module is module]
+            assert len(mine) == 2
+            want = by_hand([c.input for c in mine])  # (float32 sums: a mean near 0 is exact to 1e-7 of the RMS)
+            assert_statistics(record["modules"][names[module]], want, "input", absolute=1e-7 * want["rms"])
+    monitor.remove()
+
+
+def test_monitor_tells_a_tensor_changed_in_place_from_the_one_summarised() -> None:
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.first.weight.requires_grad_(False)  # (so that autograd does not keep x for it)
+
+        def forward(self, x: Tensor) -> Tensor:
+            y = self.first(x)
+            x.mul_(3.0)  # same storage, view and shape: only the version tells
+            return self.second(x) + y
+
+    model = InPlace()
+    opt = InputAwareSGD(model, lr=0.0)
+    monitor = Monitor(opt)
+    x = batch(0)
+    want = {"first": by_hand([x]), "second": by_hand([3.0 * x])}
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+    assert monitor.last is not None
+    for name, statistics in want.items():  # (a stale summary would be 3 times off)
+        assert_statistics(monitor.last["modules"][name], statistics, "input", absolute=1e-6)
+    monitor.remove()
+
+
+def test_finder_hooks_only_the_modules_that_compute() -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), Block(), nn.Linear(8, 2))
+    model[0][0] = nn.Linear(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    finder = NonFiniteFinder(opt, model)
+    hooked = {n for n, m in model.named_modules() if m._forward_hooks}
+    assert hooked == {"0.0", "0.1", "1", "1.norm", "1.query", "1.key", "1.value", "2"}
+    assert {n for n, m in model.named_modules() if m._forward_pre_hooks} == {""}
+    finder.remove()
+    assert_as_it_was(model)
+
+
+def test_per_tensor_norms_equal_vector_norm_and_torch_still_has_its_fused_form() -> None:
+    from inputaware_optim.monitor import _all_finite, _per_tensor_norms
+
+    tensors = [
+        torch.randn(*shape, generator=torch.Generator().manual_seed(i))
+        for i, shape in enumerate([(3,), (4, 5), (2, 3, 4)])
+    ]
+    want = [torch.linalg.vector_norm(t) for t in tensors]
+    for got, expected in zip(_per_tensor_norms(tensors), want, strict=True):
+        torch.testing.assert_close(got, expected)
+    # The private multi-tensor norm used on accelerators (tests/test_torch_assumptions.py pins it too).
+    from inputaware_optim._torch import foreach_norm
+
+    fused = foreach_norm(tensors)
+    for got, expected in zip(fused, want, strict=True):
+        torch.testing.assert_close(got, expected)
+    big = torch.full((100,), 1e37)
+    assert _all_finite([big, tensors[0]])  # its sum overflows, its values are finite
+    big[3] = math.nan
+    assert not _all_finite([tensors[0], big])
+
+
+# -- the picture (issue 23) -----------------------------------------------------------------------
+
+
+def test_the_picture_names_layers_has_a_title_colour_bars_and_shows_zero_as_a_value() -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from inputaware_optim.monitor import PLOTTED, _figure
+
+    records: list[dict[str, Any]] = []
+    model = mlp()
+    opt = InputAwareSGD(model, lr=0.1)
+    with Monitor(opt, callback=records.append):
+        for step in range(3):
+            opt.zero_grad()
+            model(batch(step)).sum().backward()
+            if step == 1:
+                model[2].bias.grad = None  # a parameter without a step: missing from this record
+            if step == 2:
+                model[2].weight.grad.zero_()  # an update of exactly zero
+            opt.step()
+    figure = _figure(records, "run.jsonl")
+    assert "run.jsonl" in figure._suptitle.get_text()
+    panels = [axis for axis in figure.axes if axis.get_title()]
+    assert [axis.get_title() for axis in panels] == [title for _, _, title, _ in PLOTTED]
+    assert len(figure.axes) == 2 * len(PLOTTED)  # a colour bar beside each panel
+    rows = [label.get_text() for label in panels[0].get_yticklabels()]
+    assert rows == ["0 (Linear 8x4)", "2 (Linear 3x8)"]
+    ratio = panels[2]
+    names = [label.get_text() for label in ratio.get_yticklabels()]
+    image = ratio.get_images()[0]
+    shown = image.get_array()
+    weight = names.index("2.weight (Linear 3x8)")
+    bias = names.index("2.bias (Linear 3x8)")
+    assert records[2]["parameters"]["2.weight"]["update_to_weight"] == 0.0
+    assert not shown.mask[weight, 2] and image.norm(shown[weight, 2]) < 0  # zero: below the range, in its own colour
+    assert image.cmap(image.norm(shown[weight, 2])) == matplotlib.colors.to_rgba("black")
+    assert shown.mask[bias, 1]  # not logged: masked (grey), told apart from zero
+    assert "exactly 0" in figure.axes[-1].get_ylabel()
+    plt.close(figure)

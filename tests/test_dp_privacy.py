@@ -7,6 +7,7 @@ textbook way), from the same noise stream drawn by hand, or from Opacus."""
 from __future__ import annotations
 
 import copy
+import pickle
 import traceback
 from typing import Any
 
@@ -644,3 +645,18 @@ def test_a_model_copied_after_dp_was_built_runs_and_sheds_every_hook() -> None:
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in twin.modules())
     loss_of(model(batch(3, seed=1))).backward()  # the original still steps
     optimizer.step()
+
+
+def test_a_copied_optimizer_steps_as_the_original_with_its_noise_and_history() -> None:
+    """``copy.deepcopy`` / ``pickle`` of a DPSGD mid-run: the copy draws the noise the original draws
+    next and carries the privacy history, so both take the same step and report the same epsilon."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=1.0, sample_rate=0.1)
+    private_steps(optimizer, model, [1.0, 2.0])
+    copies = [copy.deepcopy(optimizer), pickle.loads(pickle.dumps(optimizer))]
+    for each in [optimizer, *copies]:
+        private_steps(each, each.model, [2.0], seed=7)
+    for each in copies:
+        assert each.privacy_history == optimizer.privacy_history == [(1.0, 0.1, 1), (2.0, 0.1, 2)]
+        for p, q in zip(each.model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(p, q)

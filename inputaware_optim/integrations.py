@@ -63,6 +63,8 @@ class _MonitorLogging:
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer (or None: the trainer's)")
         if not 0.0 < delta < 1.0:
             raise ValueError(f"Invalid delta: {delta!r} (must be in (0, 1))")
+        if accountant not in ("prv", "rdp", "gdp"):
+            raise ValueError(f"Invalid accountant: {accountant!r} (Opacus's 'prv', 'rdp' or 'gdp')")
         self.every = every
         self.grad_outputs = grad_outputs
         self.delta = delta

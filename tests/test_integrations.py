@@ -76,6 +76,8 @@ def test_callbacks_validate_their_arguments() -> None:
         LightningMonitorCallback(every=0)
     with pytest.raises(ValueError, match=r"Invalid delta: 1\.5"):
         LightningMonitorCallback(delta=1.5)
+    with pytest.raises(ValueError, match="Invalid accountant: 'moments'"):
+        LightningMonitorCallback(accountant="moments")
     with pytest.raises(AttributeError, match="no attribute 'NoSuchCallback'"):
         import inputaware_optim
 

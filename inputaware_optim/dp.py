@@ -99,7 +99,9 @@ _DOC = r"""
     reports the :math:`\varepsilon` spent by the steps taken so far, from Opacus's own accountant
     (``opacus`` must be installed), each step at the noise multiplier it was taken with
     (``privacy_history``, which ``state_dict`` carries). The guarantee assumes Poisson sampling (Opacus's
-    ``DPDataLoader``); fixed-size shuffled batches are the usual approximation.
+    ``DPDataLoader``); fixed-size shuffled batches are the usual approximation. An empty batch
+    (Poisson sampling draws them) takes a noise-only step, divided by ``expected_batch_size``.
+    An error in the per-sample code is raised by ``step()`` as its own type, naming the module.
 
     Args:
         model: The model.

@@ -950,3 +950,23 @@ def test_the_picture_names_layers_has_a_title_colour_bars_and_shows_zero_as_a_va
     assert shown.mask[bias, 1]  # not logged: masked (grey), told apart from zero
     assert "exactly 0" in figure.axes[-1].get_ylabel()
     plt.close(figure)
+
+
+BIGGEST = float(torch.finfo(torch.float32).max)
+LARGE = st.lists(
+    st.floats(-BIGGEST, BIGGEST, width=32) | st.sampled_from([0.0, BIGGEST, -BIGGEST]), min_size=1, max_size=60
+)
+
+
+@given(LARGE)
+def test_summaries_of_float32_values_near_its_largest_equal_float64_by_hand(values: list[float]) -> None:
+    from inputaware_optim.monitor import _cpu_summary, _describe, _device_summary
+
+    x = torch.tensor(values, dtype=torch.float32)
+    want = by_hand([x])
+    scale = max(abs(v) for v in values) * len(values)
+    for summary in (_cpu_summary(x), _device_summary(x)):  # (the accelerator form, run on CPU)
+        got = _describe(summary.tolist())
+        for name, value in want.items():
+            assert math.isfinite(got[name]), name
+            assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-6 * scale), name

@@ -15,6 +15,9 @@ fails there, by name, rather than somewhere in a rule.
 * Autograd: ``torch._C._current_graph_task_id()`` is -1 outside backward and one id per backward
   pass (a reentrant checkpoint region's nested backward is a pass of its own); a callback queued
   on ``Variable._execution_engine`` runs when the current pass is complete, after its hooks.
+* ``torch._C._will_engine_execute_node(node)``, inside a backward pass, says whether the pass runs
+  a parameter's ``AccumulateGrad`` node, and raises an error naming ``autograd.grad()`` for a node
+  whose gradient ``torch.autograd.grad`` returns instead.
 * ``torch._C._functorch.peek_interpreter_stack()`` is ``None`` outside ``torch.func`` transforms.
 * ``torch.utils.checkpoint`` (non-reentrant) installs saved-tensor hooks whose pack hook is a
   closure over its region's frame (``recompute_fn``, ``weak_holders``), and whose re-run in
@@ -53,6 +56,7 @@ __all__ = [
     "functorch_level",
     "grad_scaler_unscale_",
     "graph_task_id",
+    "pass_reaches",
     "queue_end_of_backward",
     "recomputing_checkpointed_forward",
     "remove_hooks_of",
@@ -124,6 +128,19 @@ functorch_level = torch._C._functorch.peek_interpreter_stack
 def queue_end_of_backward(callback: Any) -> None:
     """Run ``callback`` when the current backward pass is complete."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+ACCUMULATES, RETURNS, SKIPS = "accumulates", "returns", "skips"
+
+
+def pass_reaches(accumulator: Any) -> str:
+    """What the running backward pass does with the gradient of the parameter whose
+    ``AccumulateGrad`` node is ``accumulator``: ``ACCUMULATES`` into ``.grad``, ``RETURNS`` it
+    (``torch.autograd.grad``), or ``SKIPS`` it."""
+    try:
+        return ACCUMULATES if torch._C._will_engine_execute_node(accumulator) else SKIPS
+    except RuntimeError as error:
+        return RETURNS if "autograd.grad()" in str(error) else ACCUMULATES
 
 
 # -- activation checkpointing ----------------------------------------------------------------------

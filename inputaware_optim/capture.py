@@ -136,13 +136,15 @@ class _Key:
     ``param`` is ``None`` for a watched module that owns no parameter: its calls count
     from their backward until the capture is read and released."""
 
-    __slots__ = ("accumulator", "calls", "grad", "param", "totals", "version")
+    __slots__ = ("accumulator", "calls", "grad", "param",
+        "released", "totals", "version")
 
     def __init__(self, param: Tensor | None) -> None:
         self.param = param
         self.calls: list[_Record] = []
         self.totals: dict[Reduction, Any] = {}
         self.grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
+        self.released: weakref.ref[Tensor] | None = None  # the gradient whose calls the last step released
         self.version = 0
         self.accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
 
@@ -685,6 +687,7 @@ class _Log:
 
     def clear(self) -> None:
         for key in self.keys.values():
+            key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
             key.drop()
         for key_set in self.keys_of.values():
             for key in key_set:
@@ -739,22 +742,8 @@ def _plain_math(compute: Any) -> Any:
         _set_grad_enabled(previous)
 
 
-_ACCUMULATES, _RETURNS, _SKIPS = "accumulates", "returns", "skips"
-
-
-def _pass_reaches(accumulator: Any) -> str:
-    """What the running backward pass does with the gradient of the parameter whose
-    ``AccumulateGrad`` node is ``accumulator`` (see ``_Key.reach``).
-
-    Private engine query: ``_will_engine_execute_node`` says whether the pass runs the node
-    (accumulates into ``.grad``); for a node whose gradient ``torch.autograd.grad`` returns
-    instead, it refuses with an error naming ``autograd.grad()``. tests/test_capture_faults.py
-    checks all three answers, so a change in torch fails there loudly.
-    """
-    try:
-        return _ACCUMULATES if torch._C._will_engine_execute_node(accumulator) else _SKIPS
-    except RuntimeError as error:
-        return _RETURNS if "autograd.grad()" in str(error) else _ACCUMULATES
+_ACCUMULATES, _RETURNS, _SKIPS = _torch.ACCUMULATES, _torch.RETURNS, _torch.SKIPS
+_pass_reaches = _torch.pass_reaches
 
 
 def _note_returned(task: _Task, key: _Key, grad: Tensor) -> None:
@@ -1230,7 +1219,18 @@ class Capture:
         if not modules:
             return
         warned.update(id(m) for m in modules)
-        names = ", ".join(self.name(m) for m in modules)
+        names = ", ".join(f"{self.name(m)} ({type(m).__name__})" for m in modules)
+        key = self._log.keys.get(param)
+        if key is not None and key.released is not None and key.released() is param.grad:
+            warnings.warn(
+                f"a rule asked for the inputs of {names}, but its gradient was already stepped with: the "
+                "previous step() released its calls, and no backward ran since. Step once per backward "
+                "(or run the forward and backward again); the rule gets None and treats the parameter "
+                "as it treats uncaptured ones",
+                UncapturedInputsWarning,
+                stacklevel=4,
+            )
+            return
         warnings.warn(
             f"a rule asked for the inputs of {names}, whose parameter has a gradient, but that gradient "
             "holds no captured call; the rule gets None and treats it as it treats uncaptured "

@@ -66,3 +66,22 @@ def test_a_layer_frozen_mid_run_is_updated_as_one_without_gradient(rule: str, fr
     for (name, p), q in zip(model.named_parameters(), reference_model.parameters(), strict=True):
         assert torch.equal(p, q), name
     assert all(p.grad is None for p in getattr(model, frozen).parameters())
+
+
+def test_stepping_twice_on_one_backward_says_so_by_name_and_takes_the_stock_step() -> None:
+    from inputaware_optim import UncapturedInputsWarning
+
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    reference = copy.deepcopy(model)
+    optimizer = NLMS(model, lr=0.1)
+    stock = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        q.data.copy_(p.data)
+        q.grad = p.grad.clone()
+    with pytest.warns(UncapturedInputsWarning, match=r"0 \(Linear\).*already stepped with.*Step once per backward"):
+        optimizer.step()
+    stock.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))

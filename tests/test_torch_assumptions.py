@@ -244,3 +244,21 @@ def test_foreach_kernels_are_the_per_tensor_ones() -> None:
     a, b = [torch.randn(3), torch.randn(2, 2)], [torch.randn(3), torch.randn(2, 2)]
     assert all(torch.equal(x, y - z) for x, y, z in zip(foreach_sub(a, b), a, b, strict=True))
     assert all(torch.equal(n, torch.linalg.vector_norm(x)) for n, x in zip(foreach_norm(a), a, strict=True))
+
+
+def test_the_engine_query_behind_returned_gradients() -> None:
+    """pass_reaches reads a private engine call: accumulate, return or skip, as torch says today."""
+    from inputaware_optim._torch import ACCUMULATES, RETURNS, SKIPS, pass_reaches
+
+    layer = nn.Linear(3, 2)
+    accumulator = torch.autograd.graph.get_gradient_edge(layer.weight).node
+    x = torch.randn(4, 3, requires_grad=True)
+    seen: list[str] = []
+    output = layer(x)
+    assert output.grad_fn is not None
+    output.grad_fn.register_prehook(lambda grads: seen.append(pass_reaches(accumulator)))
+    torch.autograd.grad(output.sum(), [layer.weight], retain_graph=True)
+    torch.autograd.grad(output.sum(), [x], retain_graph=True)
+    output.sum().backward(inputs=[x], retain_graph=True)
+    output.sum().backward()
+    assert seen == [RETURNS, SKIPS, SKIPS, ACCUMULATES]

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> float:
         nn.Flatten(),
         nn.Linear(128, 10),
     )
-    optimizer = Eva(model, lr=0.05, momentum=0.9, damping=0.1)
+    optimizer = Eva(model, lr=0.1, momentum=0.9)
     print(optimizer.coverage())
     for step in range(1, steps + 1):
         batch = torch.randint(0, len(x), (64,))

@@ -41,7 +41,7 @@ class Eva(KroneckerRule):
     r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
 
     ``Eva(model, lr, momentum=0.9, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
-    batch_averaged=True, params=None, **sgd_kwargs)``
+    batch_averaged=True, damping_form="kronecker", params=None, **sgd_kwargs)``
 
     For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
     ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
@@ -52,13 +52,16 @@ class Eva(KroneckerRule):
 
     .. math::
         \bar a = \frac{1}{N_x}\sum_r \tilde x_r, \qquad \bar g = \frac{1}{B}\sum_r B g_r, \qquad
-        P = (\bar g \bar g^\top + \gamma I)^{-1}\, \tilde G\, (\bar a \bar a^\top + \gamma I)^{-1}
+        \operatorname{vec} P = (\bar g \bar g^\top \otimes \bar a \bar a^\top + \gamma I)^{-1}\,
+            \operatorname{vec} \tilde G
 
-    Each inverse is closed-form (Sherman-Morrison), so no matrix is formed or inverted:
+    the damping added to the Kronecker product, as in the paper and its authors' code. The
+    product is the rank-one :math:`u u^\top`, :math:`u = \bar g \otimes \bar a`, so its inverse is
+    closed-form (one Sherman-Morrison step) and no matrix is formed or inverted:
 
     .. math::
-        P = \frac{1}{\gamma^2}\Big(I - \frac{\bar g \bar g^\top}{\gamma + \bar g^\top \bar g}\Big)
-            \tilde G \Big(I - \frac{\bar a \bar a^\top}{\gamma + \bar a^\top \bar a}\Big)
+        P = \frac{1}{\gamma}\Big(\tilde G - \frac{\bar g^\top \tilde G\, \bar a}
+            {\gamma + \lVert \bar g\rVert^2 \lVert \bar a\rVert^2}\, \bar g \bar a^\top\Big)
 
     Then, as in the paper (and K-FAC's KL clipping), all preconditioned gradients are scaled by
     :math:`\nu = \min\big(1, \sqrt{\kappa / (\eta^2 \sum_\ell |\langle P_\ell, \tilde G_\ell\rangle|)}\big)`
@@ -74,14 +77,28 @@ class Eva(KroneckerRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum factor.
-        damping: :math:`\gamma`, added to each rank-one factor (> 0).
+        damping: :math:`\gamma`, added to the Kronecker product of the rank-one factors (> 0).
         stat_decay: Decay of the running vectors, in [0, 1).
-        kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping.
+        kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
         statistics_every: Collect the vectors every this many steps (>= 1, keyword-only); between
             them the hooks keep nothing and the kept vectors precondition.
         batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
+        damping_form: ``"kronecker"`` (default): :math:`\gamma` added to the Kronecker product, as
+            above; ``"factors"``: added to each rank-one factor,
+            :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`
+            (the form this library had before, about :math:`\tilde G / \gamma^2` where the vectors do
+            not reach, so it wants ``kl_clip=None`` and a learning rate about :math:`\gamma` times
+            smaller). Keyword-only.
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
+
+    Against the authors' code (github.com/lzhangbv/eva, ``kfac/eva.py``): the same :math:`P` and
+    KL clip; there :math:`\bar g` is the mean output gradient of the mean loss, over the samples
+    and a convolution's :math:`L` output positions, so :math:`1/B` of :math:`\bar g` here
+    (:math:`1/(BL)` for a convolution, whose per-example derivative sums its positions here;
+    ``batch_averaged=False`` on a mean loss gives theirs for ``nn.Linear``); only the first 16
+    samples of a batch are read (``kfac_batch_size``); and the running average weighs the new
+    vector by ``factor_decay`` (0.95), where here the old one is weighed by ``stat_decay``.
 
     Reference:
         Lin Zhang, Shaohuai Shi and Bo Li, "Eva: Practical Second-order Optimization with
@@ -103,8 +120,14 @@ class Eva(KroneckerRule):
         kl_clip: float | None = 0.001,
         *,
         batch_averaged: bool = True,
+        damping_form: str = "kronecker",
         **kwargs: Any,
     ) -> None:
+        if damping_form not in DAMPING_FORMS:
+            raise ValueError(
+                f"Invalid damping_form: {damping_form!r} (must be one of {', '.join(map(repr, DAMPING_FORMS))})"
+            )
+        self._direction = DAMPING_FORMS[damping_form]
         if not isinstance(batch_averaged, bool):
             raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
         if kl_clip is not None and not 0.0 < kl_clip < math.inf:
@@ -157,7 +180,7 @@ class Eva(KroneckerRule):
         for layer, (a, g) in zip(layers, vectors, strict=True):
             matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
             damping = float(layer.group["damping"])
-            directions.append(eva_direction(matrix, a.to(matrix.dtype), g.to(matrix.dtype), damping))
+            directions.append(self._direction(matrix, a.to(matrix.dtype), g.to(matrix.dtype), damping))
         # Before any change, one check of every layer: each direction's norm is finite unless it holds
         # a NaN or an inf (or its squares overflow: then each element is checked).
         if directions and not bool(torch.stack(torch._foreach_norm(directions)).isfinite().all()):
@@ -210,21 +233,42 @@ class Eva(KroneckerRule):
 
 
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
-    """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` by Sherman-Morrison (no inverse);
-    with leading block dimensions (a grouped convolution), one such product per block.
+    """:math:`(\\bar g \\bar g^\\top \\otimes \\bar a \\bar a^\\top + \\gamma I)^{-1} \\operatorname{vec} M` by
+    Sherman-Morrison (no inverse), as the paper and its authors' code: the Kronecker product is the
+    rank-one :math:`u u^\\top` with :math:`u = \\bar g \\otimes \\bar a`, so the result is
+    ``(M - c g aᵀ) / γ`` with ``c = gᵀ M a / (γ + |g|² |a|²)``. With leading block dimensions (a
+    grouped convolution), one such product per block.
+    """
+    scale = 1.0 / damping
+    if matrix.dim() == 2:  # (the common case, in matrix-vector kernels)
+        coefficient = torch.dot(g, torch.mv(matrix, a)) / torch.dot(g, g).mul(torch.dot(a, a)).add_(damping)
+        return torch.addr(matrix, g * coefficient, a, beta=scale, alpha=-scale)
+    blocks = matrix.reshape(-1, *matrix.shape[-2:])  # one product per block
+    a, g = a.reshape(blocks.shape[0], -1, 1), g.reshape(blocks.shape[0], -1, 1)
+    numerator = torch.bmm(g.mT, torch.bmm(blocks, a))
+    coefficient = numerator / torch.bmm(g.mT, g).mul(torch.bmm(a.mT, a)).add_(damping)
+    return torch.baddbmm(blocks, g * coefficient, a.mT, beta=scale, alpha=-scale).reshape(matrix.shape)
+
+
+def per_factor_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
+    """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` by Sherman-Morrison (no inverse),
+    each factor damped (``damping_form="factors"``); with leading block dimensions, one per block.
 
     Each factor is a rank-one update, so the product is two: ``R = M - u aᵀ`` with
     ``u = M a / (γ + aᵀa)``, then ``R - g vᵀ`` with ``v = Rᵀ g / (γ + gᵀg)``, scaled by ``1/γ²``.
     """
     scale = 1.0 / (damping * damping)
-    if matrix.dim() == 2:  # (the common case, in matrix-vector kernels)
+    if matrix.dim() == 2:
         u = torch.mv(matrix, a).div_(torch.dot(a, a).add_(damping))
         right = torch.addr(matrix, u, a, alpha=-1)
         v = torch.mv(right.T, g).div_(torch.dot(g, g).add_(damping))
         return torch.addr(right, g, v, beta=scale, alpha=-scale)
-    blocks = matrix.reshape(-1, *matrix.shape[-2:])  # one product per block
+    blocks = matrix.reshape(-1, *matrix.shape[-2:])
     a, g = a.reshape(blocks.shape[0], 1, -1), g.reshape(blocks.shape[0], -1, 1)
     u = torch.bmm(blocks, a.mT).div_(torch.bmm(a, a.mT).add_(damping))
     right = torch.baddbmm(blocks, u, a, alpha=-1)
     v = torch.bmm(g.mT, right).div_(torch.bmm(g.mT, g).add_(damping))
     return torch.baddbmm(right, g, v, beta=scale, alpha=-scale).reshape(matrix.shape)
+
+
+DAMPING_FORMS = {"kronecker": eva_direction, "factors": per_factor_direction}

@@ -2,66 +2,110 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from .inputs import Call, Captured
 from .kronecker import FactorSums, KroneckerRule
-from .layers import Layer
+from .layers import ConvKind, Layer, weight_of
+from .reduction import Reduction
+
+CONVENTIONS = ("inputaware", "kfac-pytorch")  # the factors' scaling and damping (see KFAC's docstring)
 
 __all__ = ["KFAC"]
 
 
 class KroneckerFactors(FactorSums):
     """Per call: the input factor's sums in the forward hook, the output-gradient factor's when
-    the call's output gradient arrives in backward."""
+    the call's output gradient arrives in backward.
+
+    With ``per_position`` (kfac-pytorch's scaling), a convolution's rows are divided by its
+    number of output positions ``L`` and the output-gradient sum is over rows, not samples.
+    """
 
     grad_outputs = True
+
+    def __init__(self, layers: list[Layer], per_position: bool = False) -> None:
+        super().__init__(layers)
+        self.per_position = per_position
 
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         entry = Captured([call])
         rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
         batch = float(layer.kind.batch_size(call.module, entry))
-        return (rows.mT @ rows, rows.new_tensor(float(rows.shape[-2]))), batch  # per block if grouped
+        count = rows.new_tensor(float(rows.shape[-2]))
+        positions = rows.shape[-2] / batch if self.per_position and isinstance(layer.kind, ConvKind) else 1.0
+        if positions != 1.0:
+            rows = rows / positions
+        return (rows.mT @ rows, count), batch, positions  # per block if grouped
 
     def backward(self, call: Call, kept: Any) -> Any:
         layer = self.layers[call.module]
-        (input_sum, rows), batch = kept
+        (input_sum, rows), batch, positions = kept
         grads = layer.kind.output_grad_rows(call.module, Captured([call]))
-        return {"input": (input_sum, rows), "output_grad": (grads.mT @ grads, grads.new_tensor(batch))}
+        if not self.per_position:
+            return {"input": (input_sum, rows), "output_grad": (grads.mT @ grads, grads.new_tensor(batch))}
+        if positions != 1.0:
+            grads = grads / positions
+        count = grads.new_tensor(float(grads.shape[-2]))
+        return {"input": (input_sum, rows), "output_grad": (grads.mT @ grads, count)}
 
 
 class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
     ``KFAC(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
-    statistics_every=1, batch_averaged=True, max_dim=None, distributed_inversion=False,
-    inverse="cholesky", inverse_dtype=torch.float64, params=None, **sgd_kwargs)``
+    statistics_every=1, batch_averaged=True, convention="inputaware", max_dim=None,
+    distributed_inversion=False, inverse="cholesky", inverse_dtype=torch.float64, params=None,
+    **sgd_kwargs)``
 
     For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
     ``nn.Conv1d/2d/3d`` and their transposes; a grouped convolution one block per group),
     with :math:`\tilde x` the input rows (a 1 appended when the bias is trained), :math:`g` the
     gradient that reached the layer's output (one row per sample and position), :math:`B` the
-    batch size and :math:`\tilde G` the weight-and-bias gradient:
+    batch size and :math:`\tilde G` the weight-and-bias gradient, the library's convention
+    (``convention="inputaware"``) is
 
     .. math::
-        A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \qquad
-        G = B \sum_r g_r g_r^\top, \qquad
-        \tilde G \leftarrow (\bar G + \sqrt{\lambda} I)^{-1}\, \tilde G\, (\bar A + \sqrt{\lambda} I)^{-1}
+        A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \quad
+        G = B \sum_r g_r g_r^\top, \quad
+        \tilde G \leftarrow (\bar G + \tfrac{\sqrt\lambda}{\pi} I)^{-1}\, \tilde G\,
+            (\bar A + \pi\sqrt\lambda I)^{-1}, \quad
+        \pi = \sqrt{m_A / m_G}, \quad m_F = \operatorname{tr}(\bar F) / \dim \bar F
 
-    :math:`G` is the second moment of the per-example output derivative
-    :math:`Ds = B g` of a loss averaged over the batch (``batch_averaged=True``; for a summed
-    loss, :math:`g` is already per example and :math:`G = \frac1B\sum_r g_r g_r^\top`). Both
-    factors keep running averages (:math:`\bar A, \bar G`, decay ``stat_decay``; the first step
-    takes its own) whose damped inverses are refreshed every ``update_every`` steps (Cholesky,
-    float64). Then the SGD momentum update runs, with torch's kernel. Micro-batches combine
-    as their concatenation; under data parallelism both factors combine over the ranks. Under
-    FSDP2 the output-side factor mixes the rows of :math:`\tilde G`, so each layer's gradient
-    is gathered (one layer at a time: an all-gather of its weight's and bias's gradients) and
-    each rank keeps its own rows of the preconditioned gradient.
+    Martens & Grosse's factored Tikhonov damping (their section 6.3): :math:`\lambda` is split
+    between the factors by their mean eigenvalues :math:`m_F`, so each is damped by the same
+    fraction of its own scale, :math:`\sqrt{\lambda / (m_A m_G)}`, and the output-gradient
+    factor, often orders of magnitude smaller than the input one, is not swamped
+    (:math:`\pi = 1` where a factor is zero). The product of the damped factors is
+    :math:`\bar G \otimes \bar A + \lambda I` plus cross terms, so :math:`\lambda` is in the
+    units of the curvature and bounds the step where the curvature is small.
+    :math:`G` is the second moment of the per-example output derivative :math:`Ds = B g` of a
+    loss averaged over the batch (``batch_averaged=True``; for a summed loss, :math:`g` is
+    already per example and :math:`G = \frac1B\sum_r g_r g_r^\top`). Both factors keep running
+    averages (:math:`\bar A, \bar G`, decay ``stat_decay``; the first step takes its own) whose
+    damped inverses are refreshed every ``update_every`` statistics steps (Cholesky, float64).
+    Then the SGD momentum update runs, with torch's kernel. Micro-batches combine as their
+    concatenation; under data parallelism both factors combine over the ranks. Under FSDP2 the
+    output-side factor mixes the rows of :math:`\tilde G`, so each layer's gradient is gathered
+    (one layer at a time) and each rank keeps its own rows of the preconditioned gradient.
+
+    ``convention="kfac-pytorch"`` reproduces kfac-pytorch's (``KFACPreconditioner``)
+    preconditioned gradient: a convolution's rows divided by its number of output positions
+    :math:`L` (1 for other layers), :math:`A = \frac1N\sum_r (\tilde x_r/L)(\tilde x_r/L)^\top`
+    and :math:`G = \frac1N\sum_r (g_r/L)(g_r/L)^\top` over the :math:`N` rows (the gradient as it
+    reached the output: ``batch_averaged`` does not apply), running averages that start from
+    :math:`I` (:math:`\bar A_1 = \beta I + (1-\beta) A_1`), and :math:`\lambda` absolute:
+    ``inverse="cholesky"`` gives its ``compute_method="inverse"``,
+    :math:`(\bar G + \lambda I)^{-1} \tilde G (\bar A + \lambda I)^{-1}`, and ``inverse="eigh"``
+    its default ``compute_method="eigen"``, which damps the Kronecker product,
+    :math:`(\bar G \otimes \bar A + \lambda I)^{-1} \operatorname{vec} \tilde G`. kfac-pytorch
+    also scales the result by its KL clip (``kl_clip=0.001`` there by default;
+    ``kl_clip=lambda step: None`` turns it off to compare with this class), and counts
+    ``inv_update_steps`` in optimizer steps where ``update_every`` counts statistics steps.
 
     Output gradients are captured for the supported layers (``capture_grad_outputs``).
     State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
@@ -71,8 +115,8 @@ class KFAC(KroneckerRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum factor.
-        damping: :math:`\lambda`; each factor is damped by :math:`\sqrt\lambda` (>= 0). Without an
-            adaptive trust region (KL clipping), small values let the update blow up.
+        damping: :math:`\lambda` (>= 0), split between the factors as above, or under
+            ``convention="kfac-pytorch"`` as there.
         stat_decay: Decay of the running factors, in [0, 1).
         update_every: Refresh the inverses every this many statistics steps (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
@@ -81,6 +125,8 @@ class KFAC(KroneckerRule):
         distributed_inversion: Under data parallelism, invert each factor on one rank and
             broadcast it (instead of every rank inverting every factor).
         batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
+        convention: ``"inputaware"`` (default) or ``"kfac-pytorch"``: the factors' scaling and
+            damping, as above (keyword-only).
         inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition,
             so a change of ``damping`` applies at the next step without a new decomposition.
         inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
@@ -90,7 +136,8 @@ class KFAC(KroneckerRule):
     References:
         James Martens and Roger Grosse, "Optimizing Neural Networks with Kronecker-factored
         Approximate Curvature", ICML 2015. Roger Grosse and James Martens, "A Kronecker-factored
-        approximate Fisher matrix for convolution layers", ICML 2016.
+        approximate Fisher matrix for convolution layers", ICML 2016. J. Gregory Pauloski et al.,
+        kfac-pytorch (github.com/gpauloski/kfac-pytorch), for ``convention="kfac-pytorch"``.
     """
 
     factors = ("input", "output_grad")
@@ -98,12 +145,24 @@ class KFAC(KroneckerRule):
     reads_capability = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
 
     def __init__(
-        self, model: nn.Module, lr: float | None = None, *args: Any, batch_averaged: bool = True, **kwargs: Any
+        self,
+        model: nn.Module,
+        lr: float | None = None,
+        *args: Any,
+        batch_averaged: bool = True,
+        convention: str = "inputaware",
+        **kwargs: Any,
     ) -> None:
         if not isinstance(batch_averaged, bool):
             raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
+        if convention not in CONVENTIONS:
+            raise ValueError(f"Invalid convention: {convention!r} (must be one of {', '.join(map(repr, CONVENTIONS))})")
         self._batch_averaged = batch_averaged
+        self._kfac_pytorch = convention == "kfac-pytorch"
         super().__init__(model, lr, *args, **kwargs)
+
+    def _build_reductions(self) -> dict[str, Reduction]:
+        return {"_statistics": KroneckerFactors(self._layers(self.reads_capability), self._kfac_pytorch)}
 
     def _check_param_groups(self) -> None:
         super()._check_param_groups()
@@ -114,18 +173,42 @@ class KFAC(KroneckerRule):
         # micro-batches together), so Ds = B g. Summing (B^2 sum g g^T) and B over ranks, then
         # dividing, gives G = E[sum over positions of Ds Ds^T] whatever the split.
         grads, batch = sums["output_grad"]
-        if layer.group["batch_averaged"]:
+        if layer.group["batch_averaged"] and not self._kfac_pytorch:
             grads = grads * (batch * batch)
         return {**sums, "output_grad": (grads, batch)}
 
     def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
         return layer.kind.matrix_shape(layer.module, layer.homogeneous)  # both sides
 
-    def _damping(self, group: dict[str, Any], factor: str) -> float:
-        return math.sqrt(float(group["damping"]))
+    def _damping(self, group: dict[str, Any], factor: str, means: dict[str, Tensor]) -> float | Tensor:
+        damping = float(group["damping"])
+        if self._kfac_pytorch:
+            return damping
+        a, g = means["input"], means["output_grad"]
+        pi = torch.where((a > 0) & (g > 0), (a / g).sqrt(), 1.0)  # (1 where a factor is zero: no ratio)
+        return damping**0.5 * (pi if factor == "input" else 1 / pi)
+
+    def _initial_moment(self, moment: Tensor) -> Tensor | None:
+        if not self._kfac_pytorch:
+            return None
+        return torch.eye(moment.shape[-1], dtype=moment.dtype, device=moment.device).expand_as(moment)
 
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
+        if self._kfac_pytorch and self._inverse == "eigh":
+            return self._kronecker_damped(layer, matrix)
         return inverses["output_grad"].to(matrix.dtype) @ matrix @ inverses["input"].to(matrix.dtype)
 
     def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
+        if self._kfac_pytorch and self._inverse == "eigh":
+            return self._kronecker_damped(layer, matrix)[rows]
         return inverses["output_grad"][rows].to(matrix.dtype) @ matrix @ inverses["input"].to(matrix.dtype)
+
+    def _kronecker_damped(self, layer: Layer, matrix: Tensor) -> Tensor:
+        r""":math:`(\bar G \otimes \bar A + \lambda I)^{-1} \operatorname{vec} \tilde G` in the kept eigenbases:
+        :math:`Q_G [(Q_G^\top \tilde G Q_A) / (d_G d_A^\top + \lambda)] Q_A^\top` (kfac-pytorch's "eigen")."""
+        state = self.state[weight_of(layer.module)]
+        values_a, vectors_a = state["input_eigenvalues"], state["input_eigenvectors"]
+        values_g, vectors_g = state["output_grad_eigenvalues"], state["output_grad_eigenvectors"]
+        rotated = vectors_g.mT @ matrix.to(vectors_a.dtype) @ vectors_a
+        scaled = rotated / (values_g[..., :, None] * values_a[..., None, :] + float(layer.group["damping"]))
+        return (vectors_g @ scaled @ vectors_a.mT).to(matrix.dtype)

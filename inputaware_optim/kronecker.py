@@ -214,8 +214,15 @@ class KroneckerRule(InputAwareSGD):
         """This rank's factor sums of the step, before they are summed over ranks (default: as reduced)."""
         return sums
 
-    def _damping(self, group: dict[str, Any], factor: str) -> float:
+    def _damping(self, group: dict[str, Any], factor: str, means: dict[str, Tensor]) -> float | Tensor:
+        """What is added to the diagonal of ``factor`` before inverting it (default: ``damping``
+        itself); ``means`` holds each of the layer's factors' mean eigenvalue (one per block)."""
         return float(group["damping"])
+
+    def _initial_moment(self, moment: Tensor) -> Tensor | None:
+        """The running average a factor's first moment is averaged with (default: none, the first
+        step takes its own)."""
+        return None
 
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -231,13 +238,17 @@ class KroneckerRule(InputAwareSGD):
         layers = [layer for layer, ok in zip(layers, seen, strict=True) if ok]
         sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
-        updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
-        self._invert_due(layers, updates)
-        inverse_keys = [f"{factor}_inverse" for factor in self.factors]
-        kept = [  # the inverses kept (formed again under "eigh" if the damping changed)
-            (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
-            for layer, inverses in self._between_statistics(due, inverse_keys)
-        ]
+        try:
+            updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
+            self._invert_due(layers, updates)
+            inverse_keys = [f"{factor}_inverse" for factor in self.factors]
+            kept = [  # the inverses kept (formed again under "eigh" if the damping changed)
+                (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
+                for layer, inverses in self._between_statistics(due, inverse_keys)
+            ]
+        except _NotPositiveDefinite as error:  # a diverged run is said as such before any advice on damping
+            self._refuse_not_finite_gradients(error)
+            raise
         for layer, (state, moments, inverses, _, bases) in zip(layers, updates, strict=True):
             for factor in self.factors:
                 state[f"{factor}_second_moment"] = moments[factor]
@@ -253,6 +264,18 @@ class KroneckerRule(InputAwareSGD):
         super().step(inputs=inputs)
         self._advance_schedule()
         return loss
+
+    def _refuse_not_finite_gradients(self, error: Exception) -> None:
+        """Raise, from ``error``, naming the first layer whose gradient is not finite, if there is one."""
+        for layer in self._layers(self.reads_capability):
+            for param in (weight_of(layer.module), bias_of(layer.module)):
+                grad = None if param is None else param.grad
+                if grad is not None and not bool(torch.isfinite(local_tensor(grad)).all()):
+                    raise RuntimeError(
+                        f"the gradient of {self.capture.name(layer.module)} is not finite: training has diverged "
+                        "(NaN or inf activations or gradients), which no damping cures. Lower the learning rate. "
+                        "No parameter was changed by this step"
+                    ) from error
 
     def _between_statistics(self, due: list[dict[str, Any]], keys: list[str]) -> list[tuple[Layer, list[Tensor]]]:
         """The layers with a gradient in groups that collect no statistics this step, with the state
@@ -359,12 +382,13 @@ class KroneckerRule(InputAwareSGD):
         if self._inverse != "eigh":
             return inverse
         state = self.state[weight_of(layer.module)]
-        damping = self._damping(layer.group, factor)
-        if state.get(f"{factor}_inverse_damping") == damping:
+        if state.get(f"{factor}_inverse_damping") == float(layer.group["damping"]):
             return inverse
         values, vectors = state[f"{factor}_eigenvalues"], state[f"{factor}_eigenvectors"]
+        means = {f: state[f"{f}_eigenvalues"].mean(-1) for f in self.factors}  # (of the kept decompositions)
+        damping = self._damping(layer.group, factor, means)
         name = f"{self.capture.name(layer.module)} ({factor})"
-        return inverse_from_eigenbasis(values, vectors, damping, name, inverse.dtype)
+        return inverse_from_eigenbasis(values, vectors, damping, name, inverse.dtype, layer.group["damping"])
 
     def _keep_inverses(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         state = self.state[weight_of(layer.module)]
@@ -372,8 +396,8 @@ class KroneckerRule(InputAwareSGD):
             if state.get(f"{factor}_inverse") is inverse:
                 continue  # (kept as it is: no refresh, no change of damping)
             state[f"{factor}_inverse"] = inverse
-            if self._inverse == "eigh":
-                state[f"{factor}_inverse_damping"] = self._damping(layer.group, factor)
+            if self._inverse == "eigh":  # (the group's damping: a relative one follows from the kept eigenvalues)
+                state[f"{factor}_inverse_damping"] = float(layer.group["damping"])
 
     def _refreshed(
         self, layer: Layer, factor_sums: dict[str, tuple[Tensor, Tensor]]
@@ -389,6 +413,8 @@ class KroneckerRule(InputAwareSGD):
             previous = state.get(f"{factor}_second_moment")
             if previous is not None and previous.dtype != moment.dtype:  # the model changed dtype (model.double())
                 previous = previous.to(moment.dtype)
+            if previous is None:
+                previous = self._initial_moment(moment)
             if previous is not None:  # beta * previous + (1 - beta) * moment; the first step takes its own
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             if f"{factor}_inverse" not in state or refresh:
@@ -404,34 +430,48 @@ class KroneckerRule(InputAwareSGD):
         jobs, likes, costs, slots = [], [], [], []
         dtype = self._inverse_dtype
         for layer, (_, moments, inverses, due, bases) in zip(layers, updates, strict=True):
+            means = {f: m.diagonal(dim1=-2, dim2=-1).mean(-1) for f, m in moments.items()} if due else {}
             for factor in due:
                 moment = moments[factor]
                 name = f"{self.capture.name(layer.module)} ({factor})"
-                damping = self._damping(layer.group, factor)
                 if self._inverse == "eigh":  # the decomposition travels, packed as (n + 1) x n
                     jobs.append(functools.partial(eigenbasis, moment, name, dtype))
                     likes.append(
                         moment.new_empty((*moment.shape[:-2], moment.shape[-1] + 1, moment.shape[-1]), dtype=dtype)
                     )
                 else:
-                    jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype))
+                    damping = self._damping(layer.group, factor, means)
+                    given = layer.group["damping"]
+                    jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype, given=given))
                     likes.append(moment)
                 costs.append(float(moment.numel() * moment.shape[-1]))  # ~ n³ per block either way
-                slots.append((inverses, bases, factor, damping, name, moment.dtype))
+                slots.append((layer.group, means, inverses, bases, factor, name, moment.dtype))
         group = self.data_parallel_group if self._distributed_inversion else None
-        for (inverses, bases, factor, damping, name, like), result in zip(
+        for (param_group, means, inverses, bases, factor, name, like), result in zip(
             slots, computed_once(jobs, likes, costs, group), strict=True
         ):
             if self._inverse == "eigh":
                 values, vectors = result[..., -1, :].clone(), result[..., :-1, :].clone()
                 bases[factor] = (values, vectors)
-                inverses[factor] = inverse_from_eigenbasis(values, vectors, damping, name, like)
+                damping = self._damping(param_group, factor, means)
+                given = param_group["damping"]
+                inverses[factor] = inverse_from_eigenbasis(values, vectors, damping, name, like, given)
             else:
                 inverses[factor] = result
 
 
-def damped_inverse(matrix: Tensor, damping: float, name: str, *, dtype: torch.dtype = torch.float64) -> Tensor:
+def damped_inverse(
+    matrix: Tensor,
+    damping: float | Tensor,
+    name: str,
+    *,
+    dtype: torch.dtype = torch.float64,
+    given: float | None = None,
+) -> Tensor:
     """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major.
+
+    ``damping`` is a number, or one per block of a stack of matrices; ``given`` is the damping
+    hyperparameter it was derived from, if it differs (an error names both).
 
     Row-major (``contiguous()``; ``cholesky_inverse`` returns column-major): a product with it
     takes the same kernel, so the same bits, whether it was computed here or received from
@@ -440,15 +480,28 @@ def damped_inverse(matrix: Tensor, damping: float, name: str, *, dtype: torch.dt
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).
     """
-    damped = matrix.to(dtype) + damping * torch.eye(matrix.shape[-1], dtype=dtype, device=matrix.device)
+    diagonal = torch.as_tensor(damping, dtype=dtype, device=matrix.device)[..., None, None]
+    damped = matrix.to(dtype) + diagonal * torch.eye(matrix.shape[-1], dtype=dtype, device=matrix.device)
     factor, info = torch.linalg.cholesky_ex(damped)
     if bool(info.any()):  # one matrix, or one per block (a grouped convolution)
         _refuse_not_finite(matrix, name)
-        raise RuntimeError(
-            f"the damped statistics of {name} are not positive definite (damping={damping}); "
+        said = _said(damping, given)
+        largest = float(matrix.abs().max())
+        if bool((diagonal < largest * matrix.shape[-1] * torch.finfo(dtype).eps).any()):  # below rounding
+            raise _NotPositiveDefinite(
+                f"the damped statistics of {name} are not positive definite ({said}): their entries reach "
+                f"{largest:.3g}, so the damping is below their rounding error in {dtype}. If training is "
+                "diverging, lower the learning rate; else increase damping. No parameter was changed by this step"
+            )
+        raise _NotPositiveDefinite(
+            f"the damped statistics of {name} are not positive definite ({said}); "
             "increase damping. No parameter was changed by this step"
         )
     return torch.cholesky_inverse(factor).to(matrix.dtype).contiguous()
+
+
+class _NotPositiveDefinite(RuntimeError):
+    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user)."""
 
 
 INVERSES = ("cholesky", "eigh")  # how a Kronecker rule inverts its damped factors
@@ -486,24 +539,35 @@ def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) ->
     return torch.cat([vectors, values.clamp_min(0).unsqueeze(-2)], dim=-2)
 
 
-def inverse_from_eigenbasis(values: Tensor, vectors: Tensor, damping: float, name: str, dtype: torch.dtype) -> Tensor:
-    """:math:`Q\\,\\mathrm{diag}(1 / (\\lambda_i + \\text{damping}))\\,Q^\\top` in ``dtype``, row-major.
+def inverse_from_eigenbasis(
+    values: Tensor, vectors: Tensor, damping: float | Tensor, name: str, dtype: torch.dtype, given: float | None = None
+) -> Tensor:
+    """:math:`Q\\,\\mathrm{diag}(1 / (\\lambda_i + \\text{damping}))\\,Q^\\top` in ``dtype``, row-major
+    (``damping`` a number, or one per block; ``given`` the hyperparameter it was derived from).
 
     Raises:
         RuntimeError: If an eigenvalue plus the damping is not positive (damping 0 on a singular factor).
     """
-    shifted = values + damping
+    shifted = values + torch.as_tensor(damping, dtype=values.dtype, device=values.device)[..., None]
     if not bool((shifted > 0).all()):
-        raise RuntimeError(
-            f"the damped statistics of {name} are not positive definite (damping={damping}); "
+        raise _NotPositiveDefinite(
+            f"the damped statistics of {name} are not positive definite ({_said(damping, given)}); "
             "increase damping. No parameter was changed by this step"
         )
     return ((vectors / shifted.unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
+
+
+def _said(damping: float | Tensor, given: float | None) -> str:
+    """The damping as an error names it: the hyperparameter, and what was added if that differs."""
+    if given is None or (not isinstance(damping, Tensor) and damping == given):
+        return f"damping={float(damping):g}" if not isinstance(damping, Tensor) else f"damping={damping.tolist()}"
+    added = ", ".join(f"{float(v):.3g}" for v in torch.as_tensor(damping).reshape(-1)[:4])
+    return f"damping={float(given):g}, added to this factor's diagonal as {added}"
 
 
 def _refuse_not_finite(matrix: Tensor, name: str) -> None:
     if not bool(torch.isfinite(matrix).all()):
         raise RuntimeError(
             f"the statistics of {name} are not finite: training has diverged (NaN or inf activations "
-            "or gradients). Lower the learning rate or raise damping. No parameter was changed by this step"
+            "or gradients). Lower the learning rate. No parameter was changed by this step"
         )

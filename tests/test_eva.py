@@ -1,4 +1,4 @@
-"""Eva against the paper's formula with explicit inverses (float64), and its bookkeeping."""
+"""Eva against the paper's formula (a dense solve with the explicit Kronecker product, float64), and its bookkeeping."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from inputaware_optim import Eva
-from inputaware_optim.eva import eva_direction
+from inputaware_optim.eva import eva_direction, per_factor_direction
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +25,14 @@ def _float64() -> Iterator[None]:
     torch.set_default_dtype(previous)
 
 
+def dense_eva_direction(matrix: torch.Tensor, a: torch.Tensor, g: torch.Tensor, damping: float) -> torch.Tensor:
+    """``(ḡḡᵀ ⊗ āāᵀ + γI)⁻¹ vec M`` by ``torch.linalg.solve`` on the explicit Kronecker matrix
+    (row-major vec: ``(ḡḡᵀ ⊗ āāᵀ) vec M = vec(ḡḡᵀ M āāᵀ)``), the form of the paper and of its authors' code."""
+    kronecker = torch.kron(torch.outer(g, g), torch.outer(a, a))
+    identity = torch.eye(len(kronecker), dtype=torch.float64)
+    return torch.linalg.solve(kronecker + damping * identity, matrix.reshape(-1)).reshape(matrix.shape)
+
+
 @given(
     rows=st.integers(1, 6),
     cols=st.integers(1, 6),
@@ -33,7 +41,7 @@ def _float64() -> Iterator[None]:
     seed=st.integers(0, 2**16),
 )
 @settings(max_examples=60, deadline=None)
-def test_sherman_morrison_equals_the_explicit_inverses(
+def test_sherman_morrison_equals_the_dense_kronecker_solve(
     rows: int, cols: int, blocks: tuple[int, ...], damping: float, seed: int
 ) -> None:
     """A matrix, or a stack of blocks (a grouped convolution), each with its own vectors."""
@@ -41,11 +49,11 @@ def test_sherman_morrison_equals_the_explicit_inverses(
     matrix = torch.randn(*blocks, rows, cols, generator=generator, dtype=torch.float64)
     a = torch.randn(*blocks, cols, generator=generator, dtype=torch.float64)
     g = torch.randn(*blocks, rows, generator=generator, dtype=torch.float64)
-    left = torch.linalg.inv(g[..., :, None] * g[..., None, :] + damping * torch.eye(rows, dtype=torch.float64))
-    right = torch.linalg.inv(a[..., :, None] * a[..., None, :] + damping * torch.eye(cols, dtype=torch.float64))
     direction = eva_direction(matrix, a, g, damping)
     assert direction.shape == matrix.shape
-    torch.testing.assert_close(direction, left @ matrix @ right, rtol=1e-9, atol=1e-9)
+    flat = (matrix.reshape(-1, rows, cols), a.reshape(-1, cols), g.reshape(-1, rows))
+    expected = torch.stack([dense_eva_direction(m, u, v, damping) for m, u, v in zip(*flat, strict=True)])
+    torch.testing.assert_close(direction, expected.reshape(matrix.shape), rtol=1e-9, atol=1e-9)
 
 
 def _reference_step(
@@ -83,9 +91,7 @@ def _reference_step(
             a, g = decay * old_a + (1 - decay) * a, decay * old_g + (1 - decay) * g
         state[id(layer)] = (a, g)
         grad = torch.cat([layer.weight.grad, layer.bias.grad[:, None]], dim=1)
-        left = torch.linalg.inv(torch.outer(g, g) + damping * torch.eye(len(g)))
-        right = torch.linalg.inv(torch.outer(a, a) + damping * torch.eye(len(a)))
-        directions.append((layer, left @ grad @ right, grad))
+        directions.append((layer, dense_eva_direction(grad, a, g, damping), grad))
     total = sum(float((p * grad).sum().detach()) for _, p, grad in directions) * lr * lr
     nu = 1.0 if kl_clip is None else min(1.0, math.sqrt(kl_clip / abs(total)))
     with torch.no_grad():
@@ -196,3 +202,44 @@ def test_a_direction_whose_squares_overflow_is_still_taken() -> None:
     before = model.weight.detach().clone()
     optimizer.step()
     assert torch.isfinite(model.weight).all() and not torch.equal(model.weight, before)
+
+
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(1, 6),
+    blocks=st.sampled_from([(), (3,)]),
+    damping=st.floats(1e-3, 10.0),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=30, deadline=None)
+def test_the_per_factor_form_equals_the_explicit_inverses(
+    rows: int, cols: int, blocks: tuple[int, ...], damping: float, seed: int
+) -> None:
+    """``damping_form="factors"``: ``(ḡḡᵀ + γI)⁻¹ M (āāᵀ + γI)⁻¹`` against ``torch.linalg.inv``."""
+    generator = torch.Generator().manual_seed(seed)
+    matrix = torch.randn(*blocks, rows, cols, generator=generator, dtype=torch.float64)
+    a = torch.randn(*blocks, cols, generator=generator, dtype=torch.float64)
+    g = torch.randn(*blocks, rows, generator=generator, dtype=torch.float64)
+    left = torch.linalg.inv(g[..., :, None] * g[..., None, :] + damping * torch.eye(rows, dtype=torch.float64))
+    right = torch.linalg.inv(a[..., :, None] * a[..., None, :] + damping * torch.eye(cols, dtype=torch.float64))
+    torch.testing.assert_close(per_factor_direction(matrix, a, g, damping), left @ matrix @ right, rtol=1e-9, atol=1e-9)
+
+
+def test_the_damping_form_is_chosen_by_name() -> None:
+    torch.manual_seed(0)
+    steps = {}
+    for form in ("kronecker", "factors"):
+        model = nn.Linear(3, 2)
+        optimizer = Eva(model, lr=0.1, momentum=0.0, kl_clip=None, damping_form=form)
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(1))
+        nn.functional.mse_loss(model(x), torch.zeros(4, 2)).backward()
+        grad = torch.cat([model.weight.grad, model.bias.grad[:, None]], dim=1)
+        a = torch.cat([x, torch.ones(4, 1)], dim=1).mean(0)
+        g = (4 * 2 * model(x).detach() / 8).mean(0)  # Ds = B g, g the gradient of the mean loss at the output
+        before = torch.cat([model.weight, model.bias[:, None]], dim=1).detach().clone()
+        optimizer.step()
+        steps[form] = (before - torch.cat([model.weight, model.bias[:, None]], dim=1).detach()) / 0.1
+        reference = dense_eva_direction if form == "kronecker" else per_factor_direction
+        torch.testing.assert_close(steps[form], reference(grad, a, g, 0.03), rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match=r"Invalid damping_form: 'both'"):
+        Eva(nn.Linear(2, 2), lr=0.1, damping_form="both")

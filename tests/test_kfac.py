@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -17,9 +17,12 @@ from .references import conv_patches, output_grads, with_ones
 
 
 def dense_kronecker_step(grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, damping: float) -> torch.Tensor:
-    """Solve (A_d ⊗ G_d) vec(U) = vec(grad) with the Kronecker product materialized (vec: column-major)."""
+    """Solve (A_d ⊗ G_d) vec(U) = vec(grad) with the Kronecker product materialized (vec: column-major),
+    with Martens & Grosse's factored damping: A_d = A + π√λ I, G_d = G + √λ/π I, π² the ratio of
+    the factors' mean eigenvalues."""
     eye_a, eye_g = torch.eye(a.shape[0], dtype=a.dtype), torch.eye(g.shape[0], dtype=g.dtype)
-    kron = torch.kron(a + math.sqrt(damping) * eye_a, g + math.sqrt(damping) * eye_g)
+    pi = (torch.linalg.eigvalsh(a).mean() / torch.linalg.eigvalsh(g).mean()).sqrt()
+    kron = torch.kron(a + pi * math.sqrt(damping) * eye_a, g + math.sqrt(damping) / pi * eye_g)
     solution = torch.linalg.solve(kron, grad.T.reshape(-1))
     return solution.reshape(grad.shape[1], grad.shape[0]).T
 
@@ -204,3 +207,100 @@ def test_a_layer_of_width_zero_takes_the_stock_sgd_step(rule: str) -> None:
         optimizer.state[model.no_inputs.bias]["momentum_buffer"],
         references[1].state[reference.no_inputs.bias]["momentum_buffer"],
     )
+
+
+def kfac_pytorch_factors(
+    module: nn.Module, inputs: torch.Tensor, grad_outputs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's A and G as kfac-pytorch's Linear and Conv2d helpers form them (written out from
+    its source, in float64): rows with a 1 appended for the bias; a convolution's patch rows and
+    output-gradient rows divided by the number of output positions L; both averaged over rows."""
+    if isinstance(module, nn.Conv2d):
+        positions = grad_outputs.shape[2] * grad_outputs.shape[3]
+        rows = conv_patches(module, inputs)
+        grads = grad_outputs.permute(0, 2, 3, 1).reshape(-1, grad_outputs.shape[1])
+    else:
+        positions = 1
+        rows, grads = inputs.reshape(-1, inputs.shape[-1]), grad_outputs.reshape(-1, grad_outputs.shape[-1])
+    if module.bias is not None:
+        rows = with_ones(rows)
+    rows, grads = rows / positions, grads / positions
+    return rows.T @ rows / rows.shape[0], grads.T @ grads / grads.shape[0]
+
+
+def kfac_pytorch_direction(
+    grad: torch.Tensor, a: torch.Tensor, g: torch.Tensor, damping: float, method: str
+) -> torch.Tensor:
+    """kfac-pytorch's preconditioned gradient by a dense solve (row-major vec: (G ⊗ A) vec X = vec(G X A)):
+    ``"inverse"`` damps each factor, ``"eigen"`` (its default) the Kronecker product."""
+    eye_a, eye_g = torch.eye(len(a), dtype=a.dtype), torch.eye(len(g), dtype=g.dtype)
+    if method == "inverse":
+        matrix = torch.kron(g + damping * eye_g, a + damping * eye_a)
+    else:
+        matrix = torch.kron(g, a) + damping * torch.eye(len(a) * len(g), dtype=a.dtype)
+    return torch.linalg.solve(matrix, grad.reshape(-1)).reshape(grad.shape)
+
+
+class KeptInputAndGradient:
+    """A forward hook keeping the module's input, then (by a tensor hook) the gradient at its output."""
+
+    def __init__(self) -> None:
+        self.kept: list[torch.Tensor] = []
+
+    def __call__(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        self.kept = [args[0].detach()]
+        output.register_hook(self.kept.append)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    method=st.sampled_from(["inverse", "eigen"]),
+    damping=st.floats(1e-3, 1.0),
+    batch=st.integers(2, 6),
+    decay=st.sampled_from([0.0, 0.5, 0.95]),
+)
+def test_the_kfac_pytorch_convention_reproduces_its_preconditioned_gradient(
+    method: str, damping: float, batch: int, decay: float
+) -> None:
+    """Three steps on a Conv2d and a Linear layer, against kfac-pytorch's formulas in float64:
+    factors scaled as there, running averages started from I, damping absolute (per factor for
+    its compute_method="inverse", on the Kronecker product for "eigen", here inverse="eigh")."""
+    model = Net().double()
+    inverse = "cholesky" if method == "inverse" else "eigh"
+    lr = 0.01
+    optimizer = KFAC(
+        model, lr=lr, momentum=0.0, damping=damping, stat_decay=decay, update_every=1,
+        convention="kfac-pytorch", inverse=inverse,
+    )  # fmt: skip
+    layers = {"conv": model.conv, "fc": model.fc}
+    running: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    generator = torch.Generator().manual_seed(batch)
+    for _ in range(3):
+        x = torch.randn(batch, 2, 4, 4, generator=generator, dtype=torch.float64)
+        target = torch.randn(batch, 4, generator=generator, dtype=torch.float64)
+        seen = {name: KeptInputAndGradient() for name in layers}  # each layer's input, then its output gradient
+        handles = [m.register_forward_hook(seen[name]) for name, m in layers.items()]
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), target).backward()
+        for handle in handles:
+            handle.remove()
+        expected = {}
+        for name, module in layers.items():
+            a, g = kfac_pytorch_factors(module, *seen[name].kept)
+            old_a, old_g = running.get(name, (torch.eye(len(a), dtype=a.dtype), torch.eye(len(g), dtype=g.dtype)))
+            running[name] = (decay * old_a + (1 - decay) * a, decay * old_g + (1 - decay) * g)
+            grad = torch.cat([module.weight.grad.reshape(len(g), -1), module.bias.grad[:, None]], dim=1)
+            expected[name] = kfac_pytorch_direction(grad, *running[name], damping, method)
+        before = {name: torch.cat([m.weight.reshape(len(m.bias), -1), m.bias[:, None]], 1).detach().clone()
+                  for name, m in layers.items()}  # fmt: skip
+        optimizer.step()
+        for name, module in layers.items():
+            after = torch.cat([module.weight.reshape(len(module.bias), -1), module.bias[:, None]], 1).detach()
+            torch.testing.assert_close((before[name] - after) / lr, expected[name], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(optimizer.state[model.fc.weight]["input_second_moment"], running["fc"][0])
+        torch.testing.assert_close(optimizer.state[model.conv.weight]["output_grad_second_moment"], running["conv"][1])
+
+
+def test_convention_is_validated_by_name() -> None:
+    with pytest.raises(ValueError, match=r"Invalid convention: 'kfac'"):
+        KFAC(mlp(), lr=0.1, convention="kfac")

@@ -96,8 +96,9 @@ def test_grouped_convolution_is_preconditioned_block_by_block(name: str, rule: s
             new = matrix @ inverse(rows.T @ rows / len(rows), 0.1)
         elif rule == "KFAC":
             grads = g[:, channels].movedim(1, -1).reshape(-1, channels.stop - channels.start)
-            factor = len(x) * grads.T @ grads
-            new = inverse(factor, 0.1**0.5) @ matrix @ inverse(rows.T @ rows / len(rows), 0.1**0.5)
+            factor, inputs = len(x) * grads.T @ grads, rows.T @ rows / len(rows)
+            pi = (inputs.trace() / len(inputs) / (factor.trace() / len(factor))).sqrt()  # each block its own
+            new = inverse(factor, 0.1**0.5 / pi) @ matrix @ inverse(inputs, 0.1**0.5 * pi)
         else:
             new = matrix / (1e-6 + rows.pow(2).sum() / len(rows))
         expected_weight[channels] -= new[:, : matrix.shape[1] - has_bias].reshape(expected_weight[channels].shape)
@@ -128,7 +129,9 @@ def test_eva_on_a_grouped_convolution_is_one_rank_one_product_per_block(name: st
         matrix, channels = block(twin, j, True)
         a = rows.mean(0)
         g = output.grad[:, channels].movedim(1, -1).reshape(-1, channels.stop - channels.start).sum(0)
-        new = inverse(torch.outer(g, g), 0.03) @ matrix @ inverse(torch.outer(a, a), 0.03)
+        kronecker = torch.kron(torch.outer(g, g), torch.outer(a, a))  # damped as a whole (row-major vec)
+        identity = torch.eye(len(kronecker), dtype=kronecker.dtype)
+        new = torch.linalg.solve(kronecker + 0.03 * identity, matrix.reshape(-1)).reshape(matrix.shape)
         expected_weight[channels] -= new[:, :-1].reshape(expected_weight[channels].shape)
         expected_bias[channels] -= new[:, -1]
     optimizer = Eva(conv, lr=1.0, momentum=0.0, kl_clip=None)

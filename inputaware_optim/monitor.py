@@ -123,8 +123,8 @@ class _SeenTensors:
 
     @staticmethod
     def _key(t: Tensor) -> tuple[Any, ...] | None:
-        if t.is_inference() or t.is_sparse:
-            return None  # (no version counter, no plain storage)
+        if t.is_inference() or t.is_sparse or type(t) is not Tensor:
+            return None  # (no version counter, no plain storage: a DTensor, a subclass, a sparse tensor)
         return (t.data_ptr(), t.dtype, t.shape, t.stride(), t._version)
 
     def get(self, t: Tensor, forward: int | None) -> tuple[tuple[Any, ...] | None, Tensor | None]:

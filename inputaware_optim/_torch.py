@@ -95,28 +95,15 @@ def entry_step(
     return entry
 
 
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-)
-
-
 def remove_hooks_of(module: Any, owner: object) -> None:
     """Remove from ``module`` every forward hook and pre-hook that is a bound method of ``owner``
-    (hooks copied with a model have no handle to remove them by)."""
-    keys = [
-        key
-        for hooks in (module._forward_hooks, module._forward_pre_hooks)
-        for key, hook in hooks.items()
-        if getattr(hook, "__self__", None) is owner
-    ]
-    for name in _HOOK_DICTS:
-        hooks = getattr(module, name)
-        for key in keys:
-            hooks.pop(key, None)
+    (hooks copied with a model have no handle to remove them by).
+
+    Their ``*_with_kwargs``/``always_called`` flags stay: the module may be running its hooks
+    now (from a snapshot of them), and reads those flags for each; hook ids are never reused."""
+    for hooks in (module._forward_hooks, module._forward_pre_hooks):
+        for key in [key for key, hook in hooks.items() if getattr(hook, "__self__", None) is owner]:
+            del hooks[key]
 
 
 # -- autograd ----------------------------------------------------------------------------------

@@ -136,8 +136,7 @@ class _Key:
     ``param`` is ``None`` for a watched module that owns no parameter: its calls count
     from their backward until the capture is read and released."""
 
-    __slots__ = ("accumulator", "calls", "grad", "param",
-        "released", "totals", "version")
+    __slots__ = ("accumulator", "calls", "grad", "param", "released", "totals", "version")
 
     def __init__(self, param: Tensor | None) -> None:
         self.param = param
@@ -264,7 +263,7 @@ class _Log:
         self.counter = itertools.count()
         self.forwards = 0
         self.generation = 0  # bumped whenever what the keys hold changes
-        self.error: str | None = None
+        self.error: str | Exception | None = None
         self.grad_scaler: Any = None  # a GradScaler whose scale the output gradients carry
         # Calls recorded by compiled code: (module, args, kwargs, key, previous) as a linked list
         # grown by rebinding one attribute (a Python list would make Dynamo guard on its length
@@ -559,7 +558,7 @@ class _Log:
                 self.error = self.error or (
                     f"the inputs of a checkpointed call of {type(record.module).__name__} were not recomputed in "
                     "backward, so its per-call statistics are missing; run the module outside the checkpointed "
-                    "region, or checkpoint with use_reentrant=True"
+                    "region"
                 )
                 record.kept = None
                 record.deferred = False
@@ -626,7 +625,7 @@ class _Log:
             return _plain_math(compute)
         except Exception as error:
             if self.error is None:
-                self.error = f"{error}"
+                self.error = error  # raised at the read, as its own type, from this one
             return None
 
     # -- compiled code ----------------------------------------------------------------------
@@ -1140,6 +1139,16 @@ class Capture:
         """
         log = self._log
         error = log.error
+        if isinstance(error, Exception):
+            self.clear()
+            message = (
+                f"{error} (raised by a reader's code in the capture's hooks; the captures of this step were dropped)"
+            )
+            try:
+                again = type(error)(message)
+            except Exception:  # an exception type that takes other arguments
+                again = RuntimeError(f"{type(error).__name__}: {message}")
+            raise again from error
         if error is not None:
             self.clear()
             raise RuntimeError(f"{error}. The captures of this step were dropped")

@@ -85,3 +85,24 @@ def test_stepping_twice_on_one_backward_says_so_by_name_and_takes_the_stock_step
         optimizer.step()
     stock.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+def test_an_error_in_a_readers_hook_code_reaches_the_step_as_its_own_type_from_the_original() -> None:
+    from inputaware_optim import InputAwareSGD, Reduction
+
+    class Broken(LookupError):
+        pass
+
+    class Faulty(Reduction):
+        def forward(self, call: Any) -> Any:
+            raise Broken("no such statistic")
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    optimizer = InputAwareSGD(model, lr=0.1)
+    optimizer.register_inputs_hook(lambda opt, inputs: inputs.reduced(faulty), reads=(faulty := Faulty()))
+    model(torch.randn(2, 4)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(Broken, match=r"no such statistic.*reader's code") as raised:
+        optimizer.step()
+    assert isinstance(raised.value.__cause__, Broken) and raised.value.__cause__.__traceback__ is not None
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

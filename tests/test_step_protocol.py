@@ -273,3 +273,14 @@ def test_param_groups_given_second_as_torch_takes_them_are_refused_by_name(cls: 
     model = net()
     with pytest.raises(TypeError, match=rf"{cls.__name__} got list for lr.*{cls.__name__}\(model, params=param_groups"):
         cls(model, [{"params": list(model.parameters())}])
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_model_copied_alone_runs_and_its_copied_hooks_come_off(rule: str, how: str) -> None:
+    for model in (nn.Linear(4, 3).double(), net()):  # the root watched itself, or a container
+        RULES[rule](model, lr=0.1)
+        twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+        for _ in range(2):
+            twin(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in twin.modules()), rule

@@ -122,9 +122,29 @@ def test_a_forward_hook_may_remove_itself_by_its_key_while_the_module_runs() -> 
     assert owner.calls == 1  # the pre-hook removed both before the forward hook ran
     layer(torch.zeros(1, 2))
     assert owner.calls == 1
-    assert list(layer._forward_hooks) == [kept.id]
-    for name in ("_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs"):
-        assert not getattr(layer, name), name
+    assert list(layer._forward_hooks) == [kept.id] and not layer._forward_pre_hooks
+
+
+def test_a_pre_hook_may_remove_a_later_with_kwargs_pre_hook_of_the_same_module_while_it_runs() -> None:
+    from inputaware_optim._torch import remove_hooks_of
+
+    class Owner:
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def first(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.calls.append("first")
+            remove_hooks_of(module, self)
+
+        def second(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+            self.calls.append("second")  # still runs this once, with its kwargs
+
+    owner, layer = Owner(), nn.Linear(2, 2)
+    layer.register_forward_pre_hook(owner.first, with_kwargs=True)
+    layer.register_forward_pre_hook(owner.second, with_kwargs=True)
+    layer(torch.zeros(1, 2))
+    layer(torch.zeros(1, 2))
+    assert owner.calls == ["first", "second"] and not layer._forward_pre_hooks
 
 
 def test_graph_task_id_is_one_per_backward_pass_and_a_queued_callback_runs_after_its_hooks() -> None:

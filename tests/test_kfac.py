@@ -304,3 +304,40 @@ def test_the_kfac_pytorch_convention_reproduces_its_preconditioned_gradient(
 def test_convention_is_validated_by_name() -> None:
     with pytest.raises(ValueError, match=r"Invalid convention: 'kfac'"):
         KFAC(mlp(), lr=0.1, convention="kfac")
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    damping=st.floats(1e-4, 10.0),
+    input_scale=st.floats(1e-2, 1e2),
+    loss_scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_each_factor_is_damped_by_the_same_fraction_of_its_mean_eigenvalue(
+    damping: float, input_scale: float, loss_scale: float, seed: int
+) -> None:
+    """Whatever the scale of the inputs and of the loss, the damping added to A and to G, recovered
+    from the kept inverses, is the same fraction √(λ / (m_A m_G)) of each factor's mean eigenvalue
+    (it was √λ for both: at a small m_G, G's own curvature was swamped)."""
+    model = mlp(seed % 7)
+    optimizer = KFAC(model, lr=0.1, damping=damping)
+    x = input_scale * torch.randn(5, 4, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    (loss_scale * model(x).pow(2).sum(dim=1).mean()).backward()
+    optimizer.step()
+    for layer in (model[0], model[2]):
+        state = optimizer.state[layer.weight]
+        added, means = {}, {}
+        for factor in ("input", "output_grad"):
+            moment = state[f"{factor}_second_moment"]
+            shift = torch.linalg.inv(state[f"{factor}_inverse"]) - moment
+            added[factor] = shift.diagonal().mean()
+            means[factor] = torch.linalg.eigvalsh(moment).mean()
+            torch.testing.assert_close(
+                shift,
+                added[factor] * torch.eye(len(moment), dtype=torch.float64),
+                rtol=0,
+                atol=1e-6 * float(added[factor]) + 1e-9 * float(moment.abs().max()),
+            )
+        fraction = math.sqrt(damping / float(means["input"] * means["output_grad"]))
+        for factor in added:
+            assert float(added[factor] / means[factor]) == pytest.approx(fraction, rel=1e-6)

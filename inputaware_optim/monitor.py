@@ -83,9 +83,20 @@ def _norms(tensors: Sequence[Tensor]) -> Tensor:
     """The 2-norm of each tensor, as one float64 tensor."""
     if not tensors:
         return torch.zeros(0, dtype=torch.float64)
-    norms = _per_tensor_norms(tensors)
-    device = norms[0].device
-    return torch.stack([n.to(device, torch.float64) for n in norms])
+    return _as_float64(_per_tensor_norms(tensors))
+
+
+def _as_float64(values: Sequence[Tensor], device: Any = None) -> Tensor:
+    """0-d tensors as one float64 tensor (on ``device``, default the first's): stacked first and cast
+    once where they share a dtype and device (a cast per value costs more than the norms of small
+    tensors)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    first = values[0]
+    device = first.device if device is None else device
+    if all(v.dtype == first.dtype and v.device == first.device for v in values):
+        return torch.stack(list(values)).to(device, torch.float64)
+    return torch.stack([v.to(device, torch.float64) for v in values])
 
 
 def _written_norms(tensors: list[Tensor], write: Callable[[int], object]) -> list[Tensor]:
@@ -499,8 +510,8 @@ class Monitor:
             [
                 table.reshape(-1),
                 pending["grad_norms"].to(device),
-                torch.stack([n.to(device, torch.float64) for n in weight_norms]) if params else table.new_zeros(0),
-                torch.stack([n.to(device, torch.float64) for n in change_norms]) if params else table.new_zeros(0),
+                _as_float64(weight_norms, device),
+                _as_float64(change_norms, device),
             ]
         )
         flat = values.tolist()  # the one host synchronization of a logged step
@@ -865,8 +876,7 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     finite while the values are (it overflowed) is told apart by checking that tensor's values.
     """
     totals = [t.sum() for t in tensors] if tensors[0].device.type == "cpu" else _per_tensor_norms(tensors)
-    device = totals[0].device
-    flags = torch.isfinite(torch.stack([v.to(device, torch.float64) for v in totals]))
+    flags = torch.isfinite(_as_float64(totals))
     if bool(flags.all()):
         return True
     return all(flag or bool(torch.isfinite(t).all()) for t, flag in zip(tensors, flags.tolist(), strict=True))

@@ -396,7 +396,7 @@ class KroneckerRule(InputAwareSGD):
             if state.get(f"{factor}_inverse") is inverse:
                 continue  # (kept as it is: no refresh, no change of damping)
             state[f"{factor}_inverse"] = inverse
-            if self._inverse == "eigh":  # (the group's damping: a relative one follows from the kept eigenvalues)
+            if self._inverse == "eigh":  # (the group's: what is added follows from it and the kept eigenvalues)
                 state[f"{factor}_inverse_damping"] = float(layer.group["damping"])
 
     def _refreshed(

@@ -262,6 +262,8 @@ class _Log:
         self.tasks: dict[int, _Task] = {}
         self.counter = itertools.count()
         self.forwards = 0
+        # The shapes of the model's tensor arguments by forward, once a reader asked (None: not kept).
+        self.input_shapes: dict[int, list[torch.Size]] | None = None
         self.generation = 0  # bumped whenever what the keys hold changes
         self.error: str | Exception | None = None
         self.grad_scaler: Any = None  # a GradScaler whose scale the output gradients carry
@@ -374,6 +376,13 @@ class _Log:
             return
         if not torch.compiler.is_compiling():
             self.forwards += 1
+            if self.input_shapes is not None and _grad_enabled():
+                leaves = (
+                    args if not kwargs and all(type(a) is Tensor for a in args) else tree_flatten((args, kwargs))[0]
+                )
+                self.input_shapes[self.forwards] = [t.shape for t in leaves if isinstance(t, Tensor)]
+                if len(self.input_shapes) > _INPUT_SHAPES_KEPT:
+                    del self.input_shapes[next(iter(self.input_shapes))]
 
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         # The hot path: every call of every watched module runs this.
@@ -741,6 +750,7 @@ def _plain_math(compute: Any) -> Any:
         _set_grad_enabled(previous)
 
 
+_INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
 _ACCUMULATES, _RETURNS, _SKIPS = _torch.ACCUMULATES, _torch.RETURNS, _torch.SKIPS
 _pass_reaches = _torch.pass_reaches
 
@@ -1029,6 +1039,22 @@ class Capture:
     @grad_outputs.setter
     def grad_outputs(self, value: bool) -> None:
         self._log.grad_outputs = bool(value)
+
+    @property
+    def root(self) -> nn.Module:
+        """The module that holds the layers (the model without compile and data-parallel wrappers)."""
+        return self._root
+
+    def model_input_shapes(self, forward: int | None) -> list[torch.Size] | None:
+        """The shapes of the tensors the model was called with in forward number ``forward`` (a
+        ``Call.forward``), for a reader that checks what its calls see against the model's batch.
+
+        The first call starts keeping them (for the latest 256 eager forwards with grad enabled);
+        ``None`` for a forward not kept (before that, compiled, or under ``no_grad``)."""
+        log = self._log
+        if log.input_shapes is None:
+            log.input_shapes = {}
+        return None if forward is None else log.input_shapes.get(forward)
 
     @property
     def keep_calls(self) -> bool:

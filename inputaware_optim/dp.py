@@ -12,11 +12,9 @@ from typing import Any, NoReturn, TypeGuard
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_flatten
 
-from ._torch import remove_hooks_of
+from ._torch import tree_flatten
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
@@ -118,6 +116,16 @@ _DOC = r"""
         params: Parameters or param groups of ``model`` (default: all that require grad).
     """
 
+_BATCH_NORMS = (
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+    nn.SyncBatchNorm,
+    nn.LazyBatchNorm1d,
+    nn.LazyBatchNorm2d,
+    nn.LazyBatchNorm3d,
+)
+
 
 class _PerSampleClipping(InputAwareOptimizer):
     """The privatization shared by DPSGD and DPAdamW."""
@@ -160,10 +168,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._privacy_history: list[tuple[float, float | None, int]] = []
         self._generator = generator or _seeded_generator()
         super().__init__(model, params, lr=lr, **kwargs)
-        self._root_batches = _RootBatches(self.capture._log, batch_dim)
-        handle = unwrap_model(model).register_forward_pre_hook(self._root_batches, with_kwargs=True)
-        weakref.finalize(self, handle.remove)
-        self._clipped.root_batches = self._root_batches
+        self.capture.model_input_shapes(None)  # the capture keeps the model's input shapes from now on
 
     @property
     def privacy_history(self) -> list[tuple[float, float | None, int]]:
@@ -258,7 +263,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._group_privacy()
         _refuse_sharded_without_closed_form(self)
         for module in self._modules_to_capture(self._params()):
-            if isinstance(module, _BatchNorm):
+            if isinstance(module, _BATCH_NORMS):
                 raise ValueError(
                     f"{type(self).__name__} cannot clip per-sample gradients through {type(module).__name__} "
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
@@ -344,7 +349,6 @@ class _PerSampleClipping(InputAwareOptimizer):
             return optimizer._group_privacy()[0]
 
         clipped = ClippedSums(self.capture, trained, clip, reduction, self._expected_batch_size, self._batch_dim)
-        clipped.root_batches = self.__dict__.get("_root_batches")
         return {"_clipped": clipped}
 
     @torch.no_grad()
@@ -357,7 +361,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             self._refuse_unsupported_layers()
             self._checked_trained = trained
         root = unwrap_model(self.model)
-        mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BatchNorm) and m.training]
+        mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BATCH_NORMS) and m.training]
         if mixing:  # even without parameters, a batch norm in training mode mixes the samples
             raise RuntimeError(
                 f"{type(self).__name__} cannot clip per-sample gradients: {', '.join(mixing)} normalizes over the "
@@ -632,7 +636,7 @@ class ClippedSums(Reduction):
         self.passes = itertools.count()  # a token per backward pass
         # ``clip()``: max_grad_norm as the optimizer's param groups hold it when a pass ends
         self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
-        self.root_batches: _RootBatches | None = None
+        self.capture = capture
         self.name = capture.name
         self.names: dict[nn.Module, list[str]] = {}  # parameters only this module owns
         self.shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules own
@@ -689,9 +693,8 @@ class ClippedSums(Reduction):
             f: _samples({m: [_batch_first(c, self.batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
             for f, calls in by_forward.items()
         }
-        if self.root_batches is not None:
-            for forward, count in samples.items():
-                self.root_batches.check(forward, count, by_forward[forward], self.name)
+        for forward, count in samples.items():
+            _check_model_batch(self.capture, self.batch_dim, forward, count, by_forward[forward])
         scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         clip = self.clip()
         out: dict[Tensor, Any] = {}
@@ -1016,61 +1019,22 @@ def _batch_first(call: Call, batch_dim: int) -> Call:
     return Call(call.module, args, kwargs, slot, call.forward)
 
 
-class _RootBatches:
-    """A forward pre-hook on the root model: the sizes along ``batch_dim`` of its tensor arguments,
-    by forward number, so that each forward's sample count can be checked against them.
-
-    Only eager forwards with grad enabled are recorded, and each record is read once: compiled
-    forwards do not advance the forward count, so they are not checked rather than checked against
-    another forward's batch."""
-
-    _KEEP = 256  # forwards remembered (a step reads the last few)
-
-    def __init__(self, log: Any, batch_dim: int) -> None:
-        self.log, self.batch_dim = log, batch_dim
-        self.sizes: dict[int, set[int]] = {}
-        self.root: nn.Module | None = None
-
-    def __call__(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return
-        self.root = module
-        leaves = args if not kwargs and all(type(a) is Tensor for a in args) else tree_flatten((args, kwargs))[0]
-        self.sizes[self.log.forwards] = {
-            int(t.shape[self.batch_dim]) for t in leaves if isinstance(t, Tensor) and t.dim() > self.batch_dim
-        }
-        while len(self.sizes) > self._KEEP:
-            del self.sizes[next(iter(self.sizes))]
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Copied with the model (deepcopy, pickle, torch.save, an EMA twin): the copy belongs to no
-        # optimizer, so its hook records nothing and takes itself off at its next call.
-        return (_inert_root_batches, ())
-
-    def check(self, forward: Any, samples: int, calls: dict[nn.Module, list[Call]], names: Any) -> None:
-        sizes = self.sizes.pop(forward, None)
-        if not sizes or samples in sizes or any(m is self.root for m in calls):
-            return  # agrees, or the model is itself a layer whose call says what its samples are
-        layers = ", ".join(names(m) for m in list(calls)[:3])
-        raise RuntimeError(
-            f"the layers called in one forward ({layers}, ...) hold {samples} samples along dim {self.batch_dim}, "
-            f"but no tensor argument of the model has {samples} along dim {self.batch_dim} (it has "
-            f"{sorted(sizes)}): a layer sees the batch along another dimension. Sequence-first tensors "
-            "(T, B, ...), the default of nn.LSTM, nn.Transformer and nn.MultiheadAttention, would be clipped per "
-            "time step instead of per sample, which breaks the privacy bound. Pass batch_dim=1 if every layer "
-            "gets (T, B, ...), or keep the batch first throughout (batch_first=True). No parameter was changed"
-        )
-
-
-class _InertRootBatches:
-    """A copied ``_RootBatches`` hook: removes itself from the module it runs on."""
-
-    def hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        remove_hooks_of(module, self)
-
-
-def _inert_root_batches() -> Any:
-    return _InertRootBatches().hook  # a bound method, as remove_hooks_of finds hooks by their owner
+def _check_model_batch(capture: Any, batch_dim: int, forward: Any, samples: int, calls: dict[nn.Module, Any]) -> None:
+    """Refuse a forward whose layers hold ``samples`` samples along ``batch_dim`` while no tensor
+    the model was called with has that many: a layer sees the batch along another dimension."""
+    shapes = capture.model_input_shapes(forward)
+    sizes = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
+    if not sizes or samples in sizes or any(m is capture.root for m in calls):
+        return  # agrees, or the model is itself a layer whose call says what its samples are
+    layers = ", ".join(capture.name(m) for m in list(calls)[:3])
+    raise RuntimeError(
+        f"the layers called in one forward ({layers}, ...) hold {samples} samples along dim {batch_dim}, "
+        f"but no tensor argument of the model has {samples} along dim {batch_dim} (it has "
+        f"{sorted(sizes)}): a layer sees the batch along another dimension. Sequence-first tensors "
+        "(T, B, ...), the default of nn.LSTM, nn.Transformer and nn.MultiheadAttention, would be clipped per "
+        "time step instead of per sample, which breaks the privacy bound. Pass batch_dim=1 if every layer "
+        "gets (T, B, ...), or keep the batch first throughout (batch_first=True). No parameter was changed"
+    )
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:

@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ._torch import tree_flatten, tree_unflatten
 from .inputs import Call, Captured
 
 __all__ = ["GENERIC", "Layer", "LayerKind", "PerSample", "bias_of", "layer_kind", "register_layer", "weight_of"]
@@ -537,7 +537,7 @@ class ConvKind(_MatrixPerSample):
         so group ``j``'s columns are the ``j``-th of ``groups`` equal slices)."""
         assert isinstance(module, nn.modules.conv._ConvNd)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)  # pad as the layer does
+        x = F.pad(x, conv_padding(module), mode=mode)  # pad as the layer does
         return _windows(x, module.kernel_size, module.stride, module.dilation)
 
     def _spatial(self, module: nn.Module) -> int:
@@ -611,9 +611,9 @@ def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRow
     padding = [0] * spatial
     if module.padding_mode == "zeros" and isinstance(module.padding, tuple):
         padding = list(module.padding)  # the kernels pad by themselves
-    elif any(module._reversed_padding_repeated_twice):  # other modes, or "same" (perhaps uneven)
+    elif any(conv_padding(module)):  # other modes, or "same" (perhaps uneven)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+        x = F.pad(x, conv_padding(module), mode=mode)
     weight, bias = "weight" in names, "bias" in names
     batch, channels, outputs = x.shape[0], x.shape[1], g.shape[1]
     kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
@@ -1068,3 +1068,19 @@ def _batch_of(call: Call) -> int:
     if first is None or first.dim() == 0:
         raise RuntimeError(f"cannot tell the batch size of {call!r}: its first tensor argument has no batch dimension")
     return int(first.shape[0])
+
+
+def conv_padding(module: nn.Module) -> tuple[int, ...]:
+    """The padding a convolution applies, in ``F.pad``'s order (last dimension first, each as
+    ``(before, after)``): ``"same"`` splits ``dilation * (kernel - 1)`` with the extra on the after side."""
+    assert isinstance(module, nn.modules.conv._ConvNd)
+    spatial = len(module.kernel_size)
+    if module.padding == "valid":
+        return (0,) * (2 * spatial)
+    if module.padding == "same":
+        pads: list[int] = []
+        for dilation, kernel in zip(reversed(module.dilation), reversed(module.kernel_size), strict=True):
+            total = dilation * (kernel - 1)
+            pads += [total // 2, total - total // 2]
+        return tuple(pads)
+    return tuple(p for p in reversed(tuple(module.padding)) for _ in range(2))

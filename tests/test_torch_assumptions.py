@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -282,3 +283,29 @@ def test_the_engine_query_behind_returned_gradients() -> None:
     output.sum().backward(inputs=[x], retain_graph=True)
     output.sum().backward()
     assert seen == [RETURNS, SKIPS, SKIPS, ACCUMULATES]
+
+
+@pytest.mark.parametrize("padding", [0, 2, (1, 3), "same", "valid"])
+@pytest.mark.parametrize("kernel", [1, 2, 3, (2, 5)])
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_conv_padding_is_what_the_convolution_pads(padding: Any, kernel: Any, dilation: int) -> None:
+    from inputaware_optim.layers import conv_padding
+
+    conv = nn.Conv2d(2, 3, kernel, padding=padding, dilation=dilation)
+    assert conv_padding(conv) == tuple(conv._reversed_padding_repeated_twice)
+    x = torch.randn(1, 2, 9, 10)
+    padded = torch.nn.functional.pad(x, conv_padding(conv))
+    expected = torch.nn.functional.conv2d(padded, conv.weight, conv.bias, dilation=dilation)
+    torch.testing.assert_close(conv(x), expected)
+
+
+def test_the_batch_norms_dp_names_are_every_batch_norm_torch_has() -> None:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from inputaware_optim.dp import _BATCH_NORMS
+
+    def subclasses(cls: type) -> set[type]:
+        return {cls, *(c for s in cls.__subclasses__() for c in subclasses(s))}
+
+    trainable = {c for c in subclasses(_BatchNorm) if c.__module__.startswith("torch.nn.")} - {_BatchNorm}
+    assert trainable and all(issubclass(c, _BATCH_NORMS) for c in trainable), trainable

@@ -7,8 +7,7 @@ which hooks run at the next one and turns the capture's reading on or off before
 forward, so on a step that ``every`` skips nothing is kept for the hooks (and with no other
 reader, no module hook is attached at all).
 
-Used by ``InputAwareOptimizer.register_inputs_hook``, and by ``Monitor`` for a plain
-``torch.optim`` optimizer with a ``Capture`` (driven by torch's own step hooks).
+Used by ``InputAwareOptimizer.register_inputs_hook``.
 """
 
 from __future__ import annotations
@@ -191,7 +190,7 @@ class StepHooks:
             return
         updates: dict[Tensor, Tensor] | None = None
         before, self._before = self._before, None
-        if before is not None:
+        if before:
             with torch.no_grad():
                 params = [p.detach() for p in before]
                 changes = foreach_sub(params, list(before.values()))  # one pass; the copies go
@@ -207,9 +206,11 @@ class StepHooks:
         self._arm(releasing=True)
 
     def evaluate_closure(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
-        """Run the closure now, so pre-step hooks see its calls; the step gets one that returns its loss."""
-        if closure is None or not any(e.when == "pre" for e in self._entries if e.due(self.step)):
-            return closure
+        """Run the closure now, so pre-step hooks see its calls (and a post-step hook reading updates,
+        the parameters before them); the step gets one that returns its loss."""
+        due = [e for e in self._entries if e.due(self.step)]
+        if closure is None or not any(e.when == "pre" or e.updates for e in due):
+            return closure  # (a post hook reading updates needs the gradients before the update)
         with torch.enable_grad():
             loss = closure()
         return lambda: loss

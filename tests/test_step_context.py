@@ -106,3 +106,30 @@ def test_an_error_in_a_readers_hook_code_reaches_the_step_as_its_own_type_from_t
         optimizer.step()
     assert isinstance(raised.value.__cause__, Broken) and raised.value.__cause__.__traceback__ is not None
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_a_post_hook_reading_updates_sees_them_on_a_closure_step() -> None:
+    model = nn.Sequential(nn.Linear(4, 3))
+    reference = copy.deepcopy(model)
+    optimizer = InputAwareAdamW(model, lr=0.1)
+    stock = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    seen: list[Any] = []
+    optimizer.register_inputs_hook(lambda opt, inputs, updates: seen.append(updates), when="post", reads="updates")
+    x = torch.randn(5, 4)
+
+    def closure(net: nn.Module, opt: Any) -> Any:
+        def run() -> torch.Tensor:
+            opt.zero_grad()
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            return loss
+
+        return run
+
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step(closure(model, optimizer))
+    stock.step(closure(reference, stock))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    (updates,) = seen
+    for p, b in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(updates[p], p.detach() - b, rtol=0, atol=0)

@@ -40,7 +40,7 @@ class KroneckerVectors(FactorSums):
 class Eva(KroneckerRule):
     r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
 
-    ``Eva(model, lr, momentum=0.9, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
+    ``Eva(model, lr, momentum=None, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
     batch_averaged=True, damping_form="kronecker", params=None, **sgd_kwargs)``
 
     For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
@@ -76,7 +76,7 @@ class Eva(KroneckerRule):
     Args:
         model: The model.
         lr: Learning rate.
-        momentum: SGD momentum factor.
+        momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
         damping: :math:`\gamma`, added to the Kronecker product of the rank-one factors (> 0).
         stat_decay: Decay of the running vectors, in [0, 1).
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
@@ -114,7 +114,7 @@ class Eva(KroneckerRule):
         self,
         model: nn.Module,
         lr: float | None = None,
-        momentum: float = 0.9,
+        momentum: float | None = None,
         damping: float = 0.03,
         stat_decay: float = 0.95,
         kl_clip: float | None = 0.001,

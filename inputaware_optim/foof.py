@@ -25,7 +25,7 @@ class InputSecondMoment(FactorSums):
 class FOOF(KroneckerRule):
     r"""FOOF (Benzing 2022): gradient descent on neurons, a one-sided Kronecker preconditioner.
 
-    ``FOOF(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
+    ``FOOF(model, lr, momentum=None, damping=0.1, stat_decay=0.95, update_every=10, *,
     statistics_every=1, max_dim=None, distributed_inversion=False, inverse="cholesky", inverse_dtype=torch.float64,
     params=None, **sgd_kwargs)``
 
@@ -55,7 +55,7 @@ class FOOF(KroneckerRule):
     Args:
         model: The model.
         lr: Learning rate.
-        momentum: SGD momentum factor.
+        momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
         damping: :math:`\lambda`, added to the diagonal before inverting (>= 0). It is absolute,
             so it scales with the inputs' variance; the default suits standardized inputs, and
             values much smaller let rarely excited directions take very large steps.

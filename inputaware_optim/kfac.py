@@ -57,7 +57,7 @@ class KroneckerFactors(FactorSums):
 class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
-    ``KFAC(model, lr, momentum=0.9, damping=0.1, stat_decay=0.95, update_every=10, *,
+    ``KFAC(model, lr, momentum=None, damping=0.1, stat_decay=0.95, update_every=10, *,
     statistics_every=1, batch_averaged=True, convention="inputaware", max_dim=None,
     distributed_inversion=False, inverse="cholesky", inverse_dtype=torch.float64, params=None,
     **sgd_kwargs)``
@@ -114,7 +114,7 @@ class KFAC(KroneckerRule):
     Args:
         model: The model.
         lr: Learning rate.
-        momentum: SGD momentum factor.
+        momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
         damping: :math:`\lambda` (>= 0), split between the factors as above, or under
             ``convention="kfac-pytorch"`` as there.
         stat_decay: Decay of the running factors, in [0, 1).

@@ -101,7 +101,7 @@ class KroneckerRule(InputAwareSGD):
         self,
         model: nn.Module,
         lr: float | None = None,
-        momentum: float = 0.9,
+        momentum: float | None = None,
         damping: float = 0.1,
         stat_decay: float = 0.95,
         update_every: int = 10,
@@ -142,10 +142,12 @@ class KroneckerRule(InputAwareSGD):
             "statistics_every": statistics_every,
         }
         base = sgd_kwargs.get("base")
-        if base is None or not isinstance(base, type) or "momentum" in inspect.signature(base).parameters:
-            sgd_kwargs["momentum"] = momentum  # (a base that is not a class is refused by name below)
-        elif momentum != 0.9:
-            raise ValueError(f"momentum={momentum} is an argument of SGD; {getattr(base, '__name__', base)} has none")
+        if base is None:
+            sgd_kwargs["momentum"] = 0.9 if momentum is None else momentum  # the rule's SGD default
+        elif momentum is not None:  # given: to a base that takes it (one that is not a class is refused below)
+            if isinstance(base, type) and "momentum" not in inspect.signature(base).parameters:
+                raise ValueError(f"momentum={momentum} is an argument of SGD; {base.__name__} has none")
+            sgd_kwargs["momentum"] = momentum
         super().__init__(model, params, lr=lr, **sgd_kwargs)
         wanted = "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)"
         self._warn_if_no_layers(self.reads_capability, wanted)

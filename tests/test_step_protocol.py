@@ -284,3 +284,21 @@ def test_a_model_copied_alone_runs_and_its_copied_hooks_come_off(rule: str, how:
         for _ in range(2):
             twin(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
         assert all(not m._forward_hooks and not m._forward_pre_hooks for m in twin.modules()), rule
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "Eva", "NLMS", "Rule", "InputAwareSGD"])
+def test_a_rule_in_front_of_muon_is_muon_fed_the_rules_gradient(rule: str) -> None:
+    """torch.optim.Muon (2-D parameters only), at its own defaults: the rule's SGD momentum stays out."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6, bias=False), nn.Tanh(), nn.Linear(6, 3, bias=False)).double()
+    reference = copy.deepcopy(model)
+    optimizer = RULES[rule](model, lr=0.02, base=torch.optim.Muon)
+    stock = torch.optim.Muon(reference.parameters(), lr=0.02)
+    for step in range(3):
+        backward(model, step)
+        backward(reference, step)
+        optimizer.step()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            q.grad = p.grad.clone()  # what the rule handed the base
+        stock.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))

@@ -71,7 +71,9 @@ def _entry(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
     return entry_step(step, outermost, nested, lambda self: self.__dict__.get("_step_depth", 0) > 0)
 
 
-def _check_arguments(cls: type, model: Any, storage: Any, capture_grad_outputs: Any, base: Any, lr: Any) -> None:
+def _check_arguments(
+    cls: type[InputAwareOptimizer], model: Any, storage: Any, capture_grad_outputs: Any, base: Any, lr: Any
+) -> None:
     """Refuse, before anything is built, what the constructor of ``cls`` cannot take."""
     name = cls.__name__
     for owner in cls.__mro__:  # an override that cannot take its inputs

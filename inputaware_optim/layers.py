@@ -1083,4 +1083,4 @@ def conv_padding(module: nn.Module) -> tuple[int, ...]:
             total = dilation * (kernel - 1)
             pads += [total // 2, total - total // 2]
         return tuple(pads)
-    return tuple(p for p in reversed(tuple(module.padding)) for _ in range(2))
+    return tuple(int(p) for p in reversed(tuple(module.padding)) for _ in range(2))  # type: ignore[call-overload]

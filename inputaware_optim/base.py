@@ -71,6 +71,18 @@ def _entry(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
     return entry_step(step, outermost, nested, lambda self: self.__dict__.get("_step_depth", 0) > 0)
 
 
+def _drop_in_signature(stock: type[Optimizer]) -> inspect.Signature:
+    """``(model, params=None, <the stock class's hyperparameters>, *, <the capture's options>, **base_kwargs)``."""
+    own = inspect.signature(InputAwareOptimizer.__init__).parameters
+    theirs = [p for name, p in inspect.signature(stock.__init__).parameters.items() if name not in ("self", "params")]
+    positional = [p for p in theirs if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword = [p for p in theirs if p.kind is p.KEYWORD_ONLY]
+    options = [p for p in own.values() if p.kind is p.KEYWORD_ONLY]
+    return inspect.Signature(
+        [own["model"], own["params"], *positional, *keyword, *options, own["kwargs"].replace(name="base_kwargs")]
+    )
+
+
 def _check_arguments(
     cls: type[InputAwareOptimizer], model: Any, storage: Any, capture_grad_outputs: Any, base: Any, lr: Any
 ) -> None:
@@ -608,6 +620,10 @@ class InputAwareOptimizer(Optimizer):
     # -- the step ---------------------------------------------------------------------------
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "__init__" in cls.__dict__:  # its own arguments, not a parent drop-in's
+            cls.__signature__ = None  # type: ignore[attr-defined]
+        elif "_stock" in cls.__dict__:  # a drop-in: the stock class's arguments, then the capture's
+            cls.__signature__ = _drop_in_signature(cls._stock)  # type: ignore[attr-defined]
         step = cls.__dict__.get("step")
         if step is not None and not hasattr(step, "inputaware_entry"):
             cls.step = _entry(cls.__qualname__, step)  # type: ignore[method-assign]

@@ -119,10 +119,21 @@ class Eva(KroneckerRule):
         stat_decay: float = 0.95,
         kl_clip: float | None = 0.001,
         *,
+        statistics_every: int = 1,
         batch_averaged: bool = True,
         damping_form: str = "kronecker",
-        **kwargs: Any,
+        max_dim: int | None = None,
+        distributed_inversion: bool = False,
+        params: Any = None,
+        **sgd_kwargs: Any,
     ) -> None:
+        for foreign in ("update_every", "inverse", "inverse_dtype"):
+            if foreign in sgd_kwargs:
+                raise TypeError(
+                    f"Eva() got {foreign}=: Eva inverts no matrix (its inverses are closed-form, formed from "
+                    "each statistics step's vectors), so it has no inverse schedule or method; leave it out "
+                    "(statistics_every= sets how often the statistics are read)"
+                )
         if damping_form not in DAMPING_FORMS:
             raise ValueError(
                 f"Invalid damping_form: {damping_form!r} (must be one of {', '.join(map(repr, DAMPING_FORMS))})"
@@ -135,7 +146,19 @@ class Eva(KroneckerRule):
         if not damping > 0.0:  # a rank-one factor is singular without it
             raise ValueError(f"Invalid damping: {damping} (must be > 0)")
         self._eva_defaults = {"batch_averaged": batch_averaged, "kl_clip": kl_clip}
-        super().__init__(model, lr, momentum, damping, stat_decay, 1, **kwargs)
+        super().__init__(
+            model,
+            lr,
+            momentum,
+            damping,
+            stat_decay,
+            1,
+            statistics_every=statistics_every,
+            max_dim=max_dim,
+            distributed_inversion=distributed_inversion,
+            params=params,
+            **sgd_kwargs,
+        )
 
     def _check_param_groups(self) -> None:
         super()._check_param_groups()

@@ -148,10 +148,20 @@ class KFAC(KroneckerRule):
         self,
         model: nn.Module,
         lr: float | None = None,
-        *args: Any,
+        momentum: float | None = None,
+        damping: float = 0.1,
+        stat_decay: float = 0.95,
+        update_every: int = 10,
+        *,
+        statistics_every: int = 1,
         batch_averaged: bool = True,
         convention: str = "inputaware",
-        **kwargs: Any,
+        max_dim: int | None = None,
+        distributed_inversion: bool = False,
+        inverse: str = "cholesky",
+        inverse_dtype: torch.dtype = torch.float64,
+        params: Any = None,
+        **sgd_kwargs: Any,
     ) -> None:
         if not isinstance(batch_averaged, bool):
             raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
@@ -159,7 +169,21 @@ class KFAC(KroneckerRule):
             raise ValueError(f"Invalid convention: {convention!r} (must be one of {', '.join(map(repr, CONVENTIONS))})")
         self._batch_averaged = batch_averaged
         self._kfac_pytorch = convention == "kfac-pytorch"
-        super().__init__(model, lr, *args, **kwargs)
+        super().__init__(
+            model,
+            lr,
+            momentum,
+            damping,
+            stat_decay,
+            update_every,
+            statistics_every=statistics_every,
+            max_dim=max_dim,
+            distributed_inversion=distributed_inversion,
+            inverse=inverse,
+            inverse_dtype=inverse_dtype,
+            params=params,
+            **sgd_kwargs,
+        )
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_statistics": KroneckerFactors(self._layers(self.reads_capability), self._kfac_pytorch)}

@@ -164,8 +164,9 @@ def test_inverse_options_are_validated_by_name() -> None:
         FOOF(net(), lr=0.1, inverse="qr")
     with pytest.raises(ValueError, match=r"Invalid inverse_dtype: torch\.float16"):
         KFAC(net(), lr=0.1, inverse_dtype=torch.float16)
-    with pytest.raises(ValueError, match=r"Eva inverts no matrix"):
-        Eva(net(), lr=0.1, inverse="eigh")
+    for foreign in ({"inverse": "eigh"}, {"inverse_dtype": torch.float32}, {"update_every": 5}):
+        with pytest.raises(TypeError, match=rf"Eva\(\) got {next(iter(foreign))}=: Eva inverts no matrix"):
+            Eva(net(), lr=0.1, **foreign)
 
 
 @pytest.mark.parametrize("rule", [FOOF, KFAC])

@@ -302,3 +302,19 @@ def test_a_rule_in_front_of_muon_is_muon_fed_the_rules_gradient(rule: str) -> No
             q.grad = p.grad.clone()  # what the rule handed the base
         stock.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("cls", [FOOF, KFAC, Eva, NLMS, DPSGD, InputAwareSGD, InputAwareAdamW])
+def test_every_hyperparameter_of_a_rule_is_in_its_signature(cls: type) -> None:
+    import inspect
+
+    parameters = inspect.signature(cls).parameters
+    assert not any(p.kind is p.VAR_POSITIONAL for p in parameters.values()), cls
+    own = {
+        "FOOF": {"damping", "stat_decay", "update_every", "statistics_every", "inverse"},
+        "KFAC": {"damping", "update_every", "batch_averaged", "convention", "inverse", "inverse_dtype"},
+        "Eva": {"damping", "kl_clip", "statistics_every", "damping_form"},
+        "NLMS": {"eps"},
+        "DPSGD": {"max_grad_norm", "noise_multiplier"},
+    }.get(cls.__name__, set())
+    assert own <= set(parameters), own - set(parameters)

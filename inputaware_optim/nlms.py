@@ -71,8 +71,10 @@ class NLMS(InputAwareSGD):
     _power: InputPower
 
     def __init__(
-        self, model: nn.Module, lr: float, eps: float = 1e-6, *, params: Any = None, **sgd_kwargs: Any
+        self, model: nn.Module, lr: float | None = None, eps: float = 1e-6, *, params: Any = None, **sgd_kwargs: Any
     ) -> None:
+        if lr is None:
+            raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
         if not 0.0 <= eps < math.inf:
             raise ValueError(f"Invalid eps: {eps} (must be finite and >= 0)")
         self._eps = eps

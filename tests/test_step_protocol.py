@@ -318,3 +318,10 @@ def test_every_hyperparameter_of_a_rule_is_in_its_signature(cls: type) -> None:
         "DPSGD": {"max_grad_norm", "noise_multiplier"},
     }.get(cls.__name__, set())
     assert own <= set(parameters), own - set(parameters)
+
+
+@pytest.mark.parametrize("cls", [FOOF, KFAC, Eva, NLMS])
+def test_rules_that_set_the_step_scale_take_lr_one_way(cls: type) -> None:
+    """The preconditioning rules have no default learning rate, and say so alike."""
+    with pytest.raises(TypeError, match=rf"^{cls.__name__}\(model, lr=\.\.\.\): the learning rate has no default"):
+        cls(net())

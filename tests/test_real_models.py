@@ -138,6 +138,15 @@ def test_conv1d_of_gpt2_matches_the_transposed_linear_reference() -> None:
     torch.testing.assert_close(conv1d.bias, linear.bias, rtol=1e-12, atol=1e-12)
 
 
+def per_sample_grads(
+    loss_of_one: Any, params: dict[str, torch.Tensor], *batched: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """``torch.func.grad`` one sample at a time, stacked (Hugging Face's masking code branches on the
+    position ids' values, which ``vmap`` cannot batch)."""
+    grads = [grad(loss_of_one)(params, *(b[i] for b in batched)) for i in range(len(batched[0]))]
+    return {k: torch.stack([g[k] for g in grads]) for k in params}
+
+
 def clipped_reference(model: nn.Module, ids: torch.Tensor, clip: float, **extra: Any) -> dict[str, torch.Tensor]:
     """The textbook DP gradient (noise off): vmap(grad) per sample over the whole model, clipped, averaged."""
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -146,7 +155,7 @@ def clipped_reference(model: nn.Module, ids: torch.Tensor, clip: float, **extra:
         kwargs = {k: v[None] for k, v in zip(extra, rest, strict=True)}
         return functional_call(model, p, (), {"input_ids": one[None], "labels": one[None], **kwargs}).loss
 
-    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0, *([0] * len(extra))))(params, ids, *extra.values())
+    per_sample = per_sample_grads(loss_of_one, params, ids, *extra.values())
     norms = torch.sqrt(sum(g.reshape(len(ids), -1).pow(2).sum(1) for g in per_sample.values()))
     factors = (clip / (norms + 1e-6)).clamp(max=1.0)
     return {k: torch.tensordot(factors, g, dims=1) / len(ids) for k, g in per_sample.items()}
@@ -478,7 +487,7 @@ def test_hf_trainer_runs_dp_on_bert_and_equals_per_sample_clipping(tmp_path: Any
             model, p, (), {"input_ids": ids[None], "labels": ids[None], "position_ids": positions[None]}
         ).loss
 
-    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0, 0))(params, batch["input_ids"], batch["position_ids"])
+    per_sample = per_sample_grads(loss_of_one, params, batch["input_ids"], batch["position_ids"])
     norms = torch.sqrt(sum(g.reshape(B, -1).pow(2).sum(1) for g in per_sample.values()))
     factors = (0.5 / (norms + 1e-6)).clamp(max=1.0)
     optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.5, noise_multiplier=0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import numbers
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -1078,6 +1079,12 @@ def _refuse_sharded_without_closed_form(optimizer: InputAwareOptimizer) -> None:
 
 
 def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:
+    for name, value in (("max_grad_norm", max_grad_norm), ("noise_multiplier", noise_multiplier)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"Invalid {name}: {value!r} (must be a number: DP-SGD clips every sample's gradient to "
+                "max_grad_norm and adds noise_multiplier * max_grad_norm; there is no DP without both)"
+            )
     if not 0.0 < max_grad_norm < math.inf:
         raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (must be finite and > 0)")
     if not 0.0 <= noise_multiplier < math.inf:

@@ -133,3 +133,21 @@ def test_a_post_hook_reading_updates_sees_them_on_a_closure_step() -> None:
     (updates,) = seen
     for p, b in zip(model.parameters(), before, strict=True):
         torch.testing.assert_close(updates[p], p.detach() - b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("keyword", ["max_grad_norm", "noise_multiplier"])
+def test_dp_without_a_clip_or_noise_is_refused_by_name(keyword: str) -> None:
+    from inputaware_optim import DPSGD
+
+    with pytest.raises(TypeError, match=rf"Invalid {keyword}: None \(must be a number"):
+        DPSGD(nn.Linear(2, 2), **{keyword: None})
+
+
+def test_the_command_line_help_is_plain_text() -> None:
+    import subprocess
+    import sys
+
+    shown = subprocess.run(
+        [sys.executable, "-m", "inputaware_optim", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "plot LOG.jsonl" in shown and "``" not in shown

@@ -25,7 +25,7 @@ DESCRIPTIONS = {
     PLAIN: "InputAwareAdamW with nothing reading its capture (no hook on the model): the baseline",
     EVERY_STEP: "input statistics of every module and parameter norms, logged at every step (to a callback)",
     EVERY_100: "the same, logged every 100 steps: the steps in between compute and keep nothing",
-    FINDER: "a sum of every module's inputs, outputs and their gradients, one finiteness check per step",
+    FINDER: "a sum of each computing module's inputs, outputs and their gradients, one check per step",
 }
 
 
@@ -135,8 +135,9 @@ SECTION = Section(
         "(a forward hook and an output-gradient pre-hook per call, a commit per backward pass), five "
         "passes over every module input (sum, sum of squares, zeros on the integer view, largest and "
         "smallest value), and per parameter the norms of the gradient, the weight and the update, the "
-        "last from a copy of the parameters taken before the update. The finder sums each new tensor "
-        "once (inputs that are another module's output are not summed again) and each gradient once."
+        "last from a copy of the parameters kept between logged steps. The finder hooks only the modules "
+        "that compute (no containers), sums each new tensor once in its own dtype (inputs that are another "
+        "module's output are not summed again) and each gradient once."
     ),
     run=run,
     estimate=(0.5, 180),

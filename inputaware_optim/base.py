@@ -547,30 +547,36 @@ class InputAwareOptimizer(Optimizer):
                 return f"{what} ({type(layer.module).__name__})", None, False
             if layer.homogeneous and bias_of(layer.module) is param:
                 return f"{what} (bias column of {type(layer.module).__name__})", None, False
+        reason, fallback = self._uncovered(param, module, capability)
+        return stock, reason, fallback
+
+    def _uncovered(self, param: Tensor, module: nn.Module | None, capability: str) -> tuple[str, bool]:
+        """Why a rule acting on layers with ``capability`` leaves ``param`` to the stock update, and
+        whether that is a fallback (a weight matrix the rule could be expected to cover)."""
         matrix = param.dim() >= 2  # a weight matrix is what such a rule is for; a scale or bias alone is not
         if module is None:
-            return stock, "not a parameter of any module (used functionally)", matrix
+            return "not a parameter of any module (used functionally)", matrix
         if param is not weight_or_none(module):
             if param is bias_of(module) and layer_kind(module) is not None:
-                return stock, "its layer is not covered, or the bias is trained apart from the weight", False
-            return stock, f"{type(module).__name__}.{_param_name(module, param)} is not a weight matrix", matrix
+                return "its layer is not covered, or the bias is trained apart from the weight", False
+            return f"{type(module).__name__}.{_param_name(module, param)} is not a weight matrix", matrix
         kind = layer_kind(module)
         if kind is None:
-            return stock, why_no_kind(module), matrix
+            return why_no_kind(module), matrix
         if not kind.provides(capability):
-            return stock, f"{type(module).__name__} has no {capability.replace('_', ' ')} (its LayerKind)", matrix
+            return f"{type(module).__name__} has no {capability.replace('_', ' ')} (its LayerKind)", matrix
         if not any(p is param for p in self._params() if p.requires_grad):
-            return stock, "not trained by this optimizer", False
+            return "not trained by this optimizer", False
         others = [m for m in self._owners_in_model(param) if (k := layer_kind(m)) is None or not k.provides(capability)]
         if others:
             names = ", ".join(f"{self.capture.name(m)} ({type(m).__name__})" for m in others)
-            return stock, f"the weight is shared with {names}, whose calls give no {capability.replace('_', ' ')}", True
+            return f"the weight is shared with {names}, whose calls give no {capability.replace('_', ' ')}", True
         for candidate in self._layers(capability, with_excluded=True):
             if weight_of(candidate.module) is param:
                 reason = self._excluded(candidate)
                 if reason is not None:
-                    return stock, reason, True
-        return stock, "its module is not captured (a weight shared with a module of another kind?)", matrix
+                    return reason, True
+        return "its module is not captured (a weight shared with a module of another kind?)", matrix
 
     def _check_coverage(self) -> None:
         """At the first step: warn once about every fallback, or refuse them under ``strict=True``."""

@@ -257,6 +257,7 @@ class _Log:
         # module -> what its readers need: (output gradients, inputs kept, a forward, a backward)
         self.needs: dict[nn.Module, tuple[bool, bool, bool, bool]] = {}
         self.own_keys: dict[nn.Module, tuple[_Key, ...]] = {}  # module -> its own parameters' keys
+        self.producers: dict[nn.Module, tuple[Reduction, ...]] = {}  # readers of what a call's node produced
         self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}  # ... and those its readers name
         self.keys: dict[Tensor, _Key] = {}
         self.tasks: dict[int, _Task] = {}
@@ -295,6 +296,9 @@ class _Log:
         keys = (*own, *(self.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(named)))
         if keys or not any(k.param is None for k in self.keys_of.get(module, ())):
             self.keys_of[module] = keys or (_Key(None),)
+        self.producers[module] = tuple(r for r in readers if type(r).produced is not Reduction.produced)
+        if not self.producers[module]:
+            del self.producers[module]
         if not readers:
             self.readers.pop(module, None)
             self.needs.pop(module, None)
@@ -442,7 +446,19 @@ class _Log:
                 t.register_hook(functools.partial(self._leaf_gradient, record, position))
             else:
                 node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
+                if position == 0 and module in self.producers:
+                    node.register_hook(functools.partial(self._produced, module))
         return None
+
+    def _produced(self, module: nn.Module, grad_inputs: Any, grad_outputs: Any) -> None:
+        """A call's first output node has computed the gradients it sends back (``Reduction.produced``)."""
+        for reader in self.producers.get(module, ()):
+            self.reduce(functools.partial(reader.produced, module, grad_inputs))
+
+    def arrived(self, param: Tensor, grad: Tensor) -> None:
+        """A tensor hook on a watched parameter: ``grad`` is about to be added to its ``.grad``."""
+        for reader in {r: None for m, readers in self.producers.items() for r in readers if r.receives(m, param)}:
+            self.reduce(functools.partial(reader.arrived, param, grad))
 
     def recomputed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Forward pre-hook: non-reentrant checkpointing re-runs a forward in backward. A call whose
@@ -978,6 +994,7 @@ class Capture:
         self._removed = False
         self._hooked: set[int] = set()  # ids of the modules that carry our forward hook
         self._prehooked: set[int] = set()  # ... and our pre-hook for checkpointing's re-run
+        self._param_hooked: set[int] = set()  # ids of the parameters that carry our tensor hook
         if modules is None:
             modules = [m for m in root.modules() if any(p is not None for p in m._parameters.values())]
         self.add_modules(modules)
@@ -1132,6 +1149,7 @@ class Capture:
             self._handles.clear()
             self._hooked.clear()
             self._prehooked.clear()
+            self._param_hooked.clear()
             return
         if not self._handles:
             self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
@@ -1143,6 +1161,11 @@ class Capture:
             if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
                 self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
                 self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
+        for module, readers in log.producers.items():  # gradients arriving at what producers audit
+            for param in dict.fromkeys(p for r in readers for p in r.keys(module) if r.receives(module, p)):
+                if id(param) not in self._param_hooked and param.requires_grad:
+                    self._param_hooked.add(id(param))
+                    self._handles.append(param.register_hook(functools.partial(log.arrived, param)))
         for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
             if key.accumulator is None:
                 key.find_accumulator()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +28,8 @@ class TouchedRows(Reduction):
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.kinds: dict[nn.Module, LayerKind] = {m: kind for m in modules if (kind := layer_kind(m)) is not None}
+        self.made: dict[int, list[list[tuple[int, int]]]] = {}  # weight id -> per call: the gradients it sent
+        self.extra: dict[int, Tensor] = {}  # weight id -> rows with gradient from elsewhere
 
     def wants(self, module: nn.Module) -> bool:
         return module in self.kinds
@@ -43,42 +43,30 @@ class TouchedRows(Reduction):
     def combine(self, a: Any, b: Any) -> Any:
         return b if a is None else torch.unique(torch.cat([a, b]))
 
+    # -- the audit: rows with gradient from somewhere other than the captured calls ------------------
+    # A table's weight may also be used without calling its module (a tied output head written as
+    # ``F.linear(h, embed.weight)``); those uses put gradient in rows no captured call read, and
+    # those rows must move too. Proving there was no such use is cheap in the common case: when one
+    # call is the table's only contribution in a backward pass, the gradient reaching the weight is
+    # the very tensor that call's backward produced (same storage, same version). Otherwise the
+    # pass's incoming gradient is read once to find its nonzero rows.
 
-class _RowAudit:
-    """Rows of a lazy table that got gradient from somewhere other than its captured calls.
+    def receives(self, module: nn.Module, param: Tensor) -> bool:
+        return param is weight_of(module) and getattr(param, "device_mesh", None) is None  # (FSDP2: not reached)
 
-    A table's weight may also be used without calling its module (a tied output head written
-    as ``F.linear(h, embed.weight)``); those uses put gradient in rows no captured call read,
-    and those rows must move too. Proving there was no such use is cheap in the common case:
-    when one call is the table's only contribution in a backward pass, the gradient reaching
-    the weight is the very tensor that call's backward produced (same storage, same version).
-    Otherwise the pass's incoming gradient is read once to find its nonzero rows.
-    """
-
-    def __init__(self) -> None:
-        self.produced: dict[int, list[list[tuple[int, int]]]] = {}  # weight id -> per call: its gradients
-        self.extra: dict[int, Tensor] = {}  # weight id -> rows with gradient from elsewhere
-
-    def forward_hook(self, weight_id: int, module: nn.Module, args: Any, output: Any) -> None:
-        node = getattr(output, "grad_fn", None)
-        if node is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
-            return  # no gradient comes back this way, or compiled code: the full check decides
-        node.register_hook(functools.partial(self._produced, weight_id))
-
-    def _produced(self, weight_id: int, grad_inputs: Any, grad_outputs: Any) -> None:
+    def produced(self, module: nn.Module, grad_inputs: Any) -> None:
         made = [(t.data_ptr(), t._version) for t in grad_inputs if isinstance(t, Tensor) and t.layout == torch.strided]
-        self.produced.setdefault(weight_id, []).append(made)
+        self.made.setdefault(id(weight_of(module)), []).append(made)
 
-    def gradient_hook(self, weight_id: int, incoming: Tensor) -> None:
-        produced = self.produced.pop(weight_id, [])
+    def arrived(self, param: Tensor, incoming: Tensor) -> None:
+        produced = self.made.pop(id(param), [])
         if incoming.is_sparse:
             return  # sparse contributions list their own rows (the step reads the indices)
         if len(produced) == 1 and (incoming.data_ptr(), incoming._version) in produced[0]:
             return  # exactly the one captured call's gradient
-        with torch.no_grad():
-            rows = incoming.reshape(incoming.shape[0], -1).ne(0).any(1).nonzero().squeeze(1)
-        previous = self.extra.get(weight_id)
-        self.extra[weight_id] = rows if previous is None else torch.unique(torch.cat([previous, rows]))
+        rows = incoming.reshape(incoming.shape[0], -1).ne(0).any(1).nonzero().squeeze(1)
+        previous = self.extra.get(id(param))
+        self.extra[id(param)] = rows if previous is None else torch.unique(torch.cat([previous, rows]))
 
     def take(self, weight: Tensor) -> Tensor | None:
         """The rows with gradient from elsewhere that still hold gradient now (stale ones drop out)."""
@@ -88,11 +76,6 @@ class _RowAudit:
             return None
         rows = rows[grad.index_select(0, rows).reshape(rows.numel(), -1).ne(0).any(1)]
         return rows if rows.numel() else None
-
-
-def _remove_handles(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 class LazyAdamW(InputAwareAdamW):
@@ -159,12 +142,7 @@ class LazyAdamW(InputAwareAdamW):
             model, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **adamw_kwargs
         )
         self._warn_if_no_layers("touched_rows", "nn.Embedding or nn.EmbeddingBag")
-        self._audit = _RowAudit()
-        self._audit_handles: list[Any] = []
-        self._audited: set[int] = set()
         self._warned_extra: set[int] = set()
-        weakref.finalize(self, _remove_handles, self._audit_handles)
-        self._attach_audit(self._lazy_modules())
 
     def _check_param_groups(self) -> None:
         """Refuse, by name, a table sharded other than on its rows over a 1-D mesh (FSDP2's default):
@@ -186,18 +164,6 @@ class LazyAdamW(InputAwareAdamW):
                     f"{tuple(placements)} over a {mesh.ndim}-D mesh. Shard it with fully_shard's default placement "
                     "(Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
                 )
-
-    def _attach_audit(self, modules: list[nn.Module]) -> None:
-        """Hooks that find gradient rows no captured call explains (see ``_RowAudit``)."""
-        for module in modules:
-            weight = weight_of(module)
-            if id(weight) in self._audited or getattr(weight, "device_mesh", None) is not None:
-                continue  # FSDP2 shards: autograd never reaches the sharded weight (not audited)
-            self._audited.add(id(weight))
-            self._audit_handles.append(
-                module.register_forward_hook(functools.partial(self._audit.forward_hook, id(weight)))
-            )
-            self._audit_handles.append(weight.register_hook(functools.partial(self._audit.gradient_hook, id(weight))))
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_rows": TouchedRows(self._lazy_modules())}
@@ -230,8 +196,6 @@ class LazyAdamW(InputAwareAdamW):
             and weight_of(m) in groups
             and owners[weight_of(m)] == 1  # a tied weight (say, an output head) gets gradients on every row
         ]
-        if "_audit" in self.__dict__:
-            self._attach_audit(lazy)  # a param group added since
         return lazy
 
     def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
@@ -260,7 +224,7 @@ class LazyAdamW(InputAwareAdamW):
                 lazy.append((weight, grad.indices()[0], group))
                 continue
             rows = touched.get(weight)
-            extra = self._audit.take(weight)
+            extra = self._rows.take(weight)
             if rows is None:  # no inputs were captured: stock AdamW updates it densely (Inputs warns)
                 inputs.get(weight)
                 continue

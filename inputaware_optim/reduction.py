@@ -70,6 +70,11 @@ class Reduction:
     * ``combine(a, b)``: how statistics add up over calls and backward passes (default: a sum).
     * ``keys(module)``: the parameters a call's statistics are kept under (default: the
       module's own parameters).
+    * ``produced(module, grad_inputs)`` and ``arrived(param, grad)``, for a reader that audits
+      where a parameter's gradient came from: the first runs when a call's output node has
+      computed the gradients it sends back (``grad_inputs``), the second when a gradient is about to
+      be added to the ``.grad`` of a parameter it keys (``receives(module, param)``). Defining
+      ``produced`` turns both on.
 
     Statistics under a parameter are kept exactly while that parameter's gradient holds the
     calls they came from: a gradient cleared (``zero_grad``, ``p.grad = None``) drops them,
@@ -106,6 +111,15 @@ class Reduction:
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         return tuple(p for p in module._parameters.values() if p is not None)
+
+    def produced(self, module: nn.Module, grad_inputs: Sequence[Tensor | None]) -> None:
+        return None
+
+    def receives(self, module: nn.Module, param: Tensor) -> bool:
+        return any(p is param for p in self.keys(module))
+
+    def arrived(self, param: Tensor, grad: Tensor) -> None:
+        return None
 
     def reduce_calls(self, calls: Iterable[Call]) -> dict[Tensor, Any]:
         """This reduction over raw calls, as the hooks would have computed it (one backward pass)."""

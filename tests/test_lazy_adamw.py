@@ -263,7 +263,7 @@ def test_a_table_only_its_module_uses_is_proven_without_reading_the_gradient() -
     tokens = torch.randint(0, 40, (5, 2))
     for _ in range(2):  # accumulation: each pass is proven on its own
         model(tokens).sum().backward()
-    assert optimizer._audit.extra == {}  # the identity proof held: no pass read the whole gradient
+    assert optimizer._rows.extra == {}  # the identity proof held: no pass read the whole gradient
     before = model[0].weight.detach().clone()
     optimizer.step()
     moved = (model[0].weight != before).any(1)
@@ -428,3 +428,40 @@ def test_a_sparse_gradient_with_strided_values_gives_the_dense_update() -> None:
     dense.step(inputs={dense_model.embed: [Call(dense_model.embed, (tokens,), {})]})
     sparse.step(inputs={})
     assert torch.equal(dense_model.embed.weight, sparse_model.embed.weight)
+
+
+def test_compiled_with_no_graph_break_and_one_graph() -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Flatten(), nn.Linear(16, 1))
+    optimizer = LazyAdamW(model, lr=0.01)
+    compiled = torch.compile(model, backend="eager")
+    for _ in range(3):
+        optimizer.zero_grad()
+        compiled(torch.randint(0, 50, (4, 2))).sum().backward()
+        optimizer.step()
+    assert sum(counters["graph_break"].values()) == 0  # the row audit's own forward hook broke it twice
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def test_the_capture_is_the_only_hook_owner_and_dropping_the_optimizer_leaves_none() -> None:
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Embedding(40, 3), nn.Flatten(), nn.Linear(6, 1))
+    optimizer = LazyAdamW(model, lr=0.1)
+    model(torch.randint(0, 40, (5, 2))).sum().backward()
+    optimizer.step()
+    logs = {id(h.__self__) for m in model.modules() for h in m._forward_hooks.values()}
+    assert len(logs) == 1  # every module hook is the one capture's
+    assert model[0].weight._backward_hooks  # the audit's tensor hook, the capture's too
+    gone = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert gone() is None
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(not p._backward_hooks for p in model.parameters())

@@ -568,59 +568,29 @@ class _Log:
         for handle in task.handles:
             handle.remove()
         changed = {key for key, before in task.before.items() if key.param is None or _changed(key.state(), before)}
-        # Calls whose gradient went into no .grad wait for the next pass through them (a gradient
-        # penalty's backward after its torch.autograd.grad(create_graph=True)); if none comes, they
-        # go with the graph that holds them.
-        waiting = {
-            id(record)
-            for record in task.records
-            if record.rearm
-            and not record.deferred
-            and not any(key in changed for key in self.keys_of.get(record.module, ()))
-        }
-        for record in task.records:
-            if record.deferred:
-                self.error = self.error or (
-                    f"the inputs of a checkpointed call of {type(record.module).__name__} were not recomputed in "
-                    "backward, so its per-call statistics are missing; run the module outside the checkpointed "
-                    "region"
-                )
-                record.kept = None
-                record.deferred = False
-            elif record.waiting > 0:  # some output never got a gradient: reduce with what came
-                self._reduce_backward(record, task.scale)
+        waiting = self._waiting_for_next_pass(task, changed)
+        self._settle_records(task)
         returned = set(task.returned)
         counted = [
             record
             for record in task.records
             if id(record) not in waiting or any(key in returned for key in self.keys_of.get(record.module, ()))
         ]
-        finished: list[tuple[Reduction, dict[Tensor, Any]]] = []
-        for reduction in self.reductions:
-            entries = []
-            for record in counted:
-                readers = self.readers.get(record.module, ())
-                if reduction in readers and record.kept is not None:
-                    call = Call(record.module, (), {}, record.slot, record.forward)
-                    entries.append((call, record.kept[readers.index(reduction)]))
-            totals = self.reduce(functools.partial(reduction.finish, entries)) if entries else None
-            if totals is not None:
-                finished.append((reduction, totals))
+        finished = self._finish_reductions(counted)
         snapshots = {id(r): r.snapshot() for r in task.records if self.keep_calls and id(r) in waiting and returned}
-        for record in task.records:
-            if id(record) in waiting:  # ready for the next pass, with its readers' forward results
-                record.task, record.waiting, record.rearm = None, record.outputs, False
-                if record.forward_kept is not None:
-                    record.kept, record.forward_kept = record.forward_kept, None
-                if record.slot is not None:
-                    record.slot = [None] * len(record.slot)
-                continue
-            record.kept = record.forward_kept = None  # free what the reductions kept (inputs, output gradients)
-            if not self.keep_calls:
-                record.slot = None
-                record.args, record.kwargs = (), None
-            self.compiled.pop(record.index, None)
-        for key, grad in task.returned.items():  # torch.autograd.grad returned these: kept with them
+        self._release_records(task, waiting)
+        self._keep_with_returned(task, changed, snapshots, finished)
+        self._commit(task, changed, finished)
+
+    def _keep_with_returned(
+        self,
+        task: _Task,
+        changed: set[_Key],
+        snapshots: dict[int, _Record],
+        finished: list[tuple[Reduction, dict[Tensor, Any]]],
+    ) -> None:
+        """The calls of the gradients ``torch.autograd.grad`` returned go with those tensors."""
+        for key, grad in task.returned.items():
             if key in changed or key.param is None:
                 continue
             calls = [
@@ -631,6 +601,67 @@ class _Log:
             totals = {r: t[key.param] for r, t in finished if key.param in t}
             self.keep_returned(grad, key, calls, totals)
         task.returned.clear()
+
+    def _waiting_for_next_pass(self, task: _Task, changed: set[_Key]) -> set[int]:
+        """Calls whose gradient went into no ``.grad`` wait for the next pass through them (a gradient
+        penalty's backward after its ``torch.autograd.grad(create_graph=True)``); if none comes, they
+        go with the graph that holds them."""
+        return {
+            id(record)
+            for record in task.records
+            if record.rearm
+            and not record.deferred
+            and not any(key in changed for key in self.keys_of.get(record.module, ()))
+        }
+
+    def _settle_records(self, task: _Task) -> None:
+        """A checkpointed call never recomputed is an error; one with outputs that got no gradient
+        is reduced with what came."""
+        for record in task.records:
+            if record.deferred:
+                self.error = self.error or (
+                    f"the inputs of a checkpointed call of {type(record.module).__name__} were not recomputed in "
+                    "backward, so its per-call statistics are missing; run the module outside the checkpointed "
+                    "region"
+                )
+                record.kept = None
+                record.deferred = False
+            elif record.waiting > 0:
+                self._reduce_backward(record, task.scale)
+
+    def _finish_reductions(self, records: list[_Record]) -> list[tuple[Reduction, dict[Tensor, Any]]]:
+        """Each reduction's ``finish`` over the calls of the pass it read: ``{parameter: statistics}``."""
+        finished: list[tuple[Reduction, dict[Tensor, Any]]] = []
+        for reduction in self.reductions:
+            entries = []
+            for record in records:
+                readers = self.readers.get(record.module, ())
+                if reduction in readers and record.kept is not None:
+                    call = Call(record.module, (), {}, record.slot, record.forward)
+                    entries.append((call, record.kept[readers.index(reduction)]))
+            totals = self.reduce(functools.partial(reduction.finish, entries)) if entries else None
+            if totals is not None:
+                finished.append((reduction, totals))
+        return finished
+
+    def _release_records(self, task: _Task, waiting: set[int]) -> None:
+        """Free what the reductions kept of the pass's calls; re-arm those waiting for the next pass."""
+        for record in task.records:
+            if id(record) in waiting:  # ready for the next pass, with its readers' forward results
+                record.task, record.waiting, record.rearm = None, record.outputs, False
+                if record.forward_kept is not None:
+                    record.kept, record.forward_kept = record.forward_kept, None
+                if record.slot is not None:
+                    record.slot = [None] * len(record.slot)
+                continue
+            record.kept = record.forward_kept = None  # (inputs, output gradients)
+            if not self.keep_calls:
+                record.slot = None
+                record.args, record.kwargs = (), None
+            self.compiled.pop(record.index, None)
+
+    def _commit(self, task: _Task, changed: set[_Key], finished: list[tuple[Reduction, dict[Tensor, Any]]]) -> None:
+        """The gradients the pass changed now hold its calls and their statistics."""
         for key in changed:
             key.commit()
             if self.keep_calls:

@@ -400,7 +400,18 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise self._uncaptured([p for p in targets if p not in totals])
         self._refuse_split_forwards(totals)
         self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
-        clips = set().union(*(totals[p]["clips"] for p in present))
+        self._refuse_changed_clip(clip, set().union(*(totals[p]["clips"] for p in present)))
+        first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
+        self._refuse_accumulation_without_batch(len(first["passes"]))
+        if not distributed:
+            batch = self._expected_batch_size or first["samples"]
+            if batch == 0 and self._privacy[2] == "mean":
+                raise self._empty_batch()
+            divisor = float(batch) if self._privacy[2] == "mean" else 1.0
+            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
+        return self._private_gradients_over_ranks(targets, totals, present, first, clip, sigma, data_parallel)
+
+    def _refuse_changed_clip(self, clip: float, clips: set[float]) -> None:
         if clips - {clip}:
             raise RuntimeError(
                 f"{type(self).__name__}: max_grad_norm is {clip} now, but the samples of this step were clipped at "
@@ -409,22 +420,30 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "before the backward of the next one (a schedule's step() after optimizer.step()). No parameter "
                 "was changed"
             )
-        first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
-        if self._privacy[2] == "mean" and self._expected_batch_size is None and len(first["passes"]) > 1:
+
+    def _refuse_accumulation_without_batch(self, passes: int) -> None:
+        if self._privacy[2] == "mean" and self._expected_batch_size is None and passes > 1:
             raise RuntimeError(
-                f"{type(self).__name__} got {len(first['passes'])} backward passes in one step (gradient accumulation) "
+                f"{type(self).__name__} got {passes} backward passes in one step (gradient accumulation) "
                 "with loss_reduction='mean': to clip each sample's own gradient it must know the batch the loss "
                 "is a mean over. Pass expected_batch_size=<samples per step> (the loss of each micro-batch then "
                 "being its sum divided by that), or use loss_reduction='sum'. No parameter was changed"
             )
-        if not distributed:
-            batch = self._expected_batch_size or first["samples"]
-            if batch == 0 and self._privacy[2] == "mean":
-                raise self._empty_batch()
-            divisor = float(batch) if self._privacy[2] == "mean" else 1.0
-            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
-        # A module this rank's samples never reached (a branch, an expert) has a zero gradient for
-        # each of them; another rank's may have reached it. Every rank adds the same list.
+
+    def _private_gradients_over_ranks(
+        self,
+        targets: list[Tensor],
+        totals: dict[Tensor, Any],
+        present: list[Tensor],
+        first: dict[str, Any],
+        clip: float,
+        sigma: float,
+        data_parallel: Any,
+    ) -> dict[Tensor, Tensor]:
+        """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
+
+        A module this rank's samples never reached (a branch, an expert) has a zero gradient for
+        each of them; another rank's may have reached it. Every rank adds the same list."""
         dtype = totals[present[0]]["sum"].dtype if present else None
         sums = {
             p: totals[p]["sum"].clone()

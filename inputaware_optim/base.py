@@ -272,19 +272,23 @@ class InputAwareOptimizer(Optimizer):
         else:  # a rule that forwards params through **kwargs
             var_keyword = next(n for n, p in names.items() if p.kind is p.VAR_KEYWORD)
             arguments[var_keyword] = {**arguments.get(var_keyword, {}), "params": groups}
-        positional, keywords = [], {}
-        for name, value in arguments.items():
-            kind = names[name].kind
-            if kind is inspect.Parameter.VAR_POSITIONAL:
-                positional.extend(value)
-            elif kind is inspect.Parameter.VAR_KEYWORD:
-                keywords.update(value)
-            elif kind is inspect.Parameter.POSITIONAL_ONLY:
-                positional.append(value)
+        # Everything up to a non-empty *args goes by position (as it came), the rest by keyword.
+        extra = next((arguments.get(n, ()) for n, p in names.items() if p.kind is p.VAR_POSITIONAL), ())
+        positional: list[Any] = []
+        keywords: dict[str, Any] = {}
+        for name, parameter in names.items():
+            if name == "self" or name not in arguments:
+                continue
+            if parameter.kind is parameter.VAR_POSITIONAL:
+                positional.extend(arguments[name])
+            elif parameter.kind is parameter.VAR_KEYWORD:
+                keywords.update(arguments[name])
+            elif parameter.kind is parameter.POSITIONAL_ONLY or (
+                extra and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
+            ):
+                positional.append(arguments[name])
             else:
-                keywords[name] = value
-        if positional and "model" in keywords:  # keep the order: the model goes first
-            positional.insert(0, keywords.pop("model"))
+                keywords[name] = arguments[name]
         return (_rebuilt, (type(self), tuple(positional), keywords, self.state_dict()))
 
     def _compose(self, base: type[Optimizer], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

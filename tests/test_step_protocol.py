@@ -354,3 +354,14 @@ def test_state_dict_hooks_of_an_lbfgs_drop_in_see_lbfgs_state() -> None:
     resumed.register_load_state_dict_post_hook(lambda opt: loaded.append(opt._base_optimizer.state))
     resumed.load_state_dict(copy.deepcopy(saved))
     assert loaded and set(next(iter(loaded[0].values()))) == seen[0]
+
+
+def test_a_copy_of_an_optimizer_built_with_positional_arguments_and_groups() -> None:
+    model = net()
+    first, second = model[0], model[2]
+    groups = [{"params": first.parameters()}, {"params": second.parameters(), "lr": 0.2}]  # an iterator, spent
+    for optimizer in (InputAwareSGD(model, groups, 0.1, 0.9), FOOF(model, 0.1, 0.5, params=groups)):
+        copied = copy.deepcopy(optimizer)
+        assert [g["lr"] for g in copied.param_groups] == [g["lr"] for g in optimizer.param_groups]
+        assert [g["momentum"] for g in copied.param_groups] == [g["momentum"] for g in optimizer.param_groups]
+        assert [len(g["params"]) for g in copied.param_groups] == [2, 2]

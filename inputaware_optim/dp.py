@@ -605,8 +605,9 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "clipped per sample. Typical causes: the weight is also used without calling its module (a "
                 "tied head written F.linear(h, embed.weight): call the module instead), or the gradient was "
                 "changed after backward (clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's "
-                "max_grad_norm, manual edits: DP replaces the gradient, leave it as backward made it). No "
-                "parameter was changed"
+                "max_grad_norm, manual edits: DP replaces the gradient, leave it as backward made it), or a "
+                "gradient penalty (torch.autograd.grad(..., create_graph=True) then backward): its "
+                "double-backward terms mix samples and cannot be clipped per sample. No parameter was changed"
             )
 
 

@@ -151,3 +151,19 @@ def test_the_command_line_help_is_plain_text() -> None:
         [sys.executable, "-m", "inputaware_optim", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "plot LOG.jsonl" in shown and "``" not in shown
+
+
+def test_dp_under_a_gradient_penalty_is_refused_naming_it() -> None:
+    from inputaware_optim import DPSGD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=1.0, noise_multiplier=0.0)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    out = model(x).sum()
+    (penalty,) = torch.autograd.grad(out, x, create_graph=True)
+    (out + penalty.pow(2).sum()).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="gradient penalty"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -34,6 +34,26 @@ LINESTYLES = ("--", "-.", ":", "-")  # two-character styles first, so "--" is no
 COLORS = "bgrcmykw"
 
 
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
+
+
+def colours(plot: Plot) -> dict[str, str]:
+    """One colour per series label across every panel of ``plot``: the colour a label's first series
+    asks for (its style) unless an earlier label has it, else the next free one of the palette. So a
+    colour means the same thing in every panel, and two labels never share one."""
+    taken: dict[str, str] = {}
+    for panel in plot.panels:
+        for series in panel.series:
+            if series.label in taken:
+                continue
+            used = set(taken.values())
+            asked = next((c for c in series.style if c in COLORS), None)
+            if asked is None or asked in used:
+                asked = next((c for c in PALETTE if c not in used), "k")
+            taken[series.label] = asked
+    return taken
+
+
 def _look(style: str, index: int, count: int, points: int) -> dict[str, Any]:
     """Line and marker keywords for the ``index``-th of ``count`` series in a panel.
 
@@ -67,11 +87,13 @@ def render_to(plot: Plot, path: Path) -> str:
     rows = math.ceil(len(plot.panels) / columns)
     width = max(5.2 * columns, 7.5)
     figure, axes = plt.subplots(rows, columns, figsize=(width, 3.8 * rows), squeeze=False)
+    by_label = colours(plot)
     for ax, panel in zip(axes.flat, plot.panels, strict=False):
         count = len(panel.series)
         for index, series in enumerate(panel.series):
             y = [math.nan if v is None else v for v in series.y]
-            ax.plot(series.x, y, label=series.label, **_look(series.style, index, count, len(series.x)))
+            look = {**_look(series.style, index, count, len(series.x)), "color": by_label[series.label]}
+            ax.plot(series.x, y, label=series.label, **look)
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel(panel.xlabel)
         ax.set_ylabel(panel.ylabel)

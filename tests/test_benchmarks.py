@@ -281,3 +281,23 @@ def test_one_progress_bar_across_sections_counts_estimated_seconds() -> None:
     assert bar.position == pytest.approx(40.0)
     bar.close()
     assert "2/2 b" in shown.getvalue() and "100%" in shown.getvalue()
+
+
+def test_a_colour_means_one_series_label_across_the_panels_of_a_plot() -> None:
+    from benchmarks.core import Panel, Plot, Series
+    from benchmarks.plots import colours
+
+    def panel(*series: tuple[str, str]) -> Panel:
+        return Panel(
+            title="t",
+            xlabel="step",
+            ylabel="loss",
+            series=[Series(label, [0.0], [1.0], style) for label, style in series],
+        )
+
+    plot = Plot(
+        name="p", title="T", panels=[panel(("SGD", "r-"), ("FOOF", "b-")), panel(("FOOF", "r-"), ("DPSGD", "b--"))]
+    )
+    taken = colours(plot)
+    assert taken["SGD"] == "r" and taken["FOOF"] == "b"  # FOOF keeps its first colour in the second panel
+    assert len(set(taken.values())) == len(taken)  # DPSGD asked for FOOF's blue: it gets its own

@@ -1,17 +1,20 @@
-"""The assumptions this library makes about ``torch.optim``'s step machinery, in one place.
+"""Every assumption this library makes about torch's private internals, in one place.
 
 Each is checked by ``tests/test_torch_assumptions.py``, so a torch release that changes one
-fails there, by name, rather than somewhere in a rule.
+fails there, by name, rather than somewhere in a rule. Reach into torch only here.
 
 * ``Optimizer.__init__`` wraps ``type(self).step`` once per class with
   ``Optimizer.profile_hook_step`` (which runs the global and per-instance step pre- and
   post-hooks around the call) and marks the wrapper ``hooked = True``; a ``step`` already
   marked is left alone. The wrapper is made with ``functools.wraps``, so ``__wrapped__`` leads
-  to the function it wraps.
+  to the function it wraps. So a subclass whose ``step`` calls ``super().step()`` would run the
+  hooks twice once the parent class was wrapped too (any plain instance of it created):
+  ``entry_step`` gives each input-aware ``step`` torch's own wrapper for the outermost call and
+  lets nested calls through unwrapped; ``unhooked`` reaches a stock ``step`` without its wrapper.
 * ``nn.Module`` keeps its forward hooks and pre-hooks in ``_forward_hooks`` and
-  ``_forward_pre_hooks`` (with the ``*_with_kwargs`` and ``_forward_hooks_always_called`` flags
-  by the same key), and iterates over a copy of them when called, so a hook may remove itself.
-  ``remove_hooks_of`` relies on it for hooks that arrive in a copied model without their handles.
+  ``_forward_pre_hooks`` and iterates over a snapshot of them when called, so a hook may remove
+  itself (and a later one) while the module runs. ``remove_hooks_of`` relies on it for hooks that
+  arrive in a copied model without their handles.
 * Autograd: ``torch._C._current_graph_task_id()`` is -1 outside backward and one id per backward
   pass (a reentrant checkpoint region's nested backward is a pass of its own); a callback queued
   on ``Variable._execution_engine`` runs when the current pass is complete, after its hooks.
@@ -29,10 +32,6 @@ fails there, by name, rather than somewhere in a rule.
   skips by itself); ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel.
 * ``torch._foreach_sub``/``torch._foreach_norm``: one kernel over a list of tensors.
 * ``torch.utils._pytree``'s ``tree_flatten``/``tree_unflatten``/``tree_map_only``.
-* So a subclass whose ``step`` calls ``super().step()`` would run the hooks twice once the
-  parent class was wrapped too (any plain instance of it created). ``entry_step`` below gives
-  each input-aware ``step`` torch's own wrapper for the outermost call and lets nested calls
-  through unwrapped; ``unhooked`` reaches a stock ``step`` without its wrapper.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ fails there, by name, rather than somewhere in a rule. Reach into torch only her
 * ``GradScaler``: an optimizer whose class sets ``_step_supports_amp_scaling = True`` is handed
   ``grad_scale`` and ``found_inf`` as attributes and stepped even on inf/NaN (it unscales and
   skips by itself); ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel.
-* ``torch._foreach_sub``/``torch._foreach_norm``: one kernel over a list of tensors.
+* ``torch._foreach_sub``/``torch._foreach_norm``: one kernel over a list of tensors;
+  ``torch._fused_adamw_`` is the kernel of ``AdamW(fused=True)`` (LazyAdamW updates rows with it).
 * ``torch.utils._pytree``'s ``tree_flatten``/``tree_unflatten``/``tree_map_only``.
 """
 
@@ -53,6 +54,7 @@ __all__ = [
     "foreach_norm",
     "foreach_sub",
     "functorch_level",
+    "fused_adamw_",
     "grad_scaler_unscale_",
     "graph_task_id",
     "pass_reaches",
@@ -194,3 +196,4 @@ def grad_scaler_unscale_(grads: list[Any], found_inf: Any, inv_scale: Any) -> No
 # -- foreach kernels -----------------------------------------------------------------------------------
 foreach_sub = torch._foreach_sub
 foreach_norm = torch._foreach_norm
+fused_adamw_ = torch._fused_adamw_

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._torch import foreach_norm
 from .base import evaluate_closure
 from .inputs import Call, Captured, Inputs
 from .kronecker import FactorSums, KroneckerRule, _statistics_due
@@ -206,7 +207,7 @@ class Eva(KroneckerRule):
             directions.append(self._direction(matrix, a.to(matrix.dtype), g.to(matrix.dtype), damping))
         # Before any change, one check of every layer: each direction's norm is finite unless it holds
         # a NaN or an inf (or its squares overflow: then each element is checked).
-        if directions and not bool(torch.stack(torch._foreach_norm(directions)).isfinite().all()):
+        if directions and not bool(torch.stack(foreach_norm(directions)).isfinite().all()):
             for layer, direction in zip(layers, directions, strict=True):
                 if not bool(direction.isfinite().all()):
                     raise RuntimeError(

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._torch import fused_adamw_
 from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import unwrap_model
@@ -303,7 +304,7 @@ class LazyAdamW(InputAwareAdamW):
         if step.device != theta.device:
             step = step.to(theta.device)
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
+        fused_adamw_(
             [theta],
             [grad_rows],
             [moments[0]],

@@ -309,3 +309,20 @@ def test_the_batch_norms_dp_names_are_every_batch_norm_torch_has() -> None:
 
     trainable = {c for c in subclasses(_BatchNorm) if c.__module__.startswith("torch.nn.")} - {_BatchNorm}
     assert trainable and all(issubclass(c, _BATCH_NORMS) for c in trainable), trainable
+
+
+def test_fused_adamw_is_adamw_fused_on_the_tensors_it_is_given() -> None:
+    from inputaware_optim._torch import fused_adamw_
+
+    torch.manual_seed(0)
+    param, grad = torch.randn(4, 3), torch.randn(4, 3)
+    reference = nn.Parameter(param.clone())
+    reference.grad = grad.clone()
+    stock = torch.optim.AdamW([reference], lr=0.1, weight_decay=0.01, fused=True)
+    stock.step()
+    exp_avg, exp_avg_sq, step = torch.zeros(4, 3), torch.zeros(4, 3), torch.tensor(1.0)
+    fused_adamw_(
+        [param], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False, lr=0.1, beta1=0.9, beta2=0.999,
+        weight_decay=0.01, eps=1e-8, maximize=False,
+    )  # fmt: skip
+    assert torch.equal(param, reference.detach())

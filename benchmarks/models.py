@@ -93,7 +93,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        # Position ids batched like the tokens (B, T), as Hugging Face models take them: a per-sample
+        # rule (DP) needs every input of a layer to carry the batch dimension.
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         return self.head(self.norm(self.blocks(self.tokens(tokens) + self.positions(positions))))
 
 

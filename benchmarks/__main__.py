@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
@@ -53,7 +52,11 @@ def _parser() -> argparse.ArgumentParser:
         "--sample-ms", type=float, default=None, help="minimum length of one timed sample (default: 50; 5 with --quick)"
     )
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads for the whole run (default: every available CPU)"
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads for the whole run (default: 1, which keeps a run's timings steady on a machine "
+        "doing other work; more threads on a loaded machine make small steps many times slower)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of every model and data set (default: 0)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: benchmarks/out/<timestamp>)")
@@ -101,13 +104,14 @@ def _config(args: argparse.Namespace) -> Config:
     if pairs < 5:
         raise SystemExit(f"--repeats must be at least 5 (the methodology's minimum of interleaved pairs), got {pairs}")
     sample_ms = args.sample_ms if args.sample_ms is not None else (5.0 if quick else 50.0)
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    if args.threads < 1:
+        raise SystemExit(f"--threads must be at least 1, got {args.threads}")
     return Config(
         size=size,
         pairs=pairs,
         sample_seconds=sample_ms / 1e3,
         warmup_seconds=0.02 if quick else 0.1,
-        threads=int(threads or 1),
+        threads=args.threads,
         seed=args.seed,
     )
 

@@ -400,42 +400,43 @@ class _Log:
             return None  # inside vmap/grad: not a call of the training step
         if _graph_task_id() != -1 and _recomputing_checkpointed_forward():
             return None
-        if type(output) is Tensor:  # the common case, without the pytree machinery
-            if not output.requires_grad:
-                return None
-            outputs: list[Any] = [output]
-        else:
-            outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-            if not any(t.requires_grad for t in outputs):
-                return None  # no gradient can come back through this call
+        outputs = _differentiable_outputs(output)
+        if outputs is None:
+            return None  # no gradient can come back through this call
         record = _Record(module, next(self.counter), self.forwards)
         if self.keep_calls:
             self._keep_arguments(record, args, kwargs)
         readers = self.readers.get(module)
         if readers:
-            wants_grads, keeps_inputs, forward, _ = self.needs[module]
-            if self.grad_outputs or wants_grads:
-                record.slot = [None] * len(outputs)
-            if not forward:  # no reader computes anything from the inputs
-                record.kept = [None] * len(readers)
-            else:
-                frame = _checkpoint_frame() if keeps_inputs else None
-                if frame is not None:  # activation checkpointing: the inputs come back when recomputed
-                    record.deferred = True
-                    self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
-                call = Call(
-                    module,
-                    _detached(args),
-                    _detached(kwargs),
-                    None,
-                    record.forward,
-                    output.detach() if type(output) is Tensor else _detached(output),
-                )
-                record.kept = self.reduce(
-                    lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
-                )
+            self._read_forward(record, readers, args, kwargs, output, len(outputs))
         elif self.grad_outputs:
             record.slot = [None] * len(outputs)
+        self._await_gradients(record, outputs)
+        return None
+
+    def _read_forward(
+        self, record: _Record, readers: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, count: int
+    ) -> None:
+        """The readers' forward parts on a call, now or (inputs kept under checkpointing) when recomputed."""
+        module = record.module
+        wants_grads, keeps_inputs, forward, _ = self.needs[module]
+        if self.grad_outputs or wants_grads:
+            record.slot = [None] * count
+        if not forward:  # no reader computes anything from the inputs
+            record.kept = [None] * len(readers)
+            return
+        frame = _checkpoint_frame() if keeps_inputs else None
+        if frame is not None:  # activation checkpointing: the inputs come back when recomputed
+            record.deferred = True
+            self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
+        detached = output.detach() if type(output) is Tensor else _detached(output)
+        call = Call(module, _detached(args), _detached(kwargs), None, record.forward, detached)
+        record.kept = self.reduce(
+            lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
+        )
+
+    def _await_gradients(self, record: _Record, outputs: list[Tensor]) -> None:
+        """Hooks on the call's differentiable outputs, so its gradients reach ``arrive``."""
         for position, t in enumerate(outputs):
             if not t.requires_grad:
                 continue
@@ -446,9 +447,8 @@ class _Log:
                 t.register_hook(functools.partial(self._leaf_gradient, record, position))
             else:
                 node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
-                if position == 0 and module in self.producers:
-                    node.register_hook(functools.partial(self._produced, module))
-        return None
+                if position == 0 and record.module in self.producers:
+                    node.register_hook(functools.partial(self._produced, record.module))
 
     def _produced(self, module: nn.Module, grad_inputs: Any, grad_outputs: Any) -> None:
         """A call's first output node has computed the gradients it sends back (``Reduction.produced``)."""
@@ -507,29 +507,9 @@ class _Log:
         task_id = _graph_task_id()
         task = self.tasks.get(task_id)
         if task is None:
-            task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
-            _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
-            # What the gradients hold, as the pass finds them: all of them now, before the pass
-            # accumulates into any (which would look like a rescaling to a later look).
-            if self.refresh_keys(self.keys.values()):
-                self.generation += 1
+            task = self._begin_task(task_id)
         if record.task is None:
-            record.task = task_id
-            task.records.append(record)
-            keys = self.keys_of.get(record.module, ())
-            rearm = bool(keys)
-            for key in keys:
-                kind = task.kinds.get(key)
-                if kind is None:
-                    task.before[key] = key.state()
-                    kind = task.kinds[key] = _ACCUMULATES if task.accumulates else key.reach()
-                    if kind == _ACCUMULATES and key.param is not None and key.param.requires_grad:
-                        task.accumulates = True
-                    elif kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
-                        assert key.param is not None
-                        task.handles.append(key.param.register_hook(functools.partial(_note_returned, task, key)))
-                rearm = rearm and kind != _ACCUMULATES
-            record.rearm = rearm and not record.deferred and record.module is not _PENDING
+            self._join(record, task, task_id)
         elif record.task != task_id:
             self.error = (
                 f"backward ran twice through one forward call (of {type(record.module).__name__}), for example "
@@ -542,6 +522,35 @@ class _Log:
         record.waiting -= 1
         if record.waiting == 0 and not record.deferred:  # (a deferred one is reduced once recomputed)
             self._reduce_backward(record, task.scale)
+
+    def _begin_task(self, task_id: int) -> _Task:
+        """The first gradient of a backward pass reached a recorded call: the pass's bookkeeping."""
+        task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
+        _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
+        # What the gradients hold, as the pass finds them: all of them now, before the pass
+        # accumulates into any (which would look like a rescaling to a later look).
+        if self.refresh_keys(self.keys.values()):
+            self.generation += 1
+        return task
+
+    def _join(self, record: _Record, task: _Task, task_id: int) -> None:
+        """A recorded call's first gradient in this pass: how each of its parameters receives gradients."""
+        record.task = task_id
+        task.records.append(record)
+        keys = self.keys_of.get(record.module, ())
+        rearm = bool(keys)
+        for key in keys:
+            kind = task.kinds.get(key)
+            if kind is None:
+                task.before[key] = key.state()
+                kind = task.kinds[key] = _ACCUMULATES if task.accumulates else key.reach()
+                if kind == _ACCUMULATES and key.param is not None and key.param.requires_grad:
+                    task.accumulates = True
+                elif kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
+                    assert key.param is not None
+                    task.handles.append(key.param.register_hook(functools.partial(_note_returned, task, key)))
+            rearm = rearm and kind != _ACCUMULATES
+        record.rearm = rearm and not record.deferred and record.module is not _PENDING
 
     def _reduce_backward(self, record: _Record, scale: float | None) -> None:
         if scale is not None and record.slot is not None:  # readers see the gradients of the unscaled loss
@@ -1384,6 +1393,14 @@ class Capture:
         else:  # copies still on their way from an accelerator
             for event in check:
                 event.synchronize()
+
+
+def _differentiable_outputs(output: Any) -> list[Tensor] | None:
+    """A call's output tensors, or ``None`` when no gradient can come back through any of them."""
+    if type(output) is Tensor:  # the common case, without the pytree machinery
+        return [output] if output.requires_grad else None
+    outputs = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
+    return outputs if any(t.requires_grad for t in outputs) else None
 
 
 def _detached(tree: Any) -> Any:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "all_ranks_sum",
     "all_reduce_sum_",
     "computed_once",
     "data_parallel_group",
@@ -69,6 +70,25 @@ def all_reduce_sum_(tensors: Sequence[Tensor], group: Any) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
+
+
+def all_ranks_sum(
+    values: Sequence[Tensor | None], shapes: Sequence[tuple[int, ...]], group: Any, device: torch.device
+) -> list[Tensor | None]:
+    """``values`` summed over ``group``, where a rank that saw nothing for an entry (``None``) joins with zeros.
+
+    Every rank must call it with the same ``shapes`` (one collective, whatever each saw). Without
+    a group the values come back as they are, ``None`` included; with one, every entry is a
+    ``float64`` tensor of its shape.
+    """
+    if group is None:
+        return list(values)
+    joined = [
+        torch.zeros(shape, dtype=torch.float64, device=device) if v is None else v.to(torch.float64, copy=True)
+        for v, shape in zip(values, shapes, strict=True)
+    ]
+    all_reduce_sum_(joined, group)
+    return list(joined)
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .distributed import all_ranks_sum
 from .hooks import InputsHookHandle
 from .inputs import Call, Inputs
 from .reduction import Reduction
@@ -158,18 +159,11 @@ class LoadBalancing:
                 f"{', '.join(unexplained)} got gradient from no captured call (called under no_grad, or its "
                 "weight used without calling it), so its loads are unknown; no bias was moved"
             )
-        group = optimizer.data_parallel_group
-        if group is not None:  # every rank joins with every router, zeros where its batch reached none
-            sizes = [self.loads.experts[r] for r in self.routers]
-            device = getattr(self.routers[0], self.bias).device
-            flat = torch.cat(
-                [
-                    torch.zeros(n, dtype=torch.float64, device=device) if c is None else c
-                    for c, n in zip(counts.values(), sizes, strict=True)
-                ]
-            )
-            torch.distributed.all_reduce(flat, group=group)
-            counts = dict(zip(self.routers, flat.split(sizes), strict=True))
+        # Every rank joins with every router, zeros where its batch reached none.
+        device = getattr(self.routers[0], self.bias).device
+        shapes = [(self.loads.experts[r],) for r in self.routers]
+        summed = all_ranks_sum(list(counts.values()), shapes, optimizer.data_parallel_group, device)
+        counts = dict(zip(self.routers, summed, strict=True))
         for router, load in counts.items():
             if load is None or not bool(load.any()):
                 continue  # no token reached it this step

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import Tensor, nn
 
+from . import baselines
 from .core import Config
 from .models import SmallCNN, autoencoder, mlp
 from .timing import Timing, interleave
@@ -67,9 +68,13 @@ def sweep(config: Config, values: tuple[float, ...]) -> tuple[float, ...]:
     return config.pick(values[1:3], values)
 
 
-def baseline_sweeps(config: Config) -> list[Sweep]:
-    """SGD with momentum and AdamW, each with its learning-rate sweep."""
-    return [
+def baseline_sweeps(config: Config, *, muon: bool = False) -> list[Sweep]:
+    """SGD with momentum and AdamW (and with ``muon``, Muon as ``baselines.muon``), each with its learning-rate sweep.
+
+    Muon's rate is AdamW's (its update is scaled to AdamW's RMS), so it sweeps AdamW's values.
+    """
+    adamw_rates = sweep(config, (3e-4, 1e-3, 3e-3, 1e-2, 3e-2))
+    stock = [
         Sweep(
             "SGD (momentum 0.9)",
             lambda model, lr: torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
@@ -79,10 +84,13 @@ def baseline_sweeps(config: Config) -> list[Sweep]:
         Sweep(
             "AdamW",
             lambda model, lr: torch.optim.AdamW(model.parameters(), lr=lr),
-            sweep(config, (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)),
+            adamw_rates,
             "torch.optim.AdamW with its defaults",
         ),
     ]
+    if muon:
+        stock.append(Sweep("Muon", baselines.muon, adamw_rates, baselines.ABOUT))
+    return stock
 
 
 @dataclass(frozen=True)

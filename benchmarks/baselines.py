@@ -130,7 +130,7 @@ class Combined(torch.optim.Optimizer):
             part.load_state_dict(state)
 
 
-def muon(model: nn.Module, lr: float, implementation: type[torch.optim.Muon] = Float32Muon) -> torch.optim.Optimizer:
+def muon(model: nn.Module, lr: float, implementation: type[torch.optim.Muon] = Float32Muon) -> Combined:
     """Muon on ``hidden_matrices(model)``, ``torch.optim.AdamW`` on the rest, one learning rate for both.
 
     Args:

@@ -392,10 +392,12 @@ class _Log:
         # The hot path: every call of every watched module runs this.
         if not (self.enabled and _grad_enabled()):
             return None
+        if _compiling():
+            # Who reads is decided at run time (open_compiled, _bind_compiled): read here, it
+            # would be a guard, and a reader pausing between statistics steps would recompile.
+            return self._record_compiled(module, args, kwargs, output)
         if not self.keep_calls and module not in self.readers:
             return None  # nothing reads this module now (a reader paused, say between statistics steps)
-        if _compiling():
-            return self._record_compiled(module, args, kwargs, output)
         if _functorch_level() is not None:
             return None  # inside vmap/grad: not a call of the training step
         if _graph_task_id() != -1 and _recomputing_checkpointed_forward():
@@ -708,6 +710,8 @@ class _Log:
         return _tap_compiled_outputs(output, key, id(self))
 
     def open_compiled(self, outputs: int) -> int:
+        if not (self.keep_calls or self.readers):
+            return -1  # nothing reads any module now: no record
         key = next(self.counter)
         record = _Record(_PENDING, key, self.forwards)
         record.waiting = record.outputs = outputs
@@ -716,6 +720,8 @@ class _Log:
 
     def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
         self._bind_compiled()
+        if key < 0:
+            return  # opened while nothing read
         record = self.compiled.get(key)
         if record is None:
             self.error = (
@@ -744,7 +750,7 @@ class _Log:
         while node is not None:
             module, args, kwargs, key, node = node
             record = self.compiled.get(int(key))
-            if record is not None:
+            if record is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
                 record.module, record.args, record.kwargs = module, args, kwargs or None
                 if self.storage == "reference" and self.keep_calls:  # later reads check these versions
                     record.check = _versions(args, kwargs or {})

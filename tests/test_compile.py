@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Capture, InputAwareSGD, LazyAdamW
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Capture, Eva, InputAwareSGD, LazyAdamW
 
 from .conftest import mlp
 
@@ -152,7 +152,7 @@ def test_transformer_block_has_zero_graph_breaks_and_captures_what_eager_does() 
     block(x).sum().backward()
     eager_seen = first_inputs(eager)
     eager.remove()
-    optimizer = CallReader(block, lr=0.1, capture_grad_outputs=True)
+    optimizer = CallReader(block, lr=0.1, grad_outputs=True)
     explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     optimizer.zero_grad()
@@ -212,3 +212,53 @@ def test_an_input_changed_in_place_after_a_compiled_call_is_detected() -> None:
     x.add_(1.0)  # the caller reuses its input buffer
     with pytest.raises(RuntimeError, match=r"modified in place.*storage='clone'"):
         optimizer.capture.calls()
+
+
+SCHEDULED = {
+    "FOOF": lambda m, every: FOOF(m, lr=0.1, statistics_every=every),
+    "KFAC": lambda m, every: KFAC(m, lr=0.1, damping=1e-2, statistics_every=every),
+    "Eva": lambda m, every: Eva(m, lr=0.1, statistics_every=every),
+}
+
+
+def compiles_and_breaks(make: Any, steps: int = 6) -> tuple[int, int, list[torch.Tensor]]:
+    """Graphs compiled and graph breaks over ``steps`` training steps of a compiled ``TokenNet``,
+    with the parameters reached."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = TokenNet()
+    optimizer = make(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        tokens, target = torch.randint(0, 20, (6, 4), generator=generator), torch.randn(6, 3, generator=generator)
+        optimizer.zero_grad()
+        (compiled(tokens) - target).pow(2).sum(1).mean().backward()
+        optimizer.step()
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    return graphs, breaks, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore::inputaware_optim.CoverageWarning")
+@pytest.mark.parametrize("rule", list(SCHEDULED))
+def test_statistics_every_k_compiles_once_like_every_step(rule: str) -> None:
+    """A rule pausing its statistics between statistics steps once made the hooks' reader set
+    a guard: the model's forward compiled again for the steps without statistics."""
+    every_step = compiles_and_breaks(lambda m: SCHEDULED[rule](m, 1))
+    every_third = compiles_and_breaks(lambda m: SCHEDULED[rule](m, 3))
+    assert every_step[:2] == every_third[:2] == (1, 0)
+    eager = TokenNet()
+    optimizer = SCHEDULED[rule](eager, 3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        tokens, target = torch.randint(0, 20, (6, 4), generator=generator), torch.randn(6, 3, generator=generator)
+        optimizer.zero_grad()
+        (eager(tokens) - target).pow(2).sum(1).mean().backward()
+        optimizer.step()
+    for compiled_param, eager_param in zip(every_third[2], eager.parameters(), strict=True):
+        torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-5)
+
+
+def test_lazy_adamw_compiles_one_graph_without_breaks() -> None:
+    graphs, breaks, _ = compiles_and_breaks(lambda m: LazyAdamW(m, lr=0.05))
+    assert (graphs, breaks) == (1, 0)

@@ -801,51 +801,73 @@ class _Watch:
         self, step: int, names: dict[nn.Module, str], inside: dict[nn.Module, set[int]]
     ) -> NonFiniteOrigin | None:
         calls = [c for f, group in self.calls.items() if f in self.reached for c in group]
-        tensors = list({id(e): e for c in calls for e in (*c.inputs, *c.outputs)}.values())
-        _mark_finite(tensors)
-        numbers: dict[int, int] = {}
+        _mark_finite(list({id(e): e for c in calls for e in (*c.inputs, *c.outputs)}.values()))
+        numbers: dict[nn.Module, int] = {}
         index: dict[int, int] = {}
         for c in calls:  # which call of its module, among the calls of forwards that reached a backward
-            index[id(c)] = numbers.get(id(c.module), 0)
-            numbers[id(c.module)] = index[id(c)] + 1
+            index[id(c)] = numbers.get(c.module, 0)
+            numbers[c.module] = index[id(c)] + 1
+        found = _forward_origin(calls)
+        if found is not None:
+            call, phase = found
+            return NonFiniteOrigin(names[call.module], index[id(call)], step, phase)
+        return _backward_origin(
+            calls, inside, lambda c: NonFiniteOrigin(names[c.module], index[id(c)], step, "backward"), step
+        )
 
-        def found(c: _Seen, phase: Any) -> NonFiniteOrigin:
-            return NonFiniteOrigin(names[c.module], index[id(c)], step, phase)
 
-        for c in calls:
-            if all(e.finite for e in c.inputs) and not all(e.finite for e in c.outputs):
-                return found(c, "forward")
-        for c in calls:  # no module made it: it came in with the data, or from code outside modules
-            if not all(e.finite for e in c.inputs):
-                return found(c, "input")
+def _forward_origin(calls: list[_Seen]) -> tuple[_Seen, Literal["forward", "input"]] | None:
+    """The first call whose inputs were finite and whose output was not; else the first with a
+    non-finite input (no module made it: it came in with the data, or from code outside modules)."""
+    for c in calls:
+        if all(e.finite for e in c.inputs) and not all(e.finite for e in c.outputs):
+            return c, "forward"
+    for c in calls:
+        if not all(e.finite for e in c.inputs):
+            return c, "input"
+    return None
 
-        def arrival(c: _Seen) -> int:
-            return min((e.arrival for e in c.outputs if e.arrival is not None), default=-1)
 
-        arrived = sorted((c for c in calls if arrival(c) >= 0), key=arrival)
-        # A parameter's gradient sums over the module's calls: it names the module only where the
-        # gradient reaching every one of its calls was finite.
-        clean = {c.module for c in calls} - {c.module for c in calls if not all(e.grad_finite for e in c.outputs)}
-        candidates = [
-            c
-            for c in arrived
-            if all(e.grad_finite for e in c.outputs)
-            and (
-                not all(e.grad_finite for e in c.inputs)
-                or (c.module in clean and not _parameter_gradients_finite(c.module))
-            )
-        ]
-        # A module whose gradient went bad inside a hooked submodule is a candidate too: name the innermost.
-        inner = [
-            c
-            for c in candidates
-            if not any(id(o.module) in inside[c.module] and o.module is not c.module for o in candidates)
-        ]
-        if inner:
-            return found(inner[0], "backward")
-        if arrived and not all(e.grad_finite for e in arrived[0].outputs):
-            return NonFiniteOrigin("", 0, step, "loss")
-        return None
+def _arrival(c: _Seen) -> int:
+    """When the first gradient reached one of the call's outputs (-1: none did)."""
+    return min((e.arrival for e in c.outputs if e.arrival is not None), default=-1)
+
+
+def _backward_origin(
+    calls: list[_Seen],
+    inside: dict[nn.Module, set[int]],
+    origin: Callable[[_Seen], NonFiniteOrigin],
+    step: int,
+) -> NonFiniteOrigin | None:
+    """The first call in backward order whose output gradient was finite and whose input gradient
+    (or own parameter's gradient) was not, innermost module first; else the loss, where the
+    gradient reaching the model's output was not finite."""
+    arrived = sorted((c for c in calls if _arrival(c) >= 0), key=_arrival)
+    # A parameter's gradient sums over the module's calls: it names the module only where the
+    # gradient reaching every one of its calls was finite.
+    clean = {c.module for c in calls} - {c.module for c in calls if not _grads_finite(c.outputs)}
+
+    def began_here(c: _Seen) -> bool:
+        if not _grads_finite(c.outputs):
+            return False
+        return not _grads_finite(c.inputs) or (c.module in clean and not _parameter_gradients_finite(c.module))
+
+    candidates = [c for c in arrived if began_here(c)]
+    # A module whose gradient went bad inside a hooked submodule is a candidate too: name the innermost.
+    inner = [
+        c
+        for c in candidates
+        if not any(o.module is not c.module and id(o.module) in inside[c.module] for o in candidates)
+    ]
+    if inner:
+        return origin(inner[0])
+    if arrived and not _grads_finite(arrived[0].outputs):
+        return NonFiniteOrigin("", 0, step, "loss")
+    return None
+
+
+def _grads_finite(tensors: list[_Tensor]) -> bool:
+    return all(e.grad_finite for e in tensors)
 
 
 def _mark_finite(tensors: list[_Tensor]) -> None:
@@ -1055,59 +1077,79 @@ def _figure(records: list[dict[str, Any]], source: str) -> Any:
     (qualified name and kind), a colour bar each; on the logarithmic ones, exact zeros in their own
     colour (below the bar's range) and steps without a value in another."""
     import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import LogNorm, Normalize
 
     steps = [r["step"] for r in records]
     layers: dict[str, str] = {}
     for record in records:
         layers.update(record.get("layers", {}))
-    heights = []
-    for table, statistic, _, _ in PLOTTED:
-        heights.append(max(1, len({n for r in records for n, s in r[table].items() if statistic in s})))
+    rows = [
+        list(dict.fromkeys(n for r in records for n, s in r[table].items() if statistic in s))
+        for table, statistic, _, _ in PLOTTED
+    ]
     figure, axes = plt.subplots(
         len(PLOTTED),
         1,
-        figsize=(11, 2.5 + 0.9 * len(PLOTTED) + 0.22 * sum(heights)),
+        figsize=(11, 2.5 + 0.9 * len(PLOTTED) + 0.22 * sum(max(1, len(names)) for names in rows)),
         squeeze=False,
-        gridspec_kw={"height_ratios": heights},
+        gridspec_kw={"height_ratios": [max(1, len(names)) for names in rows]},
     )
     figure.suptitle(f"Monitor: {source}, steps {steps[0]} to {steps[-1]} ({len(records)} logged)")
-    for axis, (table, statistic, title, logarithmic) in zip(axes[:, 0], PLOTTED, strict=True):
-        names = list(dict.fromkeys(n for r in records for n, s in r[table].items() if statistic in s))
-        grid = np.full((max(len(names), 1), len(records)), np.nan)
-        for column, record in enumerate(records):
-            for row, name in enumerate(names):
-                value = record[table].get(name, {}).get(statistic)
-                if value is not None and math.isfinite(value):
-                    grid[row, column] = value
-        colours = plt.get_cmap("viridis").with_extremes(bad=_MISSING_COLOUR, under=_ZERO_COLOUR)
-        extend = "neither"
-        positive = grid[np.isfinite(grid) & (grid > 0)]
-        if logarithmic:
-            low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
-            norm: Any = LogNorm(low, high if high > low else low * 10)
-            shown = np.where(grid == 0, low / 10, grid)  # below the range: drawn in the zero colour
-            if (grid == 0).any():
-                extend = "min"
-        else:
-            norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
-            shown = grid
-        image = axis.imshow(
-            np.ma.masked_invalid(shown),
-            aspect="auto",
-            interpolation="nearest",
-            norm=norm,
-            cmap=colours,
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
-        )
-        axis.set_yticks(range(len(names)), [_row_label(n, layers, table) for n in names], fontsize=7)
-        axis.set_title(title)
-        axis.set_xlabel("step")
-        bar = figure.colorbar(image, ax=axis, extend=extend)
-        notes = ["grey: not logged"] if np.isnan(grid).any() else []
-        if extend == "min":
-            notes.insert(0, f"{_ZERO_COLOUR}: exactly 0")
-        bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)
+    for axis, panel, names in zip(axes[:, 0], PLOTTED, rows, strict=True):
+        _panel(figure, axis, panel, names, records, layers)
     figure.tight_layout()
     return figure
+
+
+def _grid(records: list[dict[str, Any]], table: str, statistic: str, names: list[str]) -> Any:
+    """A row per name, a column per record: the finite values, NaN where none was logged."""
+    import numpy as np
+
+    grid = np.full((max(len(names), 1), len(records)), np.nan)
+    for column, record in enumerate(records):
+        for row, name in enumerate(names):
+            value = record[table].get(name, {}).get(statistic)
+            if value is not None and math.isfinite(value):
+                grid[row, column] = value
+    return grid
+
+
+def _panel(
+    figure: Any,
+    axis: Any,
+    panel: tuple[str, str, str, bool],
+    names: list[str],
+    records: list[dict[str, Any]],
+    layers: dict[str, str],
+) -> None:
+    """One statistic's heatmap and its colour bar."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize
+
+    table, statistic, title, logarithmic = panel
+    steps = [r["step"] for r in records]
+    grid = _grid(records, table, statistic, names)
+    colours = plt.get_cmap("viridis").with_extremes(bad=_MISSING_COLOUR, under=_ZERO_COLOUR)
+    zeros = logarithmic and bool((grid == 0).any())
+    if logarithmic:
+        positive = grid[np.isfinite(grid) & (grid > 0)]
+        low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
+        norm: Any = LogNorm(low, high if high > low else low * 10)
+        shown = np.where(grid == 0, low / 10, grid)  # below the range: drawn in the zero colour
+    else:
+        norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
+        shown = grid
+    image = axis.imshow(
+        np.ma.masked_invalid(shown),
+        aspect="auto",
+        interpolation="nearest",
+        norm=norm,
+        cmap=colours,
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
+    )
+    axis.set_yticks(range(len(names)), [_row_label(n, layers, table) for n in names], fontsize=7)
+    axis.set_title(title)
+    axis.set_xlabel("step")
+    bar = figure.colorbar(image, ax=axis, extend="min" if zeros else "neither")
+    notes = ([f"{_ZERO_COLOUR}: exactly 0"] if zeros else []) + (["grey: not logged"] if np.isnan(grid).any() else [])
+    bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)

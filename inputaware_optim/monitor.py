@@ -214,7 +214,8 @@ def _cpu_summary(x: Tensor) -> Tensor:
     else:
         zeros = count - int(torch.count_nonzero(bits))
     nonfinite = 0 if math.isfinite(total) else int(torch.isfinite(x).logical_not_().sum())
-    largest = torch.maximum(x.amax(), -x.amin()).item()  # NaN where x holds one (two passes beat aminmax here)
+    low, high = torch.aminmax(x)
+    largest = torch.maximum(high, -low).item()  # NaN where x holds one
     if nonfinite == 0 and not (math.isfinite(total) and math.isfinite(squares)):
         wide = x.double()  # finite values whose sum (or sum of squares) overflowed x's dtype
         total, squares = wide.sum().item(), torch.dot(wide, wide).item()
@@ -500,7 +501,7 @@ class Monitor:
             return
         params = pending["params"]
         # (a parameter that got its gradient after the weights were kept has no copy: zero)
-        changes = [self._weights.get(p, torch.zeros_like(p.detach())) for p in params]
+        changes = [self._weights[p] if p in self._weights else torch.zeros_like(p.detach()) for p in params]
         weight_norms = [self._weight_norms.get(p, p.new_zeros(())) for p in params]
         # In place: the buffers are refilled at the next logged step.
         change_norms = _written_norms(changes, lambda i: changes[i].sub_(params[i].detach()))

@@ -14,7 +14,7 @@ class InputAwareAdamW(InputAwareOptimizer, torch.optim.AdamW):
 
     ``InputAwareAdamW(model, params=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
     weight_decay=1e-2, amsgrad=False, *, maximize=False, foreach=None, capturable=False,
-    differentiable=False, fused=None, storage="reference", capture_grad_outputs=None, grad_scaler=None,
+    differentiable=False, fused=None, storage="reference", grad_outputs=None, grad_scaler=None,
     strict=False, process_group="infer", base=None)``
 
     Every hyperparameter is ``torch.optim.AdamW``'s, with its name, default and validation,
@@ -26,7 +26,7 @@ class InputAwareAdamW(InputAwareOptimizer, torch.optim.AdamW):
         model: The model (``torch.compile``\ d and ``DistributedDataParallel`` wrappers too).
         params: Parameters or param groups of ``model``; default: those requiring grad.
         storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
-        capture_grad_outputs: Also capture each call's output gradients (default: the rule's choice).
+        grad_outputs: Also capture each call's output gradients (default: the rule's choice).
         grad_scaler: The ``torch.amp.GradScaler`` the loss is scaled by, for rules that read output
             gradients (they are unscaled where they are read); such rules refuse a scaled step without it.
         strict: Refuse, at the first step, any parameter a rule would leave to the stock update.

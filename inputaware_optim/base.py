@@ -83,8 +83,14 @@ def _drop_in_signature(stock: type[Optimizer]) -> inspect.Signature:
     )
 
 
+# Keyword arguments renamed since 0.1, with what to write instead (0.x keeps no aliases).
+RENAMED = {
+    "capture_grad_outputs": "pass grad_outputs= (the name Capture, Monitor and Reduction use)",
+}
+
+
 def _check_arguments(
-    cls: type[InputAwareOptimizer], model: Any, storage: Any, capture_grad_outputs: Any, base: Any, lr: Any
+    cls: type[InputAwareOptimizer], model: Any, storage: Any, grad_outputs: Any, base: Any, lr: Any
 ) -> None:
     """Refuse, before anything is built, what the constructor of ``cls`` cannot take."""
     name = cls.__name__
@@ -102,8 +108,8 @@ def _check_arguments(
         raise TypeError(f"{name} expects an nn.Module as its first argument, got {type(model).__name__}{hint}")
     if storage not in ("reference", "clone", "cpu"):
         raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
-    if capture_grad_outputs is False and cls.capture_grad_outputs:
-        raise ValueError(f"{name} needs the output gradients of its layers; leave capture_grad_outputs unset")
+    if grad_outputs is False and cls.grad_outputs:
+        raise ValueError(f"{name} needs the output gradients of its layers; leave grad_outputs unset")
     if base is not None and not (isinstance(base, type) and issubclass(base, Optimizer)):
         raise TypeError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass, say torch.optim.AdamW)")
     if base is not None and issubclass(base, InputAwareOptimizer):
@@ -157,7 +163,7 @@ class InputAwareOptimizer(Optimizer):
     Class attributes a rule may set:
         captured_module_types: Capture only modules of these types (default: every module
             that directly owns a parameter of the optimizer).
-        capture_grad_outputs: Also capture the gradient reaching each call's outputs.
+        grad_outputs: Also capture the gradient reaching each call's outputs (``call.grad_outputs``).
         reads_calls: Whether ``step`` reads raw calls (default: whether ``step`` is overridden).
         reads_capability: Capture only modules whose registered ``LayerKind`` provides this
             capability (a method of ``LayerKind``, say ``"input_rows"``): coverage then follows the
@@ -166,7 +172,7 @@ class InputAwareOptimizer(Optimizer):
 
     _stock: ClassVar[type[Optimizer]]
     captured_module_types: ClassVar[tuple[type[nn.Module], ...] | None] = None
-    capture_grad_outputs: ClassVar[bool] = False
+    grad_outputs: ClassVar[bool] = False
     reads_calls: ClassVar[bool | None] = None
     reads_capability: ClassVar[str | None] = None
 
@@ -176,16 +182,14 @@ class InputAwareOptimizer(Optimizer):
         params: Any = None,
         *args: Any,
         storage: Storage = "reference",
-        capture_grad_outputs: bool | None = None,
+        grad_outputs: bool | None = None,
         grad_scaler: Any = None,
         strict: bool = False,
         process_group: Any = "infer",
         base: type[Optimizer] | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_arguments(
-            type(self), model, storage, capture_grad_outputs, base, kwargs.get("lr", args[0] if args else None)
-        )
+        _check_arguments(type(self), model, storage, grad_outputs, base, kwargs.get("lr", args[0] if args else None))
         self._capture: Capture | None = None
         self._strict = bool(strict)
         self._process_group = process_group
@@ -200,7 +204,7 @@ class InputAwareOptimizer(Optimizer):
             params = [p for p in self._model_params if p.requires_grad]
         self._construct_stock(base, params, args, kwargs)
         self._check_param_groups()  # a rule's validation: before any hook is attached, so failing leaves none
-        wanted_grad_outputs = type(self).capture_grad_outputs if capture_grad_outputs is None else capture_grad_outputs
+        wanted_grad_outputs = type(self).grad_outputs if grad_outputs is None else grad_outputs
         reads_calls = self._has_rule() if type(self).reads_calls is None else bool(type(self).reads_calls)
         self._capture = Capture(
             model,
@@ -231,6 +235,9 @@ class InputAwareOptimizer(Optimizer):
             if "unexpected keyword argument" not in str(error):
                 raise
             keyword = str(error).rsplit(" ", 1)[-1]
+            renamed = RENAMED.get(keyword.strip("'"))
+            if renamed is not None:
+                raise TypeError(f"{name}: {keyword} was renamed: {renamed}") from error
             stock = base or self._stock
             accepted = [
                 n
@@ -630,6 +637,8 @@ class InputAwareOptimizer(Optimizer):
     # -- the step ---------------------------------------------------------------------------
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "capture_grad_outputs" in cls.__dict__:  # an attribute of 0.2 that would now do nothing
+            raise TypeError(f"{cls.__qualname__}: capture_grad_outputs was renamed: set grad_outputs = True")
         if "__init__" in cls.__dict__:  # its own arguments, not a parent drop-in's
             cls.__signature__ = None  # type: ignore[attr-defined]
         elif "_stock" in cls.__dict__:  # a drop-in: the stock class's arguments, then the capture's

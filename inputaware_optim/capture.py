@@ -417,7 +417,13 @@ class _Log:
         return None
 
     def _read_forward(
-        self, record: _Record, readers: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any], output: Any, count: int
+        self,
+        record: _Record,
+        readers: list[Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        count: int,
     ) -> None:
         """The readers' forward parts on a call, now or (inputs kept under checkpointing) when recomputed."""
         module = record.module

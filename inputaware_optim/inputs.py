@@ -145,7 +145,7 @@ class Captured:
             if got is None:
                 raise RuntimeError(
                     "output gradients were not captured; construct the optimizer (or Capture) "
-                    "with capture_grad_outputs=True, or set capture_grad_outputs = True on the rule"
+                    "with grad_outputs=True, or set grad_outputs = True on the rule"
                 )
             grad = got[position] if position < len(got) else None
             if grad is None:

@@ -107,7 +107,7 @@ class KFAC(KroneckerRule):
     ``kl_clip=lambda step: None`` turns it off to compare with this class), and counts
     ``inv_update_steps`` in optimizer steps where ``update_every`` counts statistics steps.
 
-    Output gradients are captured for the supported layers (``capture_grad_outputs``).
+    Output gradients are captured for the supported layers (``grad_outputs``).
     State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
     ``output_grad_second_moment``, ``output_grad_inverse`` and ``statistics_steps``.
 

@@ -131,7 +131,7 @@ class Reduction:
                 if self.grad_outputs and call.grad_outputs is None:
                     raise RuntimeError(
                         f"{type(self).__name__} needs output gradients, but {call!r} has none: capture "
-                        "them (capture_grad_outputs=True) for the calls handed to step(inputs=...)"
+                        "them (grad_outputs=True) for the calls handed to step(inputs=...)"
                     )
                 entries.append((call, self.backward(call, self.forward(call))))
             return self.finish(entries)

@@ -72,7 +72,7 @@ def test_positions_that_do_not_exist_and_missing_grad_outputs() -> None:
     _, inputs = captured(model, torch.randn(2, 4))
     with pytest.raises(IndexError, match="position 1 does not exist"):
         inputs[model[0]].inputs(1)
-    with pytest.raises(RuntimeError, match="capture_grad_outputs=True"):
+    with pytest.raises(RuntimeError, match="grad_outputs=True"):
         inputs[model[0]].grad_outputs()
     assert inputs[model[0]].calls[0].grad_outputs is None
 

@@ -128,7 +128,7 @@ def test_captures_output_gradients_by_itself_and_validates() -> None:
         KFAC(mlp(), lr=0.1, damping=-1.0)
     with pytest.raises(ValueError, match="Invalid update_every"):
         KFAC(mlp(), lr=0.1, update_every=0)
-    KFAC(mlp(), lr=0.1, capture_grad_outputs=False)  # about raw calls, which K-FAC does not read
+    KFAC(mlp(), lr=0.1, grad_outputs=False)  # about raw calls, which K-FAC does not read
 
 
 @pytest.mark.parametrize("rule", ["FOOF", "KFAC", "Eva"])

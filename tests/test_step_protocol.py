@@ -365,3 +365,26 @@ def test_a_copy_of_an_optimizer_built_with_positional_arguments_and_groups() -> 
         assert [g["lr"] for g in copied.param_groups] == [g["lr"] for g in optimizer.param_groups]
         assert [g["momentum"] for g in copied.param_groups] == [g["momentum"] for g in optimizer.param_groups]
         assert [len(g["params"]) for g in copied.param_groups] == [2, 2]
+
+
+def test_renamed_names_are_refused_with_the_new_name() -> None:
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="capture_grad_outputs' was renamed: pass grad_outputs="):
+        InputAwareAdamW(model, lr=0.1, capture_grad_outputs=True)
+    with pytest.raises(TypeError, match="capture_grad_outputs was renamed: set grad_outputs = True"):
+
+        class Old(InputAwareSGD):
+            capture_grad_outputs = True
+
+    seen: list[torch.Tensor] = []
+
+    class Reader(InputAwareSGD):
+        def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
+            assert inputs is not None
+            seen.extend(inputs.get(model.weight).grad_outputs())
+            return super().step(closure)
+
+    optimizer = Reader(model, lr=0.1, grad_outputs=True)
+    (2 * model(torch.randn(4, 3))).sum().backward()
+    optimizer.step()
+    assert len(seen) == 1 and torch.equal(seen[0], torch.full((4, 2), 2.0))

@@ -33,7 +33,7 @@ DESCRIPTIONS = {
 STOCK, OURS, OURS_GRAD_OUTPUTS = (
     "AdamW",
     "InputAwareAdamW",
-    "InputAwareAdamW(capture_grad_outputs=True)",
+    "InputAwareAdamW(grad_outputs=True)",
 )
 
 
@@ -108,7 +108,7 @@ def _end_to_end(workload: Workload, config: Config) -> tuple[Timing, int, int]:
     optimizers: dict[str, torch.optim.Optimizer] = {
         STOCK: torch.optim.AdamW(models[STOCK].parameters(), lr=1e-4),
         OURS: InputAwareAdamW(models[OURS], lr=1e-4),
-        OURS_GRAD_OUTPUTS: InputAwareAdamW(models[OURS_GRAD_OUTPUTS], lr=1e-4, capture_grad_outputs=True),
+        OURS_GRAD_OUTPUTS: InputAwareAdamW(models[OURS_GRAD_OUTPUTS], lr=1e-4, grad_outputs=True),
     }
     timing = interleave({name: training_step(models[name], optimizers[name], workload) for name in models}, config)
     ours = optimizers[OURS_GRAD_OUTPUTS]
@@ -282,7 +282,7 @@ SECTION = Section(
     summary=(
         "Rules such as K-FAC and DP-SGD also need the gradient that reached each module's output. Capture "
         "gets it with a tensor hook put on the output by the forward hook it already has "
-        "(`Capture(model, grad_outputs=True)`, or `capture_grad_outputs=True` on an optimizer). Measured: the "
+        "(`Capture(model, grad_outputs=True)`, or `grad_outputs=True` on an optimizer). Measured: the "
         "time one `nn.Linear` forward + backward takes with no capture, with input capture, with output "
         "gradients too, and with PyTorch's `register_full_backward_hook` (empty) instead, all interleaved; "
         "whether each survives an in-place activation after the module; and a full training step of the "

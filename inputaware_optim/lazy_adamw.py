@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from ._torch import fused_adamw_
 from .adamw import InputAwareAdamW
 from .base import evaluate_closure
-from .capture import unwrap_model
+from .capture import Storage, unwrap_model
 from .coverage import CoverageWarning
 from .distributed import local_tensor, sharded
 from .inputs import Call, Captured, Inputs
@@ -39,10 +39,14 @@ class TouchedRows(Reduction):
         return (weight_of(module),)
 
     def forward(self, call: Call) -> Any:
+        if getattr(call.module, "sparse", False):
+            return None  # its gradient will list the rows itself
         return self.kinds[call.module].touched_rows(call.module, Captured([call]))
 
     def combine(self, a: Any, b: Any) -> Any:
-        return b if a is None else torch.unique(torch.cat([a, b]))
+        if a is None or b is None:
+            return b if a is None else a
+        return torch.unique(torch.cat([a, b]))
 
     # -- the audit: rows with gradient from somewhere other than the captured calls ------------------
     # A table's weight may also be used without calling its module (a tied output head written as
@@ -100,9 +104,14 @@ class LazyAdamW(InputAwareAdamW):
     are gathered and updated by torch's fused AdamW kernel, so each moves exactly as
     ``AdamW(fused=True)`` would move it, and written back bit for bit. Every other row, and
     its moments, stays bitwise unchanged. The step costs in proportion to the rows touched,
-    not the table size, and skips the stock update when no other parameter has a gradient. It
-    accepts dense gradients (which ``SparseAdam`` refuses) and sparse ones (``sparse=True``).
+    not the table size, and skips the stock update when no other parameter has a gradient.
     Every other parameter gets the stock AdamW update, bitwise.
+
+    Dense gradients (the default ``nn.Embedding``) work, but their backward writes a zero-filled
+    gradient the size of the table at every step, which costs more than the whole lazy step.
+    ``sparse=True`` embeddings are the recommended path: their gradient lists its own rows, which
+    this step coalesces (duplicate rows summed) and updates, with no forward-hook work for the
+    table; unlike ``torch.optim.SparseAdam``, other parameters need no second optimizer.
 
     The rows follow AdamW's formula, so :math:`\epsilon` is added after bias correction;
     ``SparseAdam`` adds it before, which differs only while :math:`\epsilon` is not negligible.
@@ -111,11 +120,26 @@ class LazyAdamW(InputAwareAdamW):
     state dict moves between this class and ``torch.optim.AdamW``.
 
     Args:
-        model: The model.
-        lr, betas, eps, weight_decay, amsgrad: As ``torch.optim.AdamW``.
+        model: The model (``torch.compile``\ d and ``DistributedDataParallel`` wrappers too).
+        lr: Learning rate :math:`\gamma`, as ``torch.optim.AdamW``.
+        betas: :math:`(\beta_1, \beta_2)`, the moments' decay rates.
+        eps: :math:`\epsilon`, added to the denominator.
+        weight_decay: :math:`\lambda`, the decoupled weight decay (applied to touched rows only).
+        amsgrad: Divide by the running maximum of the second moment.
         params: Parameters or param groups of ``model`` (default: all that require grad).
-        **adamw_kwargs: Any other ``torch.optim.AdamW`` argument (``maximize``, ``foreach``,
-            ``fused``) and ``storage``. ``capturable`` and ``differentiable`` are not supported.
+        maximize: Maximize the objective.
+        foreach: ``torch.optim.AdamW``'s flag, for the parameters that get the stock update.
+        fused: ``torch.optim.AdamW``'s flag, for the parameters that get the stock update (the rows
+            always use the fused kernel).
+        capturable: Not supported (the rows a step updates are data-dependent); must be False.
+        differentiable: Not supported; must be False.
+        storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
+        grad_outputs: Also capture each call's output gradients.
+        grad_scaler: The ``torch.amp.GradScaler`` the loss is scaled by.
+        strict: Refuse, at the first step, any parameter left to the stock update.
+        process_group: The group touched rows are combined over; ``"infer"`` (default) reads it from
+            the model's DDP wrapper or FSDP2 mesh, ``None`` keeps them per rank.
+        base: Not supported (the row update is AdamW's own); must be None.
     """
 
     reads_capability = "touched_rows"
@@ -132,15 +156,39 @@ class LazyAdamW(InputAwareAdamW):
         amsgrad: bool = False,
         *,
         params: Any = None,
-        **adamw_kwargs: Any,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        storage: Storage = "reference",
+        grad_outputs: bool | None = None,
+        grad_scaler: Any = None,
+        strict: bool = False,
+        process_group: Any = "infer",
+        base: None = None,
     ) -> None:
-        if adamw_kwargs.get("base") is not None:
+        if base is not None:
             raise TypeError("LazyAdamW's row update is AdamW's own: it takes no base optimizer")
-        for flag in ("capturable", "differentiable"):
-            if adamw_kwargs.get(flag):
+        for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
+            if value:
                 raise ValueError(f"LazyAdamW does not support {flag}=True (its row updates are data-dependent)")
         super().__init__(
-            model, params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **adamw_kwargs
+            model,
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            fused=fused,
+            storage=storage,
+            grad_outputs=grad_outputs,
+            grad_scaler=grad_scaler,
+            strict=strict,
+            process_group=process_group,
         )
         self._warn_if_no_layers("touched_rows", "nn.Embedding or nn.EmbeddingBag")
         self._warned_extra: set[int] = set()
@@ -213,50 +261,77 @@ class LazyAdamW(InputAwareAdamW):
         """Update the touched embedding rows lazily and everything else with stock AdamW."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        lazy: list[tuple[Tensor, Tensor, dict[str, Any]]] = []
-        from_inputs: list[tuple[Tensor, Tensor, dict[str, Any]]] = []  # rows the captured inputs read
-        touched = inputs.reduced(self._rows)
-        for module, weight, group in self._lazy_tables():
-            grad = weight.grad
-            if grad is None:
-                continue  # AdamW skips it too
-            if grad.is_sparse:  # sparse=True: the gradient itself lists the rows (coalesced)
-                weight.grad = grad = grad.coalesce()
-                lazy.append((weight, grad.indices()[0], group))
-                continue
-            rows = touched.get(weight)
-            extra = self._rows.take(weight)
-            if rows is None:  # no inputs were captured: stock AdamW updates it densely (Inputs warns)
-                inputs.get(weight)
-                continue
-            if extra is not None:
-                extra = extra.to(rows.device)
-                outside = extra[~torch.isin(extra, rows)]
-                if outside.numel():
-                    self._warn_extra_rows(module, outside)
-                    rows = torch.unique(torch.cat([rows, outside]))
-            if rows.numel():
-                low, high = (int(end) for end in torch.aminmax(rows))
-                if not 0 <= low <= high < weight.shape[0]:
-                    bad = high if high >= weight.shape[0] else low
-                    raise ValueError(  # before any parameter or step counter changes
-                        f"the inputs of {self.capture.name(module)} index row {bad} of a table of {weight.shape[0]} "
-                        "rows; check the inputs handed to step(inputs=...). No parameter was changed"
-                    )
-            from_inputs.append((weight, rows, group))
-        if from_inputs:
-            ranks = self.data_parallel_group
-            if ranks is not None:
-                from_inputs = [(w, _union_over_ranks(rows, w.shape[0], ranks), g) for w, rows, g in from_inputs]
-            lazy += from_inputs
-        hidden = {id(weight) for weight, _, _ in lazy}
-        if any(p.grad is not None and id(p) not in hidden for group in self.param_groups for p in group["params"]):
-            with _hidden_grads([weight for weight, _, _ in lazy]):
+        updates = self._row_updates(inputs)  # every check first: a step that raises changes nothing
+        lazy = [update.weight for update in updates]
+        if self._others_have_gradients(lazy):
+            with _hidden_grads(lazy):
                 super().step(inputs=inputs)
         # else no other parameter has a gradient: the stock step would change nothing.
-        for weight, rows, group in lazy:
-            self._update_rows(weight, rows, group)
+        for update in updates:
+            self._update_rows(update)
         return loss
+
+    def _row_updates(self, inputs: Inputs) -> list[_RowUpdate]:
+        """The lazy tables with a gradient this step, with their rows (their weight rows gathered)."""
+        touched = inputs.reduced(self._rows)
+        updates: list[_RowUpdate] = []
+        from_inputs: list[_RowUpdate] = []
+        for module, weight, group in self._lazy_tables():
+            if weight.grad is None:
+                continue  # AdamW skips it too
+            rows = self._rows_of(module, weight, touched, inputs)
+            if rows is None:
+                continue  # no inputs were captured: stock AdamW updates it densely (Inputs warns)
+            update = _RowUpdate(module, weight, rows, group)
+            (updates if weight.grad.is_sparse else from_inputs).append(update)
+        ranks = self.data_parallel_group
+        if ranks is not None:  # (a sparse gradient's rows are already every rank's: DDP sums it)
+            for update in from_inputs:
+                update.rows = _union_over_ranks(update.rows, update.weight.shape[0], ranks)
+        updates += from_inputs
+        for update in updates:
+            self._gather_weight_rows(update)
+        return updates
+
+    def _rows_of(self, module: nn.Module, weight: Tensor, touched: dict[Tensor, Tensor], inputs: Inputs) -> Any:
+        """The rows of ``weight`` to update this step (``None``: update it densely)."""
+        grad = weight.grad
+        assert grad is not None
+        if grad.is_sparse:  # sparse=True: the gradient itself lists the rows (coalesced)
+            weight.grad = grad = grad.coalesce()
+            return grad.indices()[0]
+        rows = touched.get(weight)
+        extra = self._rows.take(weight)
+        if rows is None:
+            inputs.get(weight)  # (warns that the table falls back to the dense update)
+            return None
+        if extra is not None:
+            extra = extra.to(rows.device)
+            outside = extra[~torch.isin(extra, rows)]
+            if outside.numel():
+                self._warn_extra_rows(module, outside)
+                rows = torch.unique(torch.cat([rows, outside]))
+        return rows
+
+    def _gather_weight_rows(self, update: _RowUpdate) -> None:
+        """Gather the weight's rows, refusing rows outside the table before anything changed."""
+        rows = _local_rows(update.weight, update.rows)
+        if rows.dtype != torch.int64:  # int32 token ids: the row writes take int64 indices
+            rows = rows.long()
+        update.rows = rows
+        try:  # the gather checks the rows' range itself (on CPU; on an accelerator, as nn.Embedding does)
+            update.theta = local_tensor(update.weight).index_select(0, rows)
+        except IndexError:
+            size = update.weight.shape[0]
+            bad = int(rows[(rows < 0) | (rows >= size)][0])
+            raise ValueError(
+                f"the inputs of {self.capture.name(update.module)} index row {bad} of a table of {size} "
+                "rows; check the inputs handed to step(inputs=...). No parameter was changed"
+            ) from None
+
+    def _others_have_gradients(self, lazy: list[Tensor]) -> bool:
+        hidden = {id(weight) for weight in lazy}
+        return any(p.grad is not None and id(p) not in hidden for group in self.param_groups for p in group["params"])
 
     def _warn_extra_rows(self, module: nn.Module, extra: Tensor) -> None:
         if id(module) in self._warned_extra:
@@ -272,30 +347,25 @@ class LazyAdamW(InputAwareAdamW):
             stacklevel=3,
         )
 
-    def _update_rows(self, weight: Tensor, rows: Tensor, group: dict[str, Any]) -> None:
+    def _update_rows(self, update: _RowUpdate) -> None:
+        weight, rows, group, theta = update.weight, update.rows, update.group, update.theta
         state = self.state[weight]
         if not state:
             on_device = group.get("fused") or group.get("capturable")
             state["step"] = torch.zeros((), dtype=torch.float32, device=weight.device if on_device else "cpu")
-            state["exp_avg"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = torch.zeros_like(weight, memory_format=torch.preserve_format)
+            for key in ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if group["amsgrad"] else ())):
+                state[key] = torch.zeros_like(weight, memory_format=torch.preserve_format)
         step = state["step"]
         step.add_(_one(step))  # a tensor one: adding a Python number costs a scalar tensor every step
-        grad = weight.grad
-        assert grad is not None
-        rows = _local_rows(weight, rows)
         if rows.numel() == 0:
             return
-        if rows.dtype != torch.int64:  # int32 token ids: the row writes take int64 indices
-            rows = rows.long()
         # Gather the rows, update them with torch's fused AdamW kernel (so a touched row moves
         # exactly as fused AdamW would move it), and write them back.
-        tables = [local_tensor(weight), local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])]
-        if group["amsgrad"]:
-            tables.append(local_tensor(state["max_exp_avg_sq"]))
-        theta, *moments = [table.index_select(0, rows) for table in tables]
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+        tables = [local_tensor(state[key]) for key in keys]
+        moments = [table.index_select(0, rows) for table in tables]
+        grad = weight.grad
+        assert grad is not None and theta is not None
         grad_rows = _gradient_rows(local_tensor(grad), rows)
         if grad_rows.dtype != theta.dtype:
             grad_rows = grad_rows.to(theta.dtype)
@@ -319,8 +389,19 @@ class LazyAdamW(InputAwareAdamW):
             eps=group["eps"],
             maximize=group["maximize"],
         )
-        for table, updated in zip(tables, [theta, *moments], strict=True):
+        for table, updated in zip([local_tensor(weight), *tables], [theta, *moments], strict=True):
             _write_rows(table, rows, updated)
+
+
+class _RowUpdate:
+    """One table's update at a step: its module, weight, rows (indices into the local shard once
+    gathered), param group, and the weight's gathered rows."""
+
+    __slots__ = ("group", "module", "rows", "theta", "weight")
+
+    def __init__(self, module: nn.Module, weight: Tensor, rows: Tensor, group: dict[str, Any]) -> None:
+        self.module, self.weight, self.rows, self.group = module, weight, rows, group
+        self.theta: Tensor | None = None
 
 
 def _union_over_ranks(rows: Tensor, num_rows: int, group: Any) -> Tensor:

@@ -465,3 +465,67 @@ def test_the_capture_is_the_only_hook_owner_and_dropping_the_optimizer_leaves_no
     assert gone() is None
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
     assert all(not p._backward_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_sparse_gradient_rows_are_bitwise_stock_fused_adamw_on_the_coalesced_rows(amsgrad: bool) -> None:
+    """sparse=True: the rows and their summed gradient come from the coalesced gradient, and move
+    exactly as fused AdamW moves them; no other row changes."""
+    h = {"lr": 0.05, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.2, "amsgrad": amsgrad}
+    torch.manual_seed(0)
+    embed = nn.Embedding(500, 8, sparse=True)
+    optimizer = LazyAdamW(embed, **h)
+    generator = torch.Generator().manual_seed(1)
+    for count in (5, 300, 40):  # with repeated ids: the coalescing sums their gradients
+        tokens = torch.randint(0, 500, (count,), generator=generator)
+        optimizer.zero_grad()
+        embed(tokens).mul(torch.randn(count, 8, generator=generator)).sum().backward()
+        dense = embed.weight.grad.coalesce().to_dense()
+        rows = torch.unique(tokens)
+        state = {k: v.clone() for k, v in optimizer.state[embed.weight].items()}
+        reference = nn.Embedding(500, 8)
+        reference.weight.data.copy_(embed.weight.detach())
+        reference.weight.grad = dense
+        expected = _adamw_on_rows(reference.weight, state, rows, **h)
+        before = embed.weight.detach().clone()
+        optimizer.step()
+        assert torch.equal(embed.weight[rows], expected["weight"])
+        for key in ("exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if amsgrad else [])):
+            assert torch.equal(optimizer.state[embed.weight][key][rows], expected[key]), key
+        untouched = torch.ones(500, dtype=torch.bool)
+        untouched[rows] = False
+        assert torch.equal(embed.weight[untouched], before[untouched])
+
+
+def test_a_sparse_table_keeps_nothing_from_its_forward() -> None:
+    """Its gradient lists the rows: the forward hook computes no touched rows for it."""
+    model = Bag(sparse=True)
+    optimizer = LazyAdamW(model, lr=0.1)
+    loss_of(model, batches(1)[0]).backward()
+    assert model.embed.weight not in optimizer.capture.reduced(optimizer._rows)
+    optimizer.step()
+
+
+def test_a_negative_row_handed_to_step_changes_nothing() -> None:
+    model = Bag()
+    optimizer = LazyAdamW(model, lr=0.1)
+    loss_of(model, batches(1)[0]).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    bad = {model.embed: [Call(model.embed, (torch.tensor([[3, -2]]),), {})]}
+    with pytest.raises(ValueError, match=r"inputs of embed index row -2 of a table of 30 rows"):
+        optimizer.step(inputs=bad)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert not optimizer.state
+
+
+def test_every_argument_is_in_the_signature_and_a_foreign_one_is_refused_by_name() -> None:
+    import inspect
+
+    names = set(inspect.signature(LazyAdamW).parameters)
+    assert {"lr", "betas", "eps", "weight_decay", "amsgrad", "params", "maximize", "foreach", "fused"} <= names
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(LazyAdamW).parameters.values())
+    with pytest.raises(TypeError, match="LazyAdamW"):
+        LazyAdamW(Bag(), dampening=0.1)  # type: ignore[call-arg]
+    documented = LazyAdamW.__doc__ or ""
+    for name in names - {"self"}:
+        assert f"\n        {name}: " in documented, name

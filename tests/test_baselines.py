@@ -191,3 +191,22 @@ def test_convergence_goal_counts_muon_as_stock_and_times_are_measured() -> None:
     assert outcome["time_to_goal"]["FOOF"] == pytest.approx(1.5)  # measured: median of 1.5 s, never, 1.5 s
     assert outcome["time_to_goal"]["K-FAC"] == math.inf and outcome["best_candidate"] == "FOOF"
     assert outcome["ratio"] == pytest.approx(0.75)
+
+
+def test_convergence_an_input_aware_run_reaching_a_goal_no_stock_optimizer_reaches_counts_as_faster() -> None:
+    from benchmarks.digits import tasks
+    from benchmarks.sections.convergence import _outcome
+
+    # Two seeds: the goal (AdamW's median final, 0.85) is reached by one AdamW seed only.
+    trained = {
+        "seed_runs": {
+            "SGD (momentum 0.9)": [_history([0.1, 0.2, 0.2, 0.2, 0.2], seed, 0.1) for seed in range(2)],
+            "AdamW": [_history([0.1, 0.8, 0.8, 0.8, 0.8], 0, 0.1), _history([0.1, 0.9, 0.9, 0.9, 0.9], 1, 0.1)],
+            "Muon": [_history([0.1, 0.5, 0.5, 0.5, 0.5], seed, 0.1) for seed in range(2)],
+            "Eva": [_history([0.1, 0.5, 0.9, 0.9, 0.9], seed, 0.1) for seed in range(2)],
+        },
+    }
+    outcome = _outcome(tasks()["CNN"], trained)
+    assert outcome["goal"] == pytest.approx(0.85) and outcome["time_to_goal"]["AdamW"] == math.inf
+    assert outcome["best_candidate"] == "Eva" and outcome["time_to_goal"]["Eva"] == pytest.approx(2.0)
+    assert outcome["ratio"] == 0.0

@@ -643,5 +643,5 @@ SECTION = Section(
         f"input-aware configuration reaches the goal in at most {LIMIT:g}× the time of the fastest stock optimizer."
     ),
     run=run,
-    estimate=(30, 700),
+    estimate=(30, 720),
 )

@@ -273,18 +273,20 @@ class LazyAdamW(InputAwareAdamW):
 
     def _row_updates(self, inputs: Inputs) -> list[_RowUpdate]:
         """The lazy tables with a gradient this step, with their rows (their weight rows gathered)."""
-        touched = inputs.reduced(self._rows)
+        touched: dict[Tensor, Tensor] | None = None  # (read only for a dense gradient)
         updates: list[_RowUpdate] = []
         from_inputs: list[_RowUpdate] = []
         for module, weight, group in self._lazy_tables():
             if weight.grad is None:
                 continue  # AdamW skips it too
+            if touched is None and not weight.grad.is_sparse:
+                touched = inputs.reduced(self._rows)
             rows = self._rows_of(module, weight, touched, inputs)
             if rows is None:
                 continue  # no inputs were captured: stock AdamW updates it densely (Inputs warns)
             update = _RowUpdate(module, weight, rows, group)
             (updates if weight.grad.is_sparse else from_inputs).append(update)
-        ranks = self.data_parallel_group
+        ranks = self.data_parallel_group if from_inputs else None
         if ranks is not None:  # (a sparse gradient's rows are already every rank's: DDP sums it)
             for update in from_inputs:
                 update.rows = _union_over_ranks(update.rows, update.weight.shape[0], ranks)
@@ -293,13 +295,14 @@ class LazyAdamW(InputAwareAdamW):
             self._gather_weight_rows(update)
         return updates
 
-    def _rows_of(self, module: nn.Module, weight: Tensor, touched: dict[Tensor, Tensor], inputs: Inputs) -> Any:
+    def _rows_of(self, module: nn.Module, weight: Tensor, touched: dict[Tensor, Tensor] | None, inputs: Inputs) -> Any:
         """The rows of ``weight`` to update this step (``None``: update it densely)."""
         grad = weight.grad
         assert grad is not None
         if grad.is_sparse:  # sparse=True: the gradient itself lists the rows (coalesced)
             weight.grad = grad = grad.coalesce()
             return grad.indices()[0]
+        assert touched is not None
         rows = touched.get(weight)
         extra = self._rows.take(weight)
         if rows is None:

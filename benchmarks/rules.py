@@ -8,6 +8,7 @@ so nine steps in ten only apply the kept preconditioner. A timed sample spans wh
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,22 +84,30 @@ def foof(statistics_every: int = STATISTICS_EVERY, update_every: int = UPDATE_EV
     )
 
 
-def kfac(statistics_every: int = STATISTICS_EVERY, update_every: int = UPDATE_EVERY) -> Factory:
-    """K-FAC with momentum 0.9, this module's damping and the given schedule."""
+def kfac(
+    statistics_every: int = STATISTICS_EVERY,
+    update_every: int = UPDATE_EVERY,
+    base: type[torch.optim.Optimizer] | None = None,
+) -> Factory:
+    """K-FAC with this module's damping and the given schedule: SGD with momentum 0.9, or in front of
+    ``base`` (``torch.optim.AdamW``, ...) with the base's defaults."""
+    extra: dict[str, Any] = {"momentum": 0.9} if base is None else {"base": base}
     return lambda model, lr: KFAC(
         model,
         lr=lr,
-        momentum=0.9,
         damping=KFAC_DAMPING,
         update_every=update_every,
         statistics_every=statistics_every,
         inverse_dtype=INVERSE_DTYPE,
+        **extra,
     )
 
 
-def eva(statistics_every: int = STATISTICS_EVERY) -> Factory:
-    """Eva with momentum 0.9, its default damping and KL clipping, statistics every ``statistics_every`` steps."""
-    return lambda model, lr: Eva(model, lr=lr, momentum=0.9, damping=EVA_DAMPING, statistics_every=statistics_every)
+def eva(statistics_every: int = STATISTICS_EVERY, base: type[torch.optim.Optimizer] | None = None) -> Factory:
+    """Eva with its default damping and KL clipping, statistics every ``statistics_every`` steps: SGD
+    with momentum 0.9, or in front of ``base`` with the base's defaults."""
+    extra: dict[str, Any] = {"momentum": 0.9} if base is None else {"base": base}
+    return lambda model, lr: Eva(model, lr=lr, damping=EVA_DAMPING, statistics_every=statistics_every, **extra)
 
 
 def candidate_sweeps(config: Config) -> list[Sweep]:
@@ -134,52 +143,101 @@ def candidate_sweeps(config: Config) -> list[Sweep]:
     ]
 
 
-class KernelFloor(torch.optim.SGD):
-    """SGD with momentum plus a Kronecker rule's arithmetic alone, with no capture and no library code.
+class KernelFloor:
+    """A stock optimizer plus a Kronecker rule's arithmetic alone, with no capture and no library code.
 
-    Every step multiplies each ``nn.Linear`` / ``nn.Conv2d`` gradient matrix ``[W | b]`` by kept
-    inverses (``G̃ A⁻¹``; two-sided ``G⁻¹ G̃ A⁻¹`` for K-FAC); every ``STATISTICS_EVERY`` steps it
-    first Cholesky-inverts each factor in ``INVERSE_DTYPE``. The factors are fixed positive
-    definite matrices of the layers' sizes (the values do not change the time). Left out: the
-    statistics products (one ``x̃ᵀx̃`` per call every ``STATISTICS_EVERY`` steps), the capture, and
-    the bookkeeping. The least time FOOF's or K-FAC's step can take here: the rest is overhead.
+    Mixed in front of the base optimizer's class (``kernel_floor`` builds the pair): every step
+    multiplies each ``nn.Linear`` / ``nn.Conv2d`` gradient matrix ``[W | b]`` by kept inverses
+    (``G̃ A⁻¹``; two-sided ``G⁻¹ G̃ A⁻¹`` for K-FAC), then takes the base's step. Every
+    ``statistics_every`` steps it first forms each factor's statistics product (``x̃ᵀx̃`` over
+    the layer's rows of a step, and ``gᵀg`` for K-FAC), adds the damping and Cholesky-inverts it
+    in ``inverse_dtype``: the schedule the benchmarks train the rules on (inverses refreshed on
+    every statistics step). The rows are fixed random tensors of the shapes the layer saw at its
+    first forward (a hook takes itself off after it: no hook runs while timed); the values do not
+    change the time. The least time FOOF's or K-FAC's step can take: the rest is overhead.
     """
 
-    def __init__(self, model: torch.nn.Module, lr: float, two_sided: bool) -> None:
-        super().__init__(model.parameters(), lr=lr, momentum=0.9)
-        self._layers = []
+    def _set_up_floor(self, model: torch.nn.Module, two_sided: bool, statistics_every: int, dtype: torch.dtype) -> None:
+        self._floor_layers: list[_FloorLayer] = []
+        self._floor_every, self._floor_dtype, self._floor_steps = statistics_every, dtype, 0
         for module in model.modules():
             if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
-                out, columns = module.weight.shape[0], module.weight[0].numel() + (module.bias is not None)
-                factors = [_positive_definite(columns)] + ([_positive_definite(out)] if two_sided else [])
-                self._layers.append((module.weight, module.bias, factors, [torch.eye(n) for n in (columns, out)]))
-        self._steps = 0
+                layer = _FloorLayer(module, two_sided)
+                self._floor_layers.append(layer)
+                layer.handle = module.register_forward_hook(layer.shape_rows)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        refresh = self._steps % STATISTICS_EVERY == 0
-        self._steps += 1
-        for weight, bias, factors, inverses in self._layers:
-            if refresh:
-                for i, factor in enumerate(factors):
-                    inverses[i] = torch.cholesky_inverse(torch.linalg.cholesky(factor.to(INVERSE_DTYPE))).contiguous()
-            grad = weight.grad.reshape(weight.shape[0], -1)
-            matrix = grad if bias is None else torch.cat((grad, bias.grad.unsqueeze(1)), dim=1)
-            new = matrix @ inverses[0] if len(factors) == 1 else inverses[1] @ matrix @ inverses[0]
-            grad.copy_(new[:, : grad.shape[1]])
-            if bias is not None:
-                bias.grad.copy_(new[:, -1])
-        return super().step(closure)
+    def step(self, closure: Any = None) -> Any:
+        if self._floor_steps % self._floor_every == 0:
+            for layer in self._floor_layers:
+                layer.invert(self._floor_dtype)
+        self._floor_steps += 1
+        for layer in self._floor_layers:
+            layer.precondition()
+        return super().step(closure)  # type: ignore[misc]
 
 
-def _positive_definite(size: int) -> Tensor:
-    rows = torch.randn(2 * size, size, generator=torch.Generator().manual_seed(size))
-    return rows.T @ rows / (2 * size) + 0.1 * torch.eye(size)
+class _FloorLayer:
+    """One layer's share of ``KernelFloor``: its rows, factors and kept inverses."""
+
+    def __init__(self, module: torch.nn.Module, two_sided: bool) -> None:
+        self.weight, self.bias = module.weight, module.bias
+        self.columns = module.weight[0].numel() + (module.bias is not None)
+        self.outputs = module.weight.shape[0]
+        self.two_sided = two_sided
+        self.rows: list[Tensor] = []  # the input rows (and output-gradient rows) of a step
+        self.inverses = [torch.eye(n) for n in (self.columns, self.outputs)[: 1 + two_sided]]
+        self.handle: Any = None
+
+    def shape_rows(self, module: torch.nn.Module, args: Any, output: Tensor) -> None:
+        self.handle.remove()
+        count = output.numel() // self.outputs  # rows: samples (and positions) of the call
+        generator = torch.Generator().manual_seed(self.columns)
+        self.rows = [
+            torch.randn(count, n, generator=generator) for n in (self.columns, self.outputs)[: 1 + self.two_sided]
+        ]
+
+    def invert(self, dtype: torch.dtype) -> None:
+        for index, rows in enumerate(self.rows):
+            moment = rows.mT @ rows
+            damped = moment.to(dtype).add_(torch.eye(moment.shape[0], dtype=dtype), alpha=0.1 * rows.shape[0])
+            self.inverses[index] = torch.cholesky_inverse(torch.linalg.cholesky(damped)).to(moment.dtype)
+
+    def precondition(self) -> None:
+        weight, bias = self.weight, self.bias
+        if weight.grad is None:
+            return
+        grad = weight.grad.reshape(weight.shape[0], -1)
+        matrix = grad if bias is None or bias.grad is None else torch.cat((grad, bias.grad.unsqueeze(1)), dim=1)
+        new = matrix @ self.inverses[0] if not self.two_sided else self.inverses[1] @ matrix @ self.inverses[0]
+        grad.copy_(new[:, : grad.shape[1]])
+        if matrix is not grad:
+            bias.grad.copy_(new[:, -1])
 
 
-def kernel_floor(two_sided: bool = False) -> Factory:
-    """``KernelFloor`` as a factory: FOOF's arithmetic alone, or K-FAC's (``two_sided``)."""
-    return lambda model, lr: KernelFloor(model, lr, two_sided)
+@functools.cache
+def _floor_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    return type(f"KernelFloor{base.__name__}", (KernelFloor, base), {})
+
+
+def kernel_floor(
+    two_sided: bool = False,
+    base: type[torch.optim.Optimizer] | None = None,
+    statistics_every: int = STATISTICS_EVERY,
+    **base_kwargs: Any,
+) -> Factory:
+    """``(model, lr) -> optimizer``: ``base`` (default SGD with momentum 0.9) plus FOOF's arithmetic
+    alone, or K-FAC's (``two_sided``), on this module's schedule (``KernelFloor``)."""
+    if base is None:
+        base, base_kwargs = torch.optim.SGD, {"momentum": 0.9, **base_kwargs}
+    cls = _floor_class(base)
+
+    def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        optimizer = cls(model.parameters(), lr=lr, **base_kwargs)
+        optimizer._set_up_floor(model, two_sided, statistics_every, INVERSE_DTYPE)  # type: ignore[attr-defined]
+        return optimizer
+
+    return build
 
 
 STEP_LIMIT = 1.15  # the step-time target of FOOF and K-FAC against AdamW

@@ -42,7 +42,8 @@ class Eva(KroneckerRule):
     r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
 
     ``Eva(model, lr, momentum=None, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
-    batch_averaged=True, damping_form="kronecker", params=None, **sgd_kwargs)``
+    statistics_every=1, batch_averaged=True, damping_form="kronecker", max_dim=None,
+    distributed_inversion=False, params=None, **sgd_kwargs)``
 
     For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
     ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
@@ -83,15 +84,22 @@ class Eva(KroneckerRule):
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
         statistics_every: Collect the vectors every this many steps (>= 1, keyword-only); between
             them the hooks keep nothing and the kept vectors precondition.
-        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
+        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension;
+            keyword-only).
         damping_form: ``"kronecker"`` (default): :math:`\gamma` added to the Kronecker product, as
             above; ``"factors"``: added to each rank-one factor,
             :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`
             (the form this library had before, about :math:`\tilde G / \gamma^2` where the vectors do
             not reach, so it wants ``kl_clip=None`` and a learning rate about :math:`\gamma` times
             smaller). Keyword-only.
-        params: Parameters or param groups of ``model`` (default: all that require grad).
-        **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
+        max_dim: Leave layers with a side larger than this to the stock update (None: no limit;
+            keyword-only).
+        distributed_inversion: Accepted for the Kronecker rules' common signature; Eva inverts
+            nothing, so it changes nothing (keyword-only).
+        params: Parameters or param groups of ``model`` (default: all that require grad;
+            keyword-only).
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
+            optimizer class to take the update instead of SGD) and its arguments.
 
     Against the authors' code (github.com/lzhangbv/eva, ``kfac/eva.py``): the same :math:`P` and
     KL clip; there :math:`\bar g` is the mean output gradient of the mean loss, over the samples
@@ -191,31 +199,18 @@ class Eva(KroneckerRule):
         loss = evaluate_closure(closure)
         assert inputs is not None
         due = [group for group in self.param_groups if _statistics_due(group)]
-        layers, sums = self._step_statistics(inputs, due) if due else ([], [])
-        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]  # a layer with no row keeps its state
-        layers = [layer for layer, ok in zip(layers, seen, strict=True) if ok]
-        sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
+        layers, sums = self._seen_statistics(inputs, due)  # a layer with no row keeps its state
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
         updated = len(layers)
         for layer, (a, g) in self._between_statistics(due, ["input_mean", "output_grad_mean"]):  # kept vectors
             layers.append(layer)
             vectors.append((a, g))
-        directions = []
-        for layer, (a, g) in zip(layers, vectors, strict=True):
-            matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
-            damping = float(layer.group["damping"])
-            directions.append(self._direction(matrix, a.to(matrix.dtype), g.to(matrix.dtype), damping))
-        # Before any change, one check of every layer: each direction's norm is finite unless it holds
-        # a NaN or an inf (or its squares overflow: then each element is checked).
-        if directions and not bool(torch.stack(foreach_norm(directions)).isfinite().all()):
-            for layer, direction in zip(layers, directions, strict=True):
-                if not bool(direction.isfinite().all()):
-                    raise RuntimeError(
-                        f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: "
-                        "training has diverged (NaN or inf activations or gradients). Lower the learning rate "
-                        "or raise damping. No parameter was changed by this step"
-                    )
-        scales = self._kl_clip_scales(layers, directions)
+        matrices = [layer.kind.grad_matrix(layer.module, layer.homogeneous) for layer in layers]
+        directions = [
+            self._direction(m, a.to(m.dtype), g.to(m.dtype), float(layer.group["damping"]))
+            for layer, m, (a, g) in zip(layers, matrices, vectors, strict=True)
+        ]
+        scales = self._checked_scales(layers, matrices, directions)
         for index, (layer, (a, g), direction) in enumerate(zip(layers, vectors, directions, strict=True)):
             if index < updated:
                 state = self.state[weight_of(layer.module)]
@@ -226,6 +221,27 @@ class Eva(KroneckerRule):
         InputAwareSGD.step(self, inputs=inputs)
         self._advance_schedule()
         return loss
+
+    def _checked_scales(
+        self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]
+    ) -> dict[int, float]:
+        """Each group's KL-clip scale, after one check of every layer, before any change: each
+        direction's norm is finite unless it holds a NaN or an inf (or its squares overflow: then
+        each element is checked). One transfer to the host for both."""
+        if not directions:
+            return self._kl_clip_scales(layers, [], [])
+        finite = torch.stack(foreach_norm(directions)).isfinite().all().double()
+        totals = self._kl_clip_totals(layers, matrices, directions)
+        found = torch.stack([finite, *totals.values()]).tolist()
+        if not found[0]:
+            for layer, direction in zip(layers, directions, strict=True):
+                if not bool(direction.isfinite().all()):
+                    raise RuntimeError(
+                        f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: "
+                        "training has diverged (NaN or inf activations or gradients). Lower the learning rate "
+                        "or raise damping. No parameter was changed by this step"
+                    )
+        return self._kl_clip_scales(layers, list(totals), found[1:])
 
     def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]
@@ -239,16 +255,24 @@ class Eva(KroneckerRule):
             out.append(mean)
         return out[0], out[1]
 
-    def _kl_clip_scales(self, layers: list[Layer], directions: list[Tensor]) -> dict[int, float]:
-        """Per param group: :math:`\\nu = \\min(1, \\sqrt{\\kappa / (\\eta^2 \\sum |\\langle P, G \\rangle|)})`."""
-        totals: dict[int, float] = {}
-        clipped = {id(group) for group in self.param_groups if group["kl_clip"] is not None}
-        for layer, direction in zip(layers, directions, strict=True):
-            if id(layer.group) not in clipped:
+    def _kl_clip_totals(
+        self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]
+    ) -> dict[int, Tensor]:
+        r"""Per clipped param group (by ``id``): :math:`\eta^2 \sum_\ell \langle P_\ell, \tilde G_\ell \rangle`
+        (float64, on the device: read with the finiteness check)."""
+        totals: dict[int, Tensor] = {}
+        for layer, matrix, direction in zip(layers, matrices, directions, strict=True):
+            if layer.group["kl_clip"] is None:
                 continue  # (no clipping in this group: its total is not needed)
-            matrix = layer.kind.grad_matrix(layer.module, layer.homogeneous)
             lr = float(layer.group["lr"])
-            totals[id(layer.group)] = totals.get(id(layer.group), 0.0) + float((direction * matrix).sum()) * lr * lr
+            inner = torch.vdot(direction.reshape(-1), matrix.reshape(-1)).double() * (lr * lr)
+            totals[id(layer.group)] = inner if id(layer.group) not in totals else totals[id(layer.group)] + inner
+        return totals
+
+    def _kl_clip_scales(self, layers: list[Layer], groups: list[int], values: list[float]) -> dict[int, float]:
+        r"""Per param group: :math:`\nu = \min(1, \sqrt{\kappa / (\eta^2 \sum |\langle P, G \rangle|)})`
+        from the totals ``values`` of the groups ``groups``."""
+        totals = dict(zip(groups, values, strict=True))
         scales = {}
         for group in self.param_groups:
             total, kappa = abs(totals.get(id(group), 0.0)), group["kl_clip"]

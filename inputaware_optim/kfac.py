@@ -121,17 +121,25 @@ class KFAC(KroneckerRule):
         update_every: Refresh the inverses every this many statistics steps (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
             them the hooks keep nothing and return at once, and the kept inverses precondition.
-        max_dim: Leave layers with a factor larger than this to plain SGD (None: no limit).
-        distributed_inversion: Under data parallelism, invert each factor on one rank and
-            broadcast it (instead of every rank inverting every factor).
-        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension).
+        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension;
+            keyword-only).
         convention: ``"inputaware"`` (default) or ``"kfac-pytorch"``: the factors' scaling and
             damping, as above (keyword-only).
+        max_dim: Leave layers with a factor larger than this to the stock update (None: no limit;
+            keyword-only).
+        distributed_inversion: Under data parallelism, invert each factor on one rank and
+            broadcast it (instead of every rank inverting every factor; keyword-only).
         inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition,
-            so a change of ``damping`` applies at the next step without a new decomposition.
-        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
-        params: Parameters or param groups of ``model`` (default: all that require grad).
-        **sgd_kwargs: Any other ``torch.optim.SGD`` argument and ``storage``.
+            so a change of ``damping`` applies at the next step without a new decomposition
+            (keyword-only).
+        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or
+            ``torch.float32`` (keyword-only). The inverses are kept in the statistics' dtype
+            (float32, float64 for float64 parameters) and the gradients preconditioned in the
+            parameters' dtype.
+        params: Parameters or param groups of ``model`` (default: all that require grad;
+            keyword-only).
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
+            optimizer class to take the update instead of SGD) and its arguments.
 
     References:
         James Martens and Roger Grosse, "Optimizing Neural Networks with Kronecker-factored

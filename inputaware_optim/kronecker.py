@@ -233,32 +233,17 @@ class KroneckerRule(InputAwareSGD):
         loss = evaluate_closure(closure)
         assert inputs is not None
         due = [group for group in self.param_groups if _statistics_due(group)]
-        layers, sums = self._step_statistics(inputs, due) if due else ([], [])
-        # A layer that saw no row this step (an expert no token was routed to) has no statistics
-        # to average: it takes the plain step (its gradient is zero) and keeps its running moments.
-        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
-        layers = [layer for layer, ok in zip(layers, seen, strict=True) if ok]
-        sums = [s for s, ok in zip(sums, seen, strict=True) if ok]
+        layers, sums = self._seen_statistics(inputs, due)
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
         try:
             updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
             self._invert_due(layers, updates)
-            inverse_keys = [f"{factor}_inverse" for factor in self.factors]
-            kept = [  # the inverses kept (formed again under "eigh" if the damping changed)
-                (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
-                for layer, inverses in self._between_statistics(due, inverse_keys)
-            ]
+            kept = self._kept_inverses(due)
         except _NotPositiveDefinite as error:  # a diverged run is said as such before any advice on damping
             self._refuse_not_finite_gradients(error)
             raise
-        for layer, (state, moments, inverses, _, bases) in zip(layers, updates, strict=True):
-            for factor in self.factors:
-                state[f"{factor}_second_moment"] = moments[factor]
-                if factor in bases:
-                    state[f"{factor}_eigenvalues"], state[f"{factor}_eigenvectors"] = bases[factor]
-            self._keep_inverses(layer, inverses)
-            state["statistics_steps"] = state.get("statistics_steps", 0) + 1
-            self._set_preconditioned(layer, inverses)
+        for layer, update in zip(layers, updates, strict=True):
+            self._set_preconditioned(layer, self._commit_statistics(layer, update))
         for layer, inverses in kept:
             if self._inverse == "eigh":  # a change of damping formed new ones (Cholesky's are the kept ones)
                 self._keep_inverses(layer, inverses)
@@ -266,6 +251,43 @@ class KroneckerRule(InputAwareSGD):
         super().step(inputs=inputs)
         self._advance_schedule()
         return loss
+
+    def _seen_statistics(
+        self, inputs: Inputs, due: list[dict[str, Any]]
+    ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
+        """The step's factor sums (``_step_statistics``) of the layers that saw a row.
+
+        A layer that saw no row this step (an expert no token was routed to) has no statistics to
+        average: it takes the plain step (its gradient is zero) and keeps its running moments."""
+        if not due:
+            return [], []
+        layers, sums = self._step_statistics(inputs, due)
+        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
+        return (
+            [layer for layer, ok in zip(layers, seen, strict=True) if ok],
+            [s for s, ok in zip(sums, seen, strict=True) if ok],
+        )
+
+    def _kept_inverses(self, due: list[dict[str, Any]]) -> list[tuple[Layer, dict[str, Tensor]]]:
+        """The inverses kept for the layers of the groups with no statistics this step (formed again
+        under ``"eigh"`` if the damping changed)."""
+        keys = [f"{factor}_inverse" for factor in self.factors]
+        return [
+            (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
+            for layer, inverses in self._between_statistics(due, keys)
+        ]
+
+    def _commit_statistics(self, layer: Layer, update: Any) -> dict[str, Tensor]:
+        """Keep a statistics step's running moments, decompositions and inverses in the layer's state;
+        the inverses to precondition with."""
+        state, moments, inverses, _, bases = update
+        for factor in self.factors:
+            state[f"{factor}_second_moment"] = moments[factor]
+            if factor in bases:
+                state[f"{factor}_eigenvalues"], state[f"{factor}_eigenvectors"] = bases[factor]
+        self._keep_inverses(layer, inverses)
+        state["statistics_steps"] = state.get("statistics_steps", 0) + 1
+        return inverses
 
     def _refuse_not_finite_gradients(self, error: Exception) -> None:
         """Raise, from ``error``, naming the first layer whose gradient is not finite, if there is one."""

@@ -30,7 +30,7 @@ JUDGED = ("GPT", *DIGITS_TASKS)
 GOAL = "goal"
 CLOCK = "measured training time (s)"
 TORCH_MUON = "torch.optim.Muon as shipped"
-# The rules precondition Linear layers; an Embedding's gradient (its rows of ones) goes to the base as is.
+# The rules precondition the Linear layers; an Embedding's gradient goes to the base as it is.
 EMBEDDINGS = "the embeddings take AdamW's own update"
 GPT_WINDOWS = 2  # validation batches per evaluation (fixed windows of held-out files, the same for every run)
 
@@ -61,7 +61,7 @@ def _gpt_task(config: Config) -> LanguageTask:
         lambda: gpt.build(size),
         images=False,
         reconstruct=True,
-        steps=40,
+        steps=config.pick(12, 40, 80),
         size=size,
     )
 
@@ -554,8 +554,7 @@ def _runners(
 def run(config: Config, progress: Progress) -> Result:
     seeds = config.pick(2, SEEDS)
     digit_sweeps = [*shared.baseline_sweeps(config, muon=True), *rules.candidate_sweeps(config)]
-    language = dataclasses.replace(_gpt_task(config), steps=config.pick(12, 40, 80))
-    workloads: list[tuple[Task, list[Sweep]]] = [(language, _gpt_sweeps(config))]
+    workloads: list[tuple[Task, list[Sweep]]] = [(_gpt_task(config), _gpt_sweeps(config))]
     every = shared.tasks()
     for name in DIGITS_TASKS:
         steps = config.pick(12, every[name].steps, 2 * every[name].steps)

@@ -13,6 +13,7 @@ from . import (
     distributed,
     dp,
     foof,
+    gpt,
     grad_outputs,
     hook_cost,
     inversion,
@@ -24,6 +25,7 @@ from . import (
 )
 
 SECTIONS: list[Section] = [
+    gpt.SECTION,
     hook_cost.SECTION,
     capture_overhead.SECTION,
     memory.SECTION,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import numbers
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, TypeGuard
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple, NoReturn, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -390,11 +391,22 @@ class _PerSampleClipping(InputAwareOptimizer):
             return {}
         clip, sigma = self._group_privacy()
         totals = inputs.reduced(self._clipped)
+        data_parallel = self.data_parallel_group
+        distributed = data_parallel is not None or any(sharded(p) for p in targets)
+        present, first = self._checked_totals(targets, totals, clip, distributed)
+        if distributed:
+            return self._private_gradients_over_ranks(targets, totals, present, first, clip, sigma, data_parallel)
+        divisor = self._divisor(self._expected_batch_size or first["samples"])
+        return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
+
+    def _checked_totals(
+        self, targets: list[Tensor], totals: dict[Tensor, Any], clip: float, distributed: bool
+    ) -> tuple[list[Tensor], dict[str, Any]]:
+        """Refuse, before any parameter changes, what the step's clipped sums cannot privatize; return
+        the parameters that have them and the sums of one (samples and passes are the same for all)."""
         for entry in totals.values():
             if "error" in entry:
                 self._raise_kept(*entry["error"])
-        data_parallel = self.data_parallel_group
-        distributed = data_parallel is not None or any(sharded(p) for p in targets)
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
@@ -403,13 +415,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._refuse_changed_clip(clip, set().union(*(totals[p]["clips"] for p in present)))
         first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
         self._refuse_accumulation_without_batch(len(first["passes"]))
-        if not distributed:
-            batch = self._expected_batch_size or first["samples"]
-            if batch == 0 and self._privacy[2] == "mean":
-                raise self._empty_batch()
-            divisor = float(batch) if self._privacy[2] == "mean" else 1.0
-            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
-        return self._private_gradients_over_ranks(targets, totals, present, first, clip, sigma, data_parallel)
+        return present, first
+
+    def _divisor(self, batch: float) -> float:
+        """What the noised sum is divided by: the batch the loss is a mean over (1 for a summed loss)."""
+        if self._privacy[2] != "mean":
+            return 1.0
+        if batch == 0:
+            raise self._empty_batch()
+        return float(batch)
 
     def _refuse_changed_clip(self, clip: float, clips: set[float]) -> None:
         if clips - {clip}:
@@ -452,11 +466,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             for p in targets
         }
         if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
-            for total in sums.values():  # drawn once over all ranks, so replicas stay identical
-                noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
-                total += (noise * (sigma * clip)).to(total.device, total.dtype)
-        batch = self._expected_batch_size or first["samples"]
-        count = torch.tensor(float(batch), dtype=torch.float64)
+            self._add_noise(sums.values(), sigma * clip)  # drawn once over all ranks: replicas stay identical
+        count = torch.tensor(float(self._expected_batch_size or first["samples"]), dtype=torch.float64)
         captured = torch.tensor([float(p in totals) for p in targets], dtype=torch.float64)  # ranks that saw each
         all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count, captured], data_parallel)
         nowhere = [p for p, ranks in zip(targets, captured.tolist(), strict=True) if ranks == 0]
@@ -464,10 +475,16 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise self._uncaptured(nowhere)
         for param in [p for p in sums if sharded(p)]:  # FSDP2: this rank's shard of the sum, by a reduce-scatter
             sums[param] = reduce_scatter_like(sums[param], param)
-        if float(count) == 0 and self._privacy[2] == "mean":  # on every rank alike: the count is all-reduced
-            raise self._empty_batch()
-        divisor = float(count) if self._privacy[2] == "mean" else 1.0
+        divisor = self._divisor(float(count))  # on every rank alike: the count is all-reduced
         return {p: total / divisor for p, total in sums.items()}
+
+    def _add_noise(self, totals: Any, std: float) -> None:
+        """Add ``N(0, std² I)`` to each of ``totals`` in turn, drawn in the default dtype on the
+        generator's device (as the one-process path draws it)."""
+        generator = self._generator
+        for total in totals:
+            noise = torch.randn(total.shape, generator=generator, device=generator.device)
+            total.add_(noise.to(total.device, total.dtype), alpha=std)
 
     def _refuse_split_forwards(self, totals: dict[Tensor, Any]) -> None:
         """Refuse a forward whose calls reached the ends of several backward passes: each pass clipped
@@ -531,24 +548,22 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _noised_into_grad(self, param: Tensor, total: Tensor, std: float, divisor: float) -> Tensor:
         """``(total + N(0, std² I)) / divisor`` in one process, written into ``param.grad`` where it
-        can be (dense, of ``total``'s dtype and device): the noise is drawn into it, then one pass adds
-        the clipped sum (``total``, which the capture keeps, is left as it is)."""
+        can be (dense, of ``total``'s dtype and device): the noise is drawn into it already divided,
+        then one pass adds the clipped sum (``total``, which the capture keeps, is left as it is)."""
         grad = param.grad
         assert grad is not None
         generator = self._generator
         fits = not grad.is_sparse and grad.dtype == total.dtype and grad.device == total.device
         fits = fits and grad.shape == total.shape and grad.is_contiguous()
         out = grad if fits else torch.empty_like(total)
-        if std > 0:
-            if out.dtype == torch.get_default_dtype() and out.device == generator.device:
-                torch.randn(out.shape, generator=generator, out=out)  # the noise as drawn before, in place
-                torch.add(total, out, alpha=std, out=out)
-            else:  # drawn in the default dtype on the generator's device, as the multi-process path does
-                noise = torch.randn(total.shape, generator=generator, device=generator.device)
-                torch.add(total, noise.to(total.device, total.dtype), alpha=std, out=out)
-        else:
-            out.copy_(total)
-        return out.div_(divisor) if divisor != 1.0 else out
+        if std == 0:
+            return torch.div(total, divisor, out=out)
+        if out.dtype == torch.get_default_dtype() and out.device == generator.device:
+            out.normal_(0.0, std / divisor, generator=generator)  # randn's stream, scaled as it is drawn
+        else:  # drawn in the default dtype on the generator's device, as the multi-process path does
+            noise = torch.randn(total.shape, generator=generator, device=generator.device)
+            torch.mul(noise.to(total.device, total.dtype), std / divisor, out=out)
+        return out.add_(total, alpha=1.0 / divisor)
 
     def _check_sums_add_up(
         self, targets: list[Tensor], totals: dict[Tensor, Any], dtypes: frozenset[torch.dtype] = frozenset()
@@ -557,58 +572,67 @@ class _PerSampleClipping(InputAwareOptimizer):
         somewhere no captured call explains, and could not be clipped per sample. Each parameter's
         gap is measured against the whole gradient's norm (a parameter whose gradient is zero up to
         rounding, say a bias a normalization cancels, must not fail on its rounding)."""
-        checked: list[Tensor] = []
-        compared: list[tuple[Tensor, Tensor]] = []  # (the per-sample sum, the gradient), as compared
-        pairs: list[Tensor] = []  # per parameter: the gap's norm and the gradient's, read at once below
-        exact = all(d == torch.float64 for d in dtypes)  # float64 throughout: a much tighter bound
-        for param in targets:
-            plain, grad = totals[param]["unclipped"], param.grad
-            if plain is None or grad is None:
-                continue
-            grad = grad.to_dense() if grad.is_sparse else grad
-            exact = exact and grad.dtype == torch.float64
-            grad = self._clipped.probes.project(param, grad)
-            checked.append(param)
-            compared.append((plain, grad))
-            gap, norm = torch.linalg.vector_norm(plain.to(grad.dtype) - grad), torch.linalg.vector_norm(grad)
-            pairs.append(torch.stack([gap, norm]).double())
+        compared = {  # param -> (the per-sample sum, the gradient), as compared
+            p: (totals[p]["unclipped"], self._clipped.probes.project(p, _dense(p.grad)))
+            for p in targets
+            if totals[p]["unclipped"] is not None and p.grad is not None
+        }
+        exact = all(d == torch.float64 for d in dtypes) and all(g.dtype == torch.float64 for _, g in compared.values())
+        pairs = [  # per parameter: the gap's norm and the gradient's, read at once below
+            torch.stack(
+                [torch.linalg.vector_norm(plain.to(grad.dtype) - grad), torch.linalg.vector_norm(grad)]
+            ).double()
+            for plain, grad in compared.values()
+        ]
         if len({p.device for p in pairs}) == 1:
             values = torch.stack(pairs).tolist()
         else:  # parameters on several devices: one read each
             values = [pair.tolist() for pair in pairs]
-        gaps = {param: gap for param, (gap, _) in zip(checked, values, strict=True)}
-        norms = [norm for _, norm in values]
+        gaps = {param: gap for param, (gap, _) in zip(compared, values, strict=True)}
         # Under autocast the backward runs in bfloat16 (or float16), and autograd rounds each weight
         # gradient to it (at most half its eps, relatively), while the per-sample sums add the same
         # inputs and output gradients in float32: the gap is then up to about half an eps of the
         # lowest dtype the backward ran in (0.1-0.2% measured in bfloat16; a tied weight: 5-50%).
         tolerance = 1e-9 if exact else max([1e-3, *(torch.finfo(d).eps for d in dtypes)])
-        whole = math.sqrt(sum(n * n for n in norms))
+        whole = math.sqrt(sum(norm * norm for _, norm in values))
         wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
         if wrong:
-            factor = _common_factor(compared, tolerance)
-            if factor is not None:
-                raise RuntimeError(
-                    f"{type(self).__name__}: the gradient backward computed is the sum of the per-sample gradients "
-                    f"times {factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient "
-                    "clip does. Trainers do it by a setting: Lightning's Trainer(gradient_clip_val=...) (leave it "
-                    "None), Hugging Face's TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), "
-                    "Accelerate's accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call "
-                    f"out). {type(self).__name__} clips each sample's gradient itself (max_grad_norm of the "
-                    "optimizer) and must see the gradient as backward made it. No parameter was changed"
-                )
-            owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
-            worst = max(gaps[p] for p in wrong) / max(whole, 1e-30)
-            raise RuntimeError(
-                f"{type(self).__name__}: the per-sample gradients of {owners or 'a module'} do not add up to the "
-                f"gradient backward computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be "
-                "clipped per sample. Typical causes: the weight is also used without calling its module (a "
-                "tied head written F.linear(h, embed.weight): call the module instead), or the gradient was "
-                "changed after backward (clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's "
-                "max_grad_norm, manual edits: DP replaces the gradient, leave it as backward made it), or a "
-                "gradient penalty (torch.autograd.grad(..., create_graph=True) then backward): its "
-                "double-backward terms mix samples and cannot be clipped per sample. No parameter was changed"
+            self._refuse_unexplained(
+                wrong, list(compared.values()), tolerance, max(gaps[p] for p in wrong) / max(whole, 1e-30)
             )
+
+    def _refuse_unexplained(
+        self, wrong: list[Tensor], compared: list[tuple[Tensor, Tensor]], tolerance: float, worst: float
+    ) -> NoReturn:
+        """The refusal of gradients the per-sample gradients do not add up to (``worst``: the largest
+        gap, relative to the whole gradient's norm), naming a trainer's clip where it explains them."""
+        factor = _common_factor(compared, tolerance)
+        if factor is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: the gradient backward computed is the sum of the per-sample gradients "
+                f"times {factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient "
+                "clip does. Trainers do it by a setting: Lightning's Trainer(gradient_clip_val=...) (leave it "
+                "None), Hugging Face's TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), "
+                "Accelerate's accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call "
+                f"out). {type(self).__name__} clips each sample's gradient itself (max_grad_norm of the "
+                "optimizer) and must see the gradient as backward made it. No parameter was changed"
+            )
+        owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
+        raise RuntimeError(
+            f"{type(self).__name__}: the per-sample gradients of {owners or 'a module'} do not add up to the "
+            f"gradient backward computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be "
+            "clipped per sample. Typical causes: the weight is also used without calling its module (a "
+            "tied head written F.linear(h, embed.weight): call the module instead), or the gradient was "
+            "changed after backward (clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's "
+            "max_grad_norm, manual edits: DP replaces the gradient, leave it as backward made it), or a "
+            "gradient penalty (torch.autograd.grad(..., create_graph=True) then backward): its "
+            "double-backward terms mix samples and cannot be clipped per sample. No parameter was changed"
+        )
+
+
+def _dense(grad: Tensor | None) -> Tensor:
+    assert grad is not None
+    return grad.to_dense() if grad.is_sparse else grad
 
 
 def _common_factor(compared: list[tuple[Tensor, Tensor]], tolerance: float) -> float | None:
@@ -702,55 +726,45 @@ class ClippedSums(Reduction):
             return {p: {"error": (cause, where)} for p in params if p is not None}
 
     def _finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
-        by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
-        shared = {m for param, uses in self.shared.items() if param.requires_grad for m, _ in uses}
-        trains = {m: bool(self._trained_names(m)) or m in shared for m in {c.module for _, c in entries}}
-        for _, call in entries:
-            if trains[call.module]:  # a frozen layer's calls neither count samples nor enter a norm
-                by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
+        by_forward = self._by_forward(entries)
         if not by_forward:
             return {}
-        samples = {
-            f: _samples({m: [_batch_first(c, self.batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
-            for f, calls in by_forward.items()
-        }
-        for forward, count in samples.items():
-            _check_model_batch(self.capture, self.batch_dim, forward, count, by_forward[forward])
+        samples = {forward: self._samples(forward, calls) for forward, calls in by_forward.items()}
         scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         clip = self.clip()
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
         for forward, calls in by_forward.items():
-            if samples[forward] == 0:  # an empty batch (Poisson sampling draws them): no sample, zero sums
-                clipped_sums, plain_sums = self._empty_sums(calls)
-            else:
-                clipped_sums, plain_sums = self._clipped_sums(calls, scale, clip)
-            for param, total in clipped_sums.items():
-                out[param] = add_statistics(out.get(param), total)
-            for param, total in plain_sums.items():
-                unclipped[param] = add_statistics(unclipped.get(param), total)
+            # An empty batch (Poisson sampling draws them): no sample, zero sums
+            sums, plain = self._clipped_sums(calls, scale, clip) if samples[forward] else self._empty_sums(calls)
+            _add_into(out, sums)
+            _add_into(unclipped, plain)
         # This pass, by a token of its own: which forwards it holds, and through which modules.
         modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
-        dtypes = frozenset(  # the dtypes the backward ran in (bfloat16 under autocast), for the add-up check
-            t.dtype
-            for calls in by_forward.values()
-            for module_calls in calls.values()
-            for call in module_calls
-            for t in (*(call.grad_outputs or ()), *call.args)
-            if isinstance(t, Tensor) and t.is_floating_point()
-        )
-        passes = {next(self.passes): (frozenset(by_forward), modules)}
-        return {
-            p: {
-                "sum": total,
-                "unclipped": unclipped.get(p),
-                "samples": float(sum(samples.values())),
-                "passes": passes,
-                "clips": frozenset({clip}),
-                "dtypes": dtypes,
-            }
-            for p, total in out.items()
+        common = {
+            "samples": float(sum(samples.values())),
+            "passes": {next(self.passes): (frozenset(by_forward), modules)},
+            "clips": frozenset({clip}),
+            "dtypes": _backward_dtypes(by_forward),  # bfloat16 under autocast, for the add-up check
         }
+        return {p: {"sum": total, "unclipped": unclipped.get(p), **common} for p, total in out.items()}
+
+    def _by_forward(self, entries: Sequence[tuple[Call, Any]]) -> dict[Any, dict[nn.Module, list[Call]]]:
+        """The calls of a pass by the forward of the root model they came from, then by module; a
+        frozen layer's calls neither count samples nor enter a norm."""
+        shared = {m for param, uses in self.shared.items() if param.requires_grad for m, _ in uses}
+        trains = {m: bool(self._trained_names(m)) or m in shared for m in {c.module for _, c in entries}}
+        by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
+        for _, call in entries:
+            if trains[call.module]:
+                by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
+        return by_forward
+
+    def _samples(self, forward: Any, calls: dict[nn.Module, list[Call]]) -> int:
+        """The samples of one forward, checked against the batch of the model's own inputs."""
+        count = _samples({m: [_batch_first(c, self.batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
+        _check_model_batch(self.capture, self.batch_dim, forward, count, calls)
+        return count
 
     def combine(self, a: Any, b: Any) -> Any:
         if a is None or "error" in b:
@@ -798,58 +812,69 @@ class ClippedSums(Reduction):
     ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
         """One forward's samples: their gradients clipped (each over every parameter) and summed; and,
         when ``verify``, summed unclipped too (which must add up to the gradient autograd computed)."""
-        pieces: list[tuple[PerSample, dict[str, Tensor]]] = []
-        sources: list[tuple[nn.Module, list[Call]]] = []  # where each piece came from, for errors
-        source: tuple[nn.Module, list[Call]] | None = None  # the module and call(s) being worked on
-        try:
-            for module, module_calls in calls.items():
-                names = self._trained_names(module)
-                if names:
-                    per_call = []
-                    for call in module_calls:
-                        source = (module, [call])
-                        per_call.append(self._per_sample(module, call, names))
-                    source = (module, module_calls)
-                    pieces.append((_merged(per_call), {n: module._parameters[n] for n in names}))  # type: ignore[misc]
-                    sources.append(source)
-            for param, uses in self.shared.items():  # a weight several modules use: add their shares
-                if not param.requires_grad:
-                    continue
-                shares = []
-                for m, n in uses:
-                    for call in calls.get(m, ()):
-                        source = (m, [call])
-                        shares.append(self._per_sample(m, call, [n]).grads()[n])
-                if shares:
-                    pieces.append((Materialized({"shared": torch.stack(shares).sum(0)}), {"shared": param}))
-                    sources.append((uses[0][0], [c for m, _ in uses for c in calls.get(m, ())]))
-            norms = []
-            for index, (per, _) in enumerate(pieces):
-                source = sources[index]
-                norms.append(per.sq_norms())
-            squared = sum(n.double() for n in norms)
+        pieces = self._pieces(calls)
+        norms = []
+        for piece in pieces:
+            with self._at(piece.module, piece.calls, calls):
+                norms.append(piece.per.sq_norms())
+        squared = sum(n.double() for n in norms)
+        assert isinstance(squared, Tensor)
+        if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
+            squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))
             assert isinstance(squared, Tensor)
-            if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
-                squared = sum(_robust_sq_norms(per, n) for (per, _), n in zip(pieces, norms, strict=True))
-                assert isinstance(squared, Tensor)
-            weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
-            sums: dict[Tensor, Tensor] = {}
-            plain: dict[Tensor, Tensor] = {}
-            for index, (per, params) in enumerate(pieces):
-                source = sources[index]
-                for name, total in per.weighted_sum(weights).items():
-                    param = params[name]
-                    total = total.to(torch.promote_types(param.dtype, torch.float32))
-                    sums[param] = sums[param] + total if param in sums else total
+        weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
+        sums: dict[Tensor, Tensor] = {}
+        plain: dict[Tensor, Tensor] = {}
+        for piece in pieces:
+            with self._at(piece.module, piece.calls, calls):
+                _add_into(sums, {piece.params[n]: t for n, t in piece.per.weighted_sum(weights).items()}, promote=True)
                 if self.verify:
-                    for name, total in self.probes.plain_sums(per, params).items():
-                        param = params[name]
-                        plain[param] = plain[param] + total if param in plain else total
-        except Exception as error:
-            if source is None:
-                raise
-            raise _Located(self._where(*source, calls), error) from error
+                    _add_into(
+                        plain, {piece.params[n]: t for n, t in self.probes.plain_sums(piece.per, piece.params).items()}
+                    )
         return sums, plain
+
+    def _pieces(self, calls: dict[nn.Module, list[Call]]) -> list[_Piece]:
+        """The per-sample gradients of one forward: one piece per module (its calls merged), and one
+        per weight that several modules use (their shares added)."""
+        pieces = []
+        for module, module_calls in calls.items():
+            names = self._trained_names(module)
+            if names:
+                per_call = [self._located_per_sample(module, call, names, calls) for call in module_calls]
+                with self._at(module, module_calls, calls):
+                    merged = _merged(per_call)
+                pieces.append(_Piece(merged, {n: module._parameters[n] for n in names}, module, module_calls))  # type: ignore[misc]
+        for param, uses in self.shared.items():  # a weight several modules use: add their shares
+            if not param.requires_grad:
+                continue
+            shares = [self._share(m, call, n, calls) for m, n in uses for call in calls.get(m, ())]
+            if shares:
+                every = [c for m, _ in uses for c in calls.get(m, ())]
+                per = Materialized({"shared": torch.stack(shares).sum(0)})
+                pieces.append(_Piece(per, {"shared": param}, uses[0][0], every))
+        return pieces
+
+    def _located_per_sample(
+        self, module: nn.Module, call: Call, names: Sequence[str], calls: dict[nn.Module, list[Call]]
+    ) -> PerSample:
+        with self._at(module, [call], calls):
+            return self._per_sample(module, call, names)
+
+    def _share(self, module: nn.Module, call: Call, name: str, calls: dict[nn.Module, list[Call]]) -> Tensor:
+        """One call's per-sample gradients of a weight several modules use, formed."""
+        with self._at(module, [call], calls):
+            return self._per_sample(module, call, [name]).grads()[name]
+
+    @contextlib.contextmanager
+    def _at(self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]]) -> Iterator[None]:
+        """An error of the per-sample code inside, raised as ``_Located`` at ``module``'s ``failed`` calls."""
+        try:
+            yield
+        except _Located:
+            raise
+        except Exception as error:
+            raise _Located(self._where(module, failed, calls), error) from error
 
     def _where(self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]]) -> str:
         """``module`` and which of its calls in one forward, with their input shapes."""
@@ -862,6 +887,35 @@ class ClippedSums(Reduction):
         else:
             which = f"its {len(failed)} call(s) in one forward"
         return f"{self.name(module)} ({type(module).__name__}), {which}, on inputs of shape {shapes or '()'}"
+
+
+class _Piece(NamedTuple):
+    """The per-sample gradients of one module's calls in one forward (or of one shared weight)."""
+
+    per: PerSample
+    params: dict[str, Tensor]  # name in ``per`` -> parameter
+    module: nn.Module  # where an error in it is located
+    calls: list[Call]
+
+
+def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bool = False) -> None:
+    """Add ``more`` into ``totals``, parameter by parameter (``promote``: in float32 at least)."""
+    for param, total in more.items():
+        if promote:
+            total = total.to(torch.promote_types(param.dtype, torch.float32))
+        totals[param] = add_statistics(totals.get(param), total)
+
+
+def _backward_dtypes(by_forward: dict[Any, dict[nn.Module, list[Call]]]) -> frozenset[torch.dtype]:
+    """The floating dtypes of a pass's captured inputs and output gradients: those its backward ran in."""
+    return frozenset(
+        t.dtype
+        for calls in by_forward.values()
+        for module_calls in calls.values()
+        for call in module_calls
+        for t in (*(call.grad_outputs or ()), *call.args)
+        if isinstance(t, Tensor) and t.is_floating_point()
+    )
 
 
 class _Located(Exception):

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from inputaware_optim import KFAC, CoverageWarning, Eva
+from inputaware_optim import CoverageWarning
 
 from .. import baselines, gpt, rules
 from .. import digits as shared
@@ -66,22 +66,6 @@ def _gpt_task(config: Config) -> LanguageTask:
     )
 
 
-def _kfac_on_adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    return KFAC(
-        model,
-        lr=lr,
-        damping=rules.KFAC_DAMPING,
-        update_every=rules.UPDATE_EVERY,
-        statistics_every=rules.STATISTICS_EVERY,
-        inverse_dtype=rules.INVERSE_DTYPE,
-        base=torch.optim.AdamW,
-    )
-
-
-def _eva_on_adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-    return Eva(model, lr=lr, damping=rules.EVA_DAMPING, statistics_every=rules.STATISTICS_EVERY, base=torch.optim.AdamW)
-
-
 def _gpt_sweeps(config: Config) -> list[Sweep]:
     """The GPT's configurations: the stock three and the rules in front of AdamW (the SGD-based ones are
     SGD's poor match for a transformer); the first value of each sweep at size quick, two at default."""
@@ -104,14 +88,14 @@ def _gpt_sweeps(config: Config) -> list[Sweep]:
         ),
         Sweep(
             "K-FAC on AdamW",
-            _kfac_on_adamw,
+            rules.kfac(base=torch.optim.AdamW),
             rates(adamw),
             f"K-FAC's preconditioned gradient (damping λ = {rules.KFAC_DAMPING:g}) handed to torch.optim.AdamW, "
             f"{rules.SCHEDULE}; {EMBEDDINGS}",
         ),
         Sweep(
             "Eva on AdamW",
-            _eva_on_adamw,
+            rules.eva(base=torch.optim.AdamW),
             rates(adamw),
             f"Eva's preconditioned gradient (damping {rules.EVA_DAMPING:g}, KL clipping 0.001) handed to "
             f"torch.optim.AdamW, statistics every {rules.STATISTICS_EVERY} steps; {EMBEDDINGS}",

@@ -1,14 +1,15 @@
 """What ``Monitor`` and ``NonFiniteFinder`` cost a training step, as a ratio to stock AdamW's step.
 
-``python -m benchmarks.monitor_cost [--model mlp|transformer] [--rounds 7] [--steps 5]`` builds
+``python -m benchmarks.monitor_cost [--model mlp|transformer|gpt] [--rounds 7] [--steps 5]`` builds
 one copy of the model per configuration (same initial weights, same batch), then runs interleaved
 rounds: ``steps`` steps of stock AdamW, ``steps`` of the configuration, ``steps`` of stock AdamW
 again; a round's ratio is the configuration's time over the mean of the two stock runs around it,
 and the median over rounds is printed, with the fastest run of the configuration over the
 fastest stock run. Times are the process's CPU time (``--clock wall`` for
 wall-clock time), which a machine others load at the same time disturbs much less.
-Models: a 6-layer ReLU MLP of width 1024 (batch 64), or a 4-layer transformer encoder (d=256,
-4 heads, 1024 hidden, batch 16 x 64 tokens).
+Models: a 6-layer ReLU MLP of width 1024 (batch 64), a 4-layer transformer encoder (d=256,
+4 heads, 1024 hidden, batch 16 x 64 tokens), or the realistic-size byte-level GPT of
+``benchmarks/gpt.py`` (10.9M parameters, batch 8 x 128 tokens).
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def workload(name: str, batch: int | None = None) -> tuple[nn.Module, Callable[[
         rows = batch or 64
         x, y = torch.randn(rows, 1024, generator=generator), torch.randint(0, 10, (rows,), generator=generator)
         return model, lambda m: F.cross_entropy(m(x), y)
+    if name == "gpt":
+        from . import gpt
+
+        size = gpt.SIZES["default"]
+        model = gpt.build(size)
+        window = next(gpt.batches(size, 0))
+        return model, lambda m: gpt.loss(m, window)
     model = _Encoder()
     tokens = torch.randint(0, 512, (batch or 16, 65), generator=generator)
     return model, lambda m: F.cross_entropy(m(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
@@ -116,7 +124,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.monitor_cost", description=__doc__)
-    parser.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    parser.add_argument("--model", choices=("mlp", "transformer", "gpt"), default="mlp")
     parser.add_argument("--batch", type=int, help="rows (MLP, default 64) or sequences (transformer, default 16)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=5)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
+from torch.profiler import record_function
 
 from ._torch import tree_flatten
 from .adamw import InputAwareAdamW
@@ -291,45 +292,11 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _refuse_unsupported_layers(self) -> None:
         """Raise, naming the module, for layers whose per-sample gradients cannot be computed here."""
         trained = {p for p in self._params() if p.requires_grad}
-        name = type(self).__name__
         for qualified, module in unwrap_model(self._model).named_modules():
-            own = [n for n, p in module._parameters.items() if p is not None and p in trained]
-            where = f"{qualified or 'the model'} ({type(module).__name__})"
-            refusal = declared_refusal(module)
-            if refusal is not None and any(p in trained for p in module.parameters()):
-                raise ValueError(f"{name} cannot compute per-sample gradients of {where}: {refusal}")
-            if getattr(module, "scale_grad_by_freq", False) and own:
-                raise ValueError(
-                    f"{name} cannot compute per-sample gradients of {where}: scale_grad_by_freq=True divides each "
-                    "row's gradient by how often the whole batch used it, so a sample's gradient depends on the "
-                    "others. Construct it with scale_grad_by_freq=False"
-                )
-            if isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and own:
-                raise ValueError(
-                    f"{name} cannot compute per-sample gradients of {where}: torch.func has no per-sample rule "
-                    "for its fused recurrent kernel. Use opacus.layers.DPLSTM / DPGRU / DPRNN (drop-in "
-                    "replacements built from linear layers, exact here with batch_first=True on padded tensors; "
-                    "sequence-first and PackedSequence inputs are refused), or write the recurrence with nn.Linear"
-                )
-            if parametrize.is_parametrized(module) and any(p in trained for p in module.parameters()):
-                raise ValueError(
-                    f"{name} cannot compute per-sample gradients of {where}: its "
-                    f"{', '.join(module.parametrizations)} is computed by a parametrization (weight_norm or "
-                    "spectral_norm from torch.nn.utils.parametrizations) called without the batch, so its "
-                    "trained tensors get no per-sample gradient. Remove it before training with DP "
-                    "(torch.nn.utils.parametrize.remove_parametrizations), or normalize activations instead "
-                    "(LayerNorm, GroupNorm)"
-                )
-            kind = layer_kind(module)
-            unknown = [n for n in own if kind is not None and n not in (kind.weight_name, kind.bias_name)]
-            if unknown:
-                raise ValueError(
-                    f"{name} cannot compute per-sample gradients of {where}: its parameters "
-                    f"{', '.join(unknown)} are not the weight and bias its layer is computed with (the "
-                    "torch.nn.utils.weight_norm / spectral_norm hooks derive the weight from them in a forward "
-                    "pre-hook). Remove the hook (torch.nn.utils.remove_weight_norm / remove_spectral_norm) "
-                    "before training with DP"
-                )
+            reason = _unsupported(module, trained)
+            if reason is not None:
+                where = f"{qualified or 'the model'} ({type(module).__name__})"
+                raise ValueError(f"{type(self).__name__} cannot compute per-sample gradients of {where}: {reason}")
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
         if module is None:
@@ -397,7 +364,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         if distributed:
             return self._private_gradients_over_ranks(targets, totals, present, first, clip, sigma, data_parallel)
         divisor = self._divisor(self._expected_batch_size or first["samples"])
-        return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
+        with record_function("DP: noise"):
+            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
 
     def _checked_totals(
         self, targets: list[Tensor], totals: dict[Tensor, Any], clip: float, distributed: bool
@@ -411,7 +379,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
         self._refuse_split_forwards(totals)
-        self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
+        with record_function("DP: add-up check"):
+            self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
         self._refuse_changed_clip(clip, set().union(*(totals[p]["clips"] for p in present)))
         first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
         self._refuse_accumulation_without_batch(len(first["passes"]))
@@ -812,26 +781,30 @@ class ClippedSums(Reduction):
     ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
         """One forward's samples: their gradients clipped (each over every parameter) and summed; and,
         when ``verify``, summed unclipped too (which must add up to the gradient autograd computed)."""
-        pieces = self._pieces(calls)
-        norms = []
-        for piece in pieces:
-            with self._at(piece.module, piece.calls, calls):
-                norms.append(piece.per.sq_norms())
-        squared = sum(n.double() for n in norms)
-        assert isinstance(squared, Tensor)
-        if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
-            squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))
+        with record_function("DP: per-sample norms"):
+            pieces = self._pieces(calls)
+            norms = []
+            for piece in pieces:
+                with self._at(piece.module, piece.calls, calls):
+                    norms.append(piece.per.sq_norms())
+            squared = sum(n.double() for n in norms)
             assert isinstance(squared, Tensor)
+            if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
+                squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))
+                assert isinstance(squared, Tensor)
         weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
-        for piece in pieces:
-            with self._at(piece.module, piece.calls, calls):
-                _add_into(sums, {piece.params[n]: t for n, t in piece.per.weighted_sum(weights).items()}, promote=True)
-                if self.verify:
-                    _add_into(
-                        plain, {piece.params[n]: t for n, t in self.probes.plain_sums(piece.per, piece.params).items()}
-                    )
+        with record_function("DP: clipped sums"):
+            for piece in pieces:
+                with self._at(piece.module, piece.calls, calls):
+                    clipped = piece.per.weighted_sum(weights)
+                _add_into(sums, {piece.params[n]: t for n, t in clipped.items()}, promote=True)
+        with record_function("DP: add-up sums"):
+            for piece in pieces if self.verify else ():
+                with self._at(piece.module, piece.calls, calls):
+                    unclipped = self.probes.plain_sums(piece.per, piece.params)
+                _add_into(plain, {piece.params[n]: t for n, t in unclipped.items()})
         return sums, plain
 
     def _pieces(self, calls: dict[nn.Module, list[Call]]) -> list[_Piece]:
@@ -978,6 +951,42 @@ class _Probes:
         if blocks == 1:
             return directions.T @ grad.reshape(outputs, -1)
         return torch.einsum("ok,joi->jki", directions, grad.reshape(blocks, outputs, -1))
+
+
+def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
+    """Why the per-sample gradients of ``module``'s ``trained`` parameters cannot be computed (or None)."""
+    own = [n for n, p in module._parameters.items() if p is not None and p in trained]
+    reaches = any(p in trained for p in module.parameters())
+    kind = layer_kind(module)
+    unknown = [n for n in own if kind is not None and n not in (kind.weight_name, kind.bias_name)]
+    if declared_refusal(module) is not None and reaches:
+        return declared_refusal(module)
+    if getattr(module, "scale_grad_by_freq", False) and own:
+        return (
+            "scale_grad_by_freq=True divides each row's gradient by how often the whole batch used it, so a "
+            "sample's gradient depends on the others. Construct it with scale_grad_by_freq=False"
+        )
+    if isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and own:
+        return (
+            "torch.func has no per-sample rule for its fused recurrent kernel. Use opacus.layers.DPLSTM / DPGRU / "
+            "DPRNN (drop-in replacements built from linear layers, exact here with batch_first=True on padded "
+            "tensors; sequence-first and PackedSequence inputs are refused), or write the recurrence with nn.Linear"
+        )
+    if parametrize.is_parametrized(module) and reaches:
+        return (
+            f"its {', '.join(module.parametrizations)} is computed by a parametrization (weight_norm or "
+            "spectral_norm from torch.nn.utils.parametrizations) called without the batch, so its trained tensors "
+            "get no per-sample gradient. Remove it before training with DP "
+            "(torch.nn.utils.parametrize.remove_parametrizations), or normalize activations instead "
+            "(LayerNorm, GroupNorm)"
+        )
+    if unknown:
+        return (
+            f"its parameters {', '.join(unknown)} are not the weight and bias its layer is computed with (the "
+            "torch.nn.utils.weight_norm / spectral_norm hooks derive the weight from them in a forward pre-hook). "
+            "Remove the hook (torch.nn.utils.remove_weight_norm / remove_spectral_norm) before training with DP"
+        )
+    return None
 
 
 def _is_layer_norm(module: nn.Module) -> TypeGuard[nn.LayerNorm]:

@@ -419,7 +419,7 @@ class _Log:
     def _read_forward(
         self,
         record: _Record,
-        readers: list[Any],
+        readers: Sequence[Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         output: Any,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .inputs import Call, Captured
@@ -83,4 +84,5 @@ class FOOF(KroneckerRule):
     acts_on_rows = True
 
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
-        return matrix @ inverses["input"].to(matrix.dtype)
+        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
+        return matrix.to(dtype) @ inverses["input"].to(dtype)

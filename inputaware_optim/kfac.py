@@ -228,12 +228,14 @@ class KFAC(KroneckerRule):
     def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
         if self._kfac_pytorch and self._inverse == "eigh":
             return self._kronecker_damped(layer, matrix)
-        return inverses["output_grad"].to(matrix.dtype) @ matrix @ inverses["input"].to(matrix.dtype)
+        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
+        return inverses["output_grad"].to(dtype) @ matrix.to(dtype) @ inverses["input"].to(dtype)
 
     def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
         if self._kfac_pytorch and self._inverse == "eigh":
             return self._kronecker_damped(layer, matrix)[rows]
-        return inverses["output_grad"][rows].to(matrix.dtype) @ matrix @ inverses["input"].to(matrix.dtype)
+        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)
+        return inverses["output_grad"][rows].to(dtype) @ matrix.to(dtype) @ inverses["input"].to(dtype)
 
     def _kronecker_damped(self, layer: Layer, matrix: Tensor) -> Tensor:
         r""":math:`(\bar G \otimes \bar A + \lambda I)^{-1} \operatorname{vec} \tilde G` in the kept eigenbases:

@@ -234,3 +234,24 @@ def test_diverged_statistics_are_named_as_such() -> None:
     layer(torch.tensor([[float("inf"), 1.0, 2.0]])).sum().backward()
     with pytest.raises(RuntimeError, match="not finite: training has diverged"):
         optimizer.step()
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC"])
+def test_bfloat16_parameters_are_preconditioned_in_float32(rule: str) -> None:
+    # A bfloat16 product is off by about 4% on the GPT workload's FOOF factors (0.5% for K-FAC's):
+    # the product runs in the statistics' float32, rounded once into the bfloat16 gradient.
+    from inputaware_optim import KFAC
+
+    torch.manual_seed(0)
+    layer = nn.Linear(24, 16).to(torch.bfloat16)
+    x = torch.randn(64, 24, dtype=torch.bfloat16)
+    optimizer = (FOOF if rule == "FOOF" else KFAC)(layer, lr=1e-3, momentum=0.0, damping=0.1)
+    layer(x).float().pow(2).sum().backward()
+    raw = torch.cat([layer.weight.grad, layer.bias.grad.unsqueeze(1)], dim=1).float()
+    optimizer.step()
+    state = optimizer.state[layer.weight]
+    inverse = state["input_inverse"]
+    assert inverse.dtype == torch.float32
+    expected = raw @ inverse if rule == "FOOF" else state["output_grad_inverse"] @ raw @ inverse
+    got = torch.cat([layer.weight.grad, layer.bias.grad.unsqueeze(1)], dim=1)
+    torch.testing.assert_close(got, expected.bfloat16(), rtol=0, atol=0)

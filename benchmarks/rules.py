@@ -8,7 +8,6 @@ so nine steps in ten only apply the kept preconditioner. A timed sample spans wh
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -180,8 +179,9 @@ class KernelFloor:
 class _FloorLayer:
     """One layer's share of ``KernelFloor``: its rows, factors and kept inverses."""
 
-    def __init__(self, module: torch.nn.Module, two_sided: bool) -> None:
-        self.weight, self.bias = module.weight, module.bias
+    def __init__(self, module: Any, two_sided: bool) -> None:  # (an nn.Linear or nn.Conv2d)
+        self.weight: Tensor = module.weight
+        self.bias: Tensor | None = module.bias
         self.columns = module.weight[0].numel() + (module.bias is not None)
         self.outputs = module.weight.shape[0]
         self.two_sided = two_sided
@@ -211,13 +211,18 @@ class _FloorLayer:
         matrix = grad if bias is None or bias.grad is None else torch.cat((grad, bias.grad.unsqueeze(1)), dim=1)
         new = matrix @ self.inverses[0] if not self.two_sided else self.inverses[1] @ matrix @ self.inverses[0]
         grad.copy_(new[:, : grad.shape[1]])
-        if matrix is not grad:
-            bias.grad.copy_(new[:, -1])
+        if bias is not None and matrix is not grad:
+            bias.grad.copy_(new[:, -1])  # type: ignore[union-attr]
 
 
-@functools.cache
-def _floor_class(base: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
-    return type(f"KernelFloor{base.__name__}", (KernelFloor, base), {})
+_FLOOR_CLASSES: dict[type[torch.optim.Optimizer], type] = {}
+
+
+def _floor_class(base: type[torch.optim.Optimizer]) -> type:
+    """``KernelFloor`` mixed in front of ``base`` (one class per base)."""
+    if base not in _FLOOR_CLASSES:
+        _FLOOR_CLASSES[base] = type(f"KernelFloor{base.__name__}", (KernelFloor, base), {})
+    return _FLOOR_CLASSES[base]
 
 
 def kernel_floor(
@@ -234,8 +239,8 @@ def kernel_floor(
 
     def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         optimizer = cls(model.parameters(), lr=lr, **base_kwargs)
-        optimizer._set_up_floor(model, two_sided, statistics_every, INVERSE_DTYPE)  # type: ignore[attr-defined]
-        return optimizer
+        optimizer._set_up_floor(model, two_sided, statistics_every, INVERSE_DTYPE)
+        return optimizer  # type: ignore[no-any-return]
 
     return build
 
@@ -312,7 +317,7 @@ def step_target(
     alone = (
         ""
         if floor is None
-        else f"; its arithmetic alone (SGD, the products and inverses, no capture): {floor.median:.2f}×"
+        else f"; its arithmetic alone (SGD, statistics products, inverses, products; no capture): {floor.median:.2f}×"
     )
     return Target.at_most(
         f"{rule} training step vs AdamW, {schedule}, digits {model}" + (" (informational)" if informational else ""),

@@ -32,9 +32,9 @@ def run(config: Config, progress: Progress) -> Result:
         measured.rows,
         f"{FOOF} and {FOOF_ON_ADAMW} (FOOF's preconditioned gradient handed to torch.optim.AdamW): "
         f"{rules.SCHEDULE}, as trained in the convergence section. {EVERY_STEP}: the input statistics on every "
-        f"step, for comparison. {ALONE}: SGD with momentum plus FOOF's products G̃ A⁻¹ and its Cholesky inverses "
-        f"every {every} steps, called directly, with no capture and no library code (the statistics products, about "
-        "a tenth of one step's products, are left out): the least FOOF's step can take here. "
+        f"step, for comparison. {ALONE}: SGD with momentum plus FOOF's products G̃ A⁻¹ every step and, every "
+        f"{every} steps, its statistics products x̃ᵀx̃ and Cholesky inverses, called directly, with no capture and "
+        "no library code: the least FOOF's step can take here. "
         f"{rules.STEP_TABLE_NOTE} At batch {rules.LARGE_BATCH} FOOF's per-layer work "
         "(statistics and the preconditioning product, about in² · (out + batch) multiply-adds) weighs less "
         f"against the layers' own 3 · batch · in · out. FOOF damping {rules.FOOF_DAMPING:g} throughout.",

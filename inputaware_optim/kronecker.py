@@ -373,8 +373,11 @@ class KroneckerRule(InputAwareSGD):
                 absent.append(len(layers))
                 factor_sums = self._zero_sums(layer)
             layers.append(layer)
-            # Copies: the capture's totals must stay as they are if this step fails and is retried.
-            sums.append(self._local_sums(layer, {f: (n.clone(), d.clone()) for f, (n, d) in factor_sums.items()}))
+            # Copies where they are summed over ranks in place: the capture's totals must stay as they
+            # are if this step fails and is retried (each mean is formed out of place, in _refreshed).
+            if ranks is not None:
+                factor_sums = {f: (n.clone(), d.clone()) for f, (n, d) in factor_sums.items()}
+            sums.append(self._local_sums(layer, factor_sums))
         all_reduce_sum_([t for factor_sums in sums for pair in factor_sums.values() for t in pair], ranks)
         for index in absent:  # captured on no rank: the plain step (step() leaves out a layer with no row)
             if all(float(d) == 0 for _, d in sums[index].values()):
@@ -433,7 +436,7 @@ class KroneckerRule(InputAwareSGD):
         refresh = state.get("statistics_steps", 0) % group["update_every"] == 0
         moments, inverses, due = {}, {}, []
         for factor, (numerator, denominator) in factor_sums.items():
-            moment = numerator.div_(denominator)  # this step's copies are ours to overwrite
+            moment = numerator / denominator  # (out of place: the sums may be the capture's totals)
             previous = state.get(f"{factor}_second_moment")
             if previous is not None and previous.dtype != moment.dtype:  # the model changed dtype (model.double())
                 previous = previous.to(moment.dtype)
@@ -505,7 +508,8 @@ def damped_inverse(
         RuntimeError: If the damped matrix is not positive definite (damping too small).
     """
     diagonal = torch.as_tensor(damping, dtype=dtype, device=matrix.device)[..., None, None]
-    damped = matrix.to(dtype) + diagonal * torch.eye(matrix.shape[-1], dtype=dtype, device=matrix.device)
+    damped = matrix.to(dtype, copy=True)
+    damped.diagonal(dim1=-2, dim2=-1).add_(diagonal[..., 0])  # (one pass: no identity formed)
     factor, info = torch.linalg.cholesky_ex(damped)
     if bool(info.any()):  # one matrix, or one per block (a grouped convolution)
         _refuse_not_finite(matrix, name)

@@ -973,8 +973,9 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
             "tensors; sequence-first and PackedSequence inputs are refused), or write the recurrence with nn.Linear"
         )
     if parametrize.is_parametrized(module) and reaches:
+        parametrized: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
         return (
-            f"its {', '.join(module.parametrizations)} is computed by a parametrization (weight_norm or "
+            f"its {', '.join(parametrized)} is computed by a parametrization (weight_norm or "
             "spectral_norm from torch.nn.utils.parametrizations) called without the batch, so its trained tensors "
             "get no per-sample gradient. Remove it before training with DP "
             "(torch.nn.utils.parametrize.remove_parametrizations), or normalize activations instead "

@@ -62,7 +62,7 @@ import functools
 import itertools
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -279,6 +279,9 @@ class _Log:
         self.returned: dict[int, _Returned] = {}
         # Some gradient was seen rescaled in place (changed, not all zeros) since the last commit.
         self.rescaled = False
+        # Capture.watch: what sees every call of a module (module -> callbacks) and every forward.
+        self.watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}
+        self.openers: tuple[Callable[..., Any], ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The model was copied (deepcopy, pickle, torch.save) with this capture's hooks on it: the
@@ -378,6 +381,8 @@ class _Log:
             for submodule in module.modules():
                 remove_hooks_of(submodule, self)
             return
+        for opener in self.openers:
+            opener(module, args, kwargs)
         if not torch.compiler.is_compiling():
             self.forwards += 1
             if self.input_shapes is not None and _grad_enabled():
@@ -390,8 +395,14 @@ class _Log:
 
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         # The hot path: every call of every watched module runs this.
-        if not (self.enabled and _grad_enabled()):
+        if not _grad_enabled():
             return None
+        watchers = self.watchers.get(module)
+        if watchers is not None:
+            for watcher in watchers:
+                watcher(module, args, kwargs, output)
+        if not self.enabled or module not in self.keys_of:
+            return None  # (a module only a watcher sees)
         if _compiling():
             # Who reads is decided at run time (open_compiled, _bind_compiled): read here, it
             # would be a guard, and a reader pausing between statistics steps would recompile.
@@ -1000,6 +1011,25 @@ def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+class _Watching:
+    """A ``Capture.watch``: its modules and callbacks; ``remove()`` ends it."""
+
+    def __init__(
+        self,
+        capture: Capture,
+        modules: list[nn.Module],
+        on_call: Callable[..., Any],
+        on_forward: Callable[..., Any] | None,
+    ) -> None:
+        self._capture = weakref.ref(capture)
+        self.modules, self.on_call, self.on_forward = modules, on_call, on_forward
+
+    def remove(self) -> None:
+        capture = self._capture()
+        if capture is not None:
+            capture._end_watch(self)
+
+
 class Capture:
     """Records the forward calls of modules of ``model`` and follows their gradient.
 
@@ -1044,7 +1074,8 @@ class Capture:
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
         self._removed = False
-        self._hooked: set[int] = set()  # ids of the modules that carry our forward hook
+        self._hooked: dict[int, RemovableHandle] = {}  # ids of the modules that carry our forward hook
+        self._watches: list[_Watching] = []  # Capture.watch
         self._prehooked: set[int] = set()  # ... and our pre-hook for checkpointing's re-run
         self._param_hooked: set[int] = set()  # ids of the parameters that carry our tensor hook
         if modules is None:
@@ -1188,7 +1219,7 @@ class Capture:
     @property
     def active(self) -> bool:
         """Whether anything reads this capture (raw calls or a reduction): only then are hooks attached."""
-        return self._log.keep_calls or bool(self._log.reductions)
+        return self._log.keep_calls or bool(self._log.reductions) or bool(self._watches)
 
     def _sync_hooks(self) -> None:
         """Attach the hooks while something reads, take them off when nothing does."""
@@ -1206,10 +1237,16 @@ class Capture:
         if not self._handles:
             self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
             _drop_code_compiled_without_hooks(self._model, self._root)
+        hooked = {id(m): m for m in (*self._modules, *log.watchers)}
+        for ident in [i for i in self._hooked if i not in hooked]:  # a watch ended: its modules' hooks go
+            handle = self._hooked.pop(ident)
+            handle.remove()
+            self._handles.remove(handle)
+        for ident, module in hooked.items():
+            if ident not in self._hooked:
+                self._hooked[ident] = handle = module.register_forward_hook(log.record, with_kwargs=True)
+                self._handles.append(handle)
         for module in self._modules:
-            if id(module) not in self._hooked:
-                self._hooked.add(id(module))
-                self._handles.append(module.register_forward_hook(log.record, with_kwargs=True))
             if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
                 self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
                 self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
@@ -1221,6 +1258,50 @@ class Capture:
         for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
             if key.accumulator is None:
                 key.find_accumulator()
+
+    def watch(
+        self,
+        modules: Iterable[nn.Module],
+        on_call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None],
+        on_forward: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None] | None = None,
+    ) -> RemovableHandle:
+        """Call ``on_call(module, args, kwargs, output)`` after every call (with grad enabled) of
+        each of ``modules``, with or without parameters, and ``on_forward(root, args, kwargs)``
+        before every forward of the model: for tools that see every call as it happens (the
+        ``NonFiniteFinder``) through the capture's own hooks, so that the model carries one set.
+
+        The callbacks must not hold the tool that registered them (hold its state instead), so
+        dropping the tool can run its finalizer. ``remove()`` on the returned handle ends the
+        watch; hooks no reader needs any more come off with it.
+
+        Raises:
+            ValueError: If a module is not part of the model.
+        """
+        modules = list(dict.fromkeys(modules))
+        if any(module not in self._names for module in modules):
+            self._name_modules()
+        for module in modules:
+            if module not in self._names:
+                raise ValueError(f"{type(module).__name__} is not a submodule of the captured model")
+        watching = _Watching(self, modules, on_call, on_forward)
+        self._watches.append(watching)
+        self._rebuild_watchers()
+        self._sync_hooks()
+        return watching  # type: ignore[return-value]
+
+    def _end_watch(self, watching: _Watching) -> None:
+        if watching in self._watches:
+            self._watches.remove(watching)
+            self._rebuild_watchers()
+            self._sync_hooks()
+
+    def _rebuild_watchers(self) -> None:
+        watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}
+        for watching in self._watches:
+            for module in watching.modules:
+                watchers[module] = (*watchers.get(module, ()), watching.on_call)
+        self._log.watchers = watchers
+        self._log.openers = tuple(w.on_forward for w in self._watches if w.on_forward is not None)
 
     def owners(self, param: Tensor) -> tuple[nn.Module, ...]:
         """The watched modules that directly own ``param`` (empty if none)."""

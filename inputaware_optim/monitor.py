@@ -905,34 +905,30 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     return all(flag or bool(torch.isfinite(t).all()) for t, flag in zip(tensors, flags.tolist(), strict=True))
 
 
-def _take_off(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
 class NonFiniteFinder:
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
-    The modules that compute (those without submodules, and those with parameters of their own)
-    get a forward hook that keeps the sum of each tensor a call takes or returns, once per tensor,
-    in the tensor's dtype (non-finite exactly when the tensor is, or when the sum overflows), and a
-    tensor hook that keeps the sum of its gradient: 0-d tensors, with no host synchronization in
-    the hooks. At each step one check of the gradients decides; only a non-finite step is looked
-    into, over the forwards of the model that reached a backward (a forward whose output was
-    dropped, say an evaluation with grad enabled, is forgotten): the first call in forward order
-    whose inputs were finite and whose output was not; else the first whose input was not (the
-    data, or code outside those modules); else the first in backward order whose output gradient
-    was finite and whose input gradient (or own parameter's gradient) was not, innermost module
-    first. Where a tensor feeds several modules its gradient is their sum, so the first of them in
-    backward order is named.
+    The modules that compute (those without submodules, and those with parameters of their own) are
+    watched through the optimizer's ``Capture`` (``Capture.watch``: the capture's one forward hook
+    per module, no hook of the finder's own), which keeps the sum of each tensor a call takes or
+    returns, once per tensor, in the tensor's dtype (non-finite exactly when the tensor is, or when
+    the sum overflows), and a tensor hook that keeps the sum of its gradient: 0-d tensors, with no
+    host synchronization in the hooks. At each step one check of the gradients decides; only a
+    non-finite step is looked into, over the forwards of the model that reached a backward (a
+    forward whose output was dropped, say an evaluation with grad enabled, is forgotten): the first
+    call in forward order whose inputs were finite and whose output was not; else the first whose
+    input was not (the data, or code outside those modules); else the first in backward order whose
+    output gradient was finite and whose input gradient (or own parameter's gradient) was not,
+    innermost module first. Where a tensor feeds several modules its gradient is their sum, so the
+    first of them in backward order is named.
 
     The finder lives as long as its optimizer, kept or not; ``remove()`` takes it off. With a
     closure (``LBFGS``, Lightning), the gradient is checked after each evaluation of the closure.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
-        model: The model, for a plain ``torch.optim`` optimizer (default: the optimizer's).
+        model: The model (or a ``Capture`` of it, say a ``Monitor``'s, to share its hooks) for a
+            plain ``torch.optim`` optimizer (default: the optimizer's).
         action: ``"warn"`` (a ``NonFiniteWarning``) or ``"raise"`` (a ``NonFiniteError`` before the
             update, so the step is not taken).
 
@@ -943,7 +939,7 @@ class NonFiniteFinder:
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
-        model: nn.Module | None = None,
+        model: nn.Module | Capture | None = None,
         *,
         action: Literal["warn", "raise"] = "warn",
     ) -> None:
@@ -962,18 +958,22 @@ class NonFiniteFinder:
         self.action = action
         self.found: NonFiniteOrigin | None = None
         self.step = 0
-        root = unwrap_model(model)
-        self._names: dict[nn.Module, str] = {}
-        for name, module in root.named_modules(remove_duplicate=False):
-            self._names.setdefault(module, name or type(root).__name__)
-        hooked = [m for m in self._names if not m._modules or any(p is not None for p in m._parameters.values())]
+        self._own_capture: Capture | None = None
+        if isinstance(model, Capture):
+            capture = model
+        elif isinstance(optimizer, InputAwareOptimizer) and model is optimizer.model:
+            capture = optimizer.capture
+        else:  # a plain optimizer: a capture of its own, with nothing but this watch
+            capture = self._own_capture = Capture(model, [], keep_calls=False)
+        self.capture = capture
+        names = {m: capture.name(m) for m in capture.root.modules()}
+        hooked = [m for m in names if not m._modules or any(p is not None for p in m._parameters.values())]
+        self._names = names
         self._inside = {m: {id(s) for s in m.modules()} for m in hooked}
         self._watch = _Watch()
-        watch = self._watch
-        self._model_handles: list[Any] = [root.register_forward_pre_hook(watch.open_forward, with_kwargs=True)]
-        self._model_handles += [m.register_forward_hook(watch.record, with_kwargs=True) for m in hooked]
-        # Held by the finder only: the model never refers to it.
-        self._finalizer = weakref.finalize(self, _take_off, self._model_handles)
+        # The capture's own hooks call the watch: the model carries no hook of the finder's.
+        self._watching = capture.watch(hooked, self._watch.record, self._watch.open_forward)
+        self._finalizer = weakref.finalize(self, self._watching.remove)
         if isinstance(optimizer, InputAwareOptimizer):
             self._step_handles: list[Any] = [optimizer.register_inputs_hook(self._inputs_hook, reads=None)]
         else:
@@ -1028,6 +1028,8 @@ class NonFiniteFinder:
             handle.remove()
         self._step_handles.clear()
         self._finalizer()
+        if self._own_capture is not None:
+            self._own_capture.remove()
         self._watch.reset()
 
     def __enter__(self) -> NonFiniteFinder:

@@ -885,6 +885,30 @@ def test_finder_hooks_only_the_modules_that_compute() -> None:
     assert_as_it_was(model)
 
 
+@pytest.mark.parametrize("optimizer", ["InputAwareAdamW", "torch.optim.AdamW"])
+def test_monitor_and_finder_share_one_capture_one_hook_per_module(optimizer: str) -> None:
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), Block(), nn.Linear(8, 2))
+    plain = optimizer == "torch.optim.AdamW"
+    opt: Any = torch.optim.AdamW(model.parameters(), lr=0.01) if plain else InputAwareAdamW(model, lr=0.01)
+    monitor = Monitor(opt, model) if plain else Monitor(opt)
+    finder = NonFiniteFinder(opt, monitor.capture) if plain else NonFiniteFinder(opt)
+    assert finder.capture is monitor.capture
+    computing = {"0.0", "0.1", "1", "1.norm", "1.query", "1.key", "1.value", "2"}
+    assert {n for n, m in model.named_modules() if m._forward_hooks} == computing
+    assert all(len(m._forward_hooks) == 1 for m in model.modules() if m._forward_hooks)  # the capture's, once
+    assert len(model._forward_pre_hooks) == 1
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+    assert monitor.last is not None and finder.found is None
+    finder.remove()  # the parameterless modules only the finder watched lose their hook; the rest stay
+    owners = {n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    assert {n for n, m in model.named_modules() if m._forward_hooks} == owners
+    monitor.remove()
+    assert_as_it_was(model)
+
+
 def test_per_tensor_norms_equal_vector_norm_and_torch_still_has_its_fused_form() -> None:
     from inputaware_optim.monitor import _all_finite, _per_tensor_norms
 

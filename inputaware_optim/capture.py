@@ -1223,7 +1223,6 @@ class Capture:
 
     def _sync_hooks(self) -> None:
         """Attach the hooks while something reads, take them off when nothing does."""
-        log = self._log
         if self._removed:
             return
         if not self.active:
@@ -1234,30 +1233,40 @@ class Capture:
             self._prehooked.clear()
             self._param_hooked.clear()
             return
+        log = self._log
         if not self._handles:
             self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
             _drop_code_compiled_without_hooks(self._model, self._root)
-        hooked = {id(m): m for m in (*self._modules, *log.watchers)}
+        self._sync_forward_hooks()
+        for module in self._modules:
+            if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
+                self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
+                self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
+        self._sync_parameter_hooks()
+        for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
+            if key.accumulator is None:
+                key.find_accumulator()
+
+    def _sync_forward_hooks(self) -> None:
+        """One forward hook on each watched module and each module a ``watch`` sees, none on others."""
+        hooked = {id(m): m for m in (*self._modules, *self._log.watchers)}
         for ident in [i for i in self._hooked if i not in hooked]:  # a watch ended: its modules' hooks go
             handle = self._hooked.pop(ident)
             handle.remove()
             self._handles.remove(handle)
         for ident, module in hooked.items():
             if ident not in self._hooked:
-                self._hooked[ident] = handle = module.register_forward_hook(log.record, with_kwargs=True)
+                self._hooked[ident] = handle = module.register_forward_hook(self._log.record, with_kwargs=True)
                 self._handles.append(handle)
-        for module in self._modules:
-            if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
-                self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
-                self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
-        for module, readers in log.producers.items():  # gradients arriving at what producers audit
+
+    def _sync_parameter_hooks(self) -> None:
+        """A tensor hook on each parameter whose arriving gradients a producer audits (``Reduction.arrived``)."""
+        log = self._log
+        for module, readers in log.producers.items():
             for param in dict.fromkeys(p for r in readers for p in r.keys(module) if r.receives(module, p)):
                 if id(param) not in self._param_hooked and param.requires_grad:
                     self._param_hooked.add(id(param))
                     self._handles.append(param.register_hook(functools.partial(log.arrived, param)))
-        for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
-            if key.accumulator is None:
-                key.find_accumulator()
 
     def watch(
         self,

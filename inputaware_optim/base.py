@@ -86,6 +86,7 @@ def _drop_in_signature(stock: type[Optimizer]) -> inspect.Signature:
 # Keyword arguments renamed since 0.1, with what to write instead (0.x keeps no aliases).
 RENAMED = {
     "capture_grad_outputs": "pass grad_outputs= (the name Capture, Monitor and Reduction use)",
+    "batch_averaged": "pass loss_reduction='mean' (for True) or 'sum' (for False), DP's name",
 }
 
 

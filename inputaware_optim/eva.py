@@ -42,7 +42,7 @@ class Eva(KroneckerRule):
     r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
 
     ``Eva(model, lr, momentum=None, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
-    statistics_every=1, batch_averaged=True, damping_form="kronecker", max_dim=None,
+    statistics_every=1, loss_reduction="mean", damping_form="kronecker", max_dim=None,
     distributed_inversion=False, params=None, **sgd_kwargs)``
 
     For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
@@ -84,8 +84,8 @@ class Eva(KroneckerRule):
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
         statistics_every: Collect the vectors every this many steps (>= 1, keyword-only); between
             them the hooks keep nothing and the kept vectors precondition.
-        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension;
-            keyword-only).
+        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first
+            dimension) or ``"sum"``, as for DP (keyword-only).
         damping_form: ``"kronecker"`` (default): :math:`\gamma` added to the Kronecker product, as
             above; ``"factors"``: added to each rank-one factor,
             :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`
@@ -105,7 +105,7 @@ class Eva(KroneckerRule):
     KL clip; there :math:`\bar g` is the mean output gradient of the mean loss, over the samples
     and a convolution's :math:`L` output positions, so :math:`1/B` of :math:`\bar g` here
     (:math:`1/(BL)` for a convolution, whose per-example derivative sums its positions here;
-    ``batch_averaged=False`` on a mean loss gives theirs for ``nn.Linear``); only the first 16
+    ``loss_reduction="sum"`` on a mean loss gives theirs for ``nn.Linear``); only the first 16
     samples of a batch are read (``kfac_batch_size``); and the running average weighs the new
     vector by ``factor_decay`` (0.95), where here the old one is weighed by ``stat_decay``.
 
@@ -129,7 +129,7 @@ class Eva(KroneckerRule):
         kl_clip: float | None = 0.001,
         *,
         statistics_every: int = 1,
-        batch_averaged: bool = True,
+        loss_reduction: str = "mean",
         damping_form: str = "kronecker",
         max_dim: int | None = None,
         distributed_inversion: bool = False,
@@ -148,13 +148,13 @@ class Eva(KroneckerRule):
                 f"Invalid damping_form: {damping_form!r} (must be one of {', '.join(map(repr, DAMPING_FORMS))})"
             )
         self._direction = DAMPING_FORMS[damping_form]
-        if not isinstance(batch_averaged, bool):
-            raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
         if kl_clip is not None and not 0.0 < kl_clip < math.inf:
             raise ValueError(f"Invalid kl_clip: {kl_clip} (must be None or finite and > 0)")
         if not damping > 0.0:  # a rank-one factor is singular without it
             raise ValueError(f"Invalid damping: {damping} (must be > 0)")
-        self._eva_defaults = {"batch_averaged": batch_averaged, "kl_clip": kl_clip}
+        self._eva_defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
         super().__init__(
             model,
             lr,
@@ -189,7 +189,7 @@ class Eva(KroneckerRule):
         # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
         # Ds = B g; summing (B sum g) and B over ranks, then dividing, gives the mean of Ds.
         grads, batch = sums["output_grad"]
-        if layer.group["batch_averaged"]:
+        if layer.group["loss_reduction"] == "mean":
             grads = grads * batch
         return {**sums, "output_grad": (grads, batch)}
 

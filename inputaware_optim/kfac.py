@@ -58,7 +58,7 @@ class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
     ``KFAC(model, lr, momentum=None, damping=0.1, stat_decay=0.95, update_every=10, *,
-    statistics_every=1, batch_averaged=True, convention="inputaware", max_dim=None,
+    statistics_every=1, loss_reduction="mean", convention="inputaware", max_dim=None,
     distributed_inversion=False, inverse="cholesky", inverse_dtype=torch.float64, params=None,
     **sgd_kwargs)``
 
@@ -84,7 +84,7 @@ class KFAC(KroneckerRule):
     :math:`\bar G \otimes \bar A + \lambda I` plus cross terms, so :math:`\lambda` is in the
     units of the curvature and bounds the step where the curvature is small.
     :math:`G` is the second moment of the per-example output derivative :math:`Ds = B g` of a
-    loss averaged over the batch (``batch_averaged=True``; for a summed loss, :math:`g` is
+    loss averaged over the batch (``loss_reduction="mean"``; for a summed loss, :math:`g` is
     already per example and :math:`G = \frac1B\sum_r g_r g_r^\top`). Both factors keep running
     averages (:math:`\bar A, \bar G`, decay ``stat_decay``; the first step takes its own) whose
     damped inverses are refreshed every ``update_every`` statistics steps (Cholesky, float64).
@@ -97,7 +97,7 @@ class KFAC(KroneckerRule):
     preconditioned gradient: a convolution's rows divided by its number of output positions
     :math:`L` (1 for other layers), :math:`A = \frac1N\sum_r (\tilde x_r/L)(\tilde x_r/L)^\top`
     and :math:`G = \frac1N\sum_r (g_r/L)(g_r/L)^\top` over the :math:`N` rows (the gradient as it
-    reached the output: ``batch_averaged`` does not apply), running averages that start from
+    reached the output: ``loss_reduction`` does not apply), running averages that start from
     :math:`I` (:math:`\bar A_1 = \beta I + (1-\beta) A_1`), and :math:`\lambda` absolute:
     ``inverse="cholesky"`` gives its ``compute_method="inverse"``,
     :math:`(\bar G + \lambda I)^{-1} \tilde G (\bar A + \lambda I)^{-1}`, and ``inverse="eigh"``
@@ -121,8 +121,8 @@ class KFAC(KroneckerRule):
         update_every: Refresh the inverses every this many statistics steps (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
             them the hooks keep nothing and return at once, and the kept inverses precondition.
-        batch_averaged: Whether the loss is a mean over the batch (the inputs' first dimension;
-            keyword-only).
+        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first
+            dimension) or ``"sum"``, as for DP (keyword-only).
         convention: ``"inputaware"`` (default) or ``"kfac-pytorch"``: the factors' scaling and
             damping, as above (keyword-only).
         max_dim: Leave layers with a factor larger than this to the stock update (None: no limit;
@@ -162,7 +162,7 @@ class KFAC(KroneckerRule):
         update_every: int = 10,
         *,
         statistics_every: int = 1,
-        batch_averaged: bool = True,
+        loss_reduction: str = "mean",
         convention: str = "inputaware",
         max_dim: int | None = None,
         distributed_inversion: bool = False,
@@ -171,11 +171,11 @@ class KFAC(KroneckerRule):
         params: Any = None,
         **sgd_kwargs: Any,
     ) -> None:
-        if not isinstance(batch_averaged, bool):
-            raise ValueError(f"Invalid batch_averaged: {batch_averaged!r} (must be True or False)")
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
         if convention not in CONVENTIONS:
             raise ValueError(f"Invalid convention: {convention!r} (must be one of {', '.join(map(repr, CONVENTIONS))})")
-        self._batch_averaged = batch_averaged
+        self._loss_reduction = loss_reduction
         self._kfac_pytorch = convention == "kfac-pytorch"
         super().__init__(
             model,
@@ -198,14 +198,14 @@ class KFAC(KroneckerRule):
 
     def _check_param_groups(self) -> None:
         super()._check_param_groups()
-        self._set_group_defaults(batch_averaged=self._batch_averaged)
+        self._set_group_defaults(loss_reduction=self._loss_reduction)
 
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         # A mean-reduced loss divides each output gradient by this rank's batch B (all its
         # micro-batches together), so Ds = B g. Summing (B^2 sum g g^T) and B over ranks, then
         # dividing, gives G = E[sum over positions of Ds Ds^T] whatever the split.
         grads, batch = sums["output_grad"]
-        if layer.group["batch_averaged"] and not self._kfac_pytorch:
+        if layer.group["loss_reduction"] == "mean" and not self._kfac_pytorch:
             grads = grads * (batch * batch)
         return {**sums, "output_grad": (grads, batch)}
 

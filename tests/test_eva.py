@@ -160,7 +160,7 @@ def test_conv_layers_are_preconditioned_and_hold_only_vectors() -> None:
         ({"kl_clip": 0.0}, "kl_clip"),
         ({"kl_clip": math.inf}, "kl_clip"),
         ({"stat_decay": 1.0}, "stat_decay"),
-        ({"batch_averaged": "yes"}, "batch_averaged"),
+        ({"loss_reduction": "yes"}, "loss_reduction"),
     ],
 )
 def test_bad_configuration_names_the_argument(kwargs: dict[str, object], message: str) -> None:

@@ -244,7 +244,7 @@ def test_add_param_group_keeps_torchs_errors_and_the_rules_validation() -> None:
         (NLMS, {"eps": float("inf")}, "Invalid eps"),
         (DPSGD, {"max_grad_norm": float("inf")}, "Invalid max_grad_norm"),
         (DPSGD, {"noise_multiplier": float("inf")}, "Invalid noise_multiplier"),
-        (KFAC, {"batch_averaged": "no"}, "Invalid batch_averaged"),
+        (KFAC, {"loss_reduction": "no"}, "Invalid loss_reduction"),
         (DPSGD, {"generator": 123}, "Invalid generator"),
     ],
 )

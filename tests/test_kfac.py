@@ -108,7 +108,7 @@ def test_a_summed_loss_gives_the_same_factors_and_a_batch_times_larger_step(batc
     x = torch.randn(batch, 4, generator=torch.Generator().manual_seed(batch), dtype=torch.float64)
     mean_model, sum_model = mlp(), mlp()
     mean_opt = KFAC(mean_model, lr=0.1, momentum=0.0)
-    sum_opt = KFAC(sum_model, lr=0.1 / batch, momentum=0.0, batch_averaged=False)
+    sum_opt = KFAC(sum_model, lr=0.1 / batch, momentum=0.0, loss_reduction="sum")
     run(mean_model, mean_opt, [[x]], "mean")
     run(sum_model, sum_opt, [[x]], "sum")
     for p, q in zip(mean_model.parameters(), sum_model.parameters(), strict=True):

@@ -318,7 +318,7 @@ def test_every_hyperparameter_of_a_rule_is_in_its_signature(cls: type) -> None:
     assert not any(p.kind is p.VAR_POSITIONAL for p in parameters.values()), cls
     own = {
         "FOOF": {"damping", "stat_decay", "update_every", "statistics_every", "inverse"},
-        "KFAC": {"damping", "update_every", "batch_averaged", "convention", "inverse", "inverse_dtype"},
+        "KFAC": {"damping", "update_every", "loss_reduction", "convention", "inverse", "inverse_dtype"},
         "Eva": {"damping", "kl_clip", "statistics_every", "damping_form"},
         "NLMS": {"eps"},
         "DPSGD": {"max_grad_norm", "noise_multiplier"},
@@ -371,6 +371,9 @@ def test_renamed_names_are_refused_with_the_new_name() -> None:
     model = nn.Linear(3, 2)
     with pytest.raises(TypeError, match="capture_grad_outputs' was renamed: pass grad_outputs="):
         InputAwareAdamW(model, lr=0.1, capture_grad_outputs=True)
+    for rule in (KFAC, Eva):
+        with pytest.raises(TypeError, match="batch_averaged' was renamed: pass loss_reduction='mean'"):
+            rule(model, lr=0.1, batch_averaged=True)
     with pytest.raises(TypeError, match="capture_grad_outputs was renamed: set grad_outputs = True"):
 
         class Old(InputAwareSGD):

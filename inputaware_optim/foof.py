@@ -44,7 +44,7 @@ class FOOF(KroneckerRule):
 
     where the :math:`N` samples are every row of every call of the step (all leading
     dimensions flattened; so ``k`` micro-batches give the statistics of their concatenation).
-    The inverse (by default Cholesky, in float64) is refreshed every ``update_every`` statistics
+    The inverse (by default Cholesky, in float64) is refreshed every ``update_every`` optimizer
     steps. Then the SGD momentum update runs with torch's kernel; parameters of other modules take it as
     is. Under data parallelism :math:`A_t` is averaged over the data-parallel ranks. Under
     FSDP2 each rank preconditions the rows of :math:`\tilde G` it holds (the update acts on
@@ -61,7 +61,8 @@ class FOOF(KroneckerRule):
             so it scales with the inputs' variance; the default suits standardized inputs, and
             values much smaller let rarely excited directions take very large steps.
         stat_decay: :math:`\beta`, the decay of the running second moment, in [0, 1).
-        update_every: Refresh the inverse every this many statistics steps (>= 1).
+        update_every: Refresh the inverse every this many optimizer steps, at the first statistics
+            step that many steps after the last refresh (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
             them the hooks keep nothing and return at once, and the kept inverses precondition.
         max_dim: Leave layers whose factor is larger than this to plain SGD (None: no limit).

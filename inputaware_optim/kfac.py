@@ -87,7 +87,7 @@ class KFAC(KroneckerRule):
     loss averaged over the batch (``loss_reduction="mean"``; for a summed loss, :math:`g` is
     already per example and :math:`G = \frac1B\sum_r g_r g_r^\top`). Both factors keep running
     averages (:math:`\bar A, \bar G`, decay ``stat_decay``; the first step takes its own) whose
-    damped inverses are refreshed every ``update_every`` statistics steps (Cholesky, float64).
+    damped inverses are refreshed every ``update_every`` optimizer steps (Cholesky, float64).
     Then the SGD momentum update runs, with torch's kernel. Micro-batches combine as their
     concatenation; under data parallelism both factors combine over the ranks. Under FSDP2 the
     output-side factor mixes the rows of :math:`\tilde G`, so each layer's gradient is gathered
@@ -104,8 +104,8 @@ class KFAC(KroneckerRule):
     its default ``compute_method="eigen"``, which damps the Kronecker product,
     :math:`(\bar G \otimes \bar A + \lambda I)^{-1} \operatorname{vec} \tilde G`. kfac-pytorch
     also scales the result by its KL clip (``kl_clip=0.001`` there by default;
-    ``kl_clip=lambda step: None`` turns it off to compare with this class), and counts
-    ``inv_update_steps`` in optimizer steps where ``update_every`` counts statistics steps.
+    ``kl_clip=lambda step: None`` turns it off to compare with this class); its
+    ``inv_update_steps`` is ``update_every`` here, both counted in optimizer steps.
 
     Output gradients are captured for the supported layers (``grad_outputs``).
     State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
@@ -118,7 +118,8 @@ class KFAC(KroneckerRule):
         damping: :math:`\lambda` (>= 0), split between the factors as above, or under
             ``convention="kfac-pytorch"`` as there.
         stat_decay: Decay of the running factors, in [0, 1).
-        update_every: Refresh the inverses every this many statistics steps (>= 1).
+        update_every: Refresh the inverses every this many optimizer steps, at the first statistics
+            step that many steps after the last refresh (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
             them the hooks keep nothing and return at once, and the kept inverses precondition.
         loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first

@@ -3,7 +3,7 @@
 A layer ``y = W̃ x̃`` has a gradient ``G̃`` (bias as its last column). A Kronecker rule
 builds, per layer and step, second-moment factors from the captured calls (the inputs
 for both rules, the output gradients too for K-FAC), keeps their running averages,
-refreshes their damped inverses every ``update_every`` steps and replaces ``G̃`` by a
+refreshes their damped inverses every ``update_every`` optimizer steps and replaces ``G̃`` by a
 preconditioned one before the stock SGD update. Each factor is a ratio of sums
 (numerator, denominator) so that micro-batches and data-parallel ranks combine exactly.
 
@@ -280,7 +280,9 @@ class KroneckerRule(InputAwareSGD):
     def _commit_statistics(self, layer: Layer, update: Any) -> dict[str, Tensor]:
         """Keep a statistics step's running moments, decompositions and inverses in the layer's state;
         the inverses to precondition with."""
-        state, moments, inverses, _, bases = update
+        state, moments, inverses, due, bases = update
+        if due:  # refreshed (kept only now: a step that fails changes no state)
+            state["inverse_step"] = layer.group.get("schedule_step", 0)
         for factor in self.factors:
             state[f"{factor}_second_moment"] = moments[factor]
             if factor in bases:
@@ -433,7 +435,10 @@ class KroneckerRule(InputAwareSGD):
         inversion, and (filled in by ``_invert_due`` under ``"eigh"``) their eigendecompositions."""
         state = self.state[weight_of(layer.module)]
         group = layer.group
-        refresh = state.get("statistics_steps", 0) % group["update_every"] == 0
+        # update_every counts optimizer steps (as kfac-pytorch's inv_update_steps): the first statistics
+        # step at least that many steps after the last refresh refreshes the inverses.
+        step = group.get("schedule_step", 0)
+        refresh = "inverse_step" not in state or step - state["inverse_step"] >= group["update_every"]
         moments, inverses, due = {}, {}, []
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator / denominator  # (out of place: the sums may be the capture's totals)

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from inputaware_optim import FOOF, KFAC, Eva
@@ -107,3 +109,28 @@ def test_resume_mid_schedule_is_bitwise(rule: type) -> None:
 def test_statistics_every_must_be_a_positive_integer(value: Any) -> None:
     with pytest.raises(ValueError, match="statistics_every"):
         FOOF(net(), lr=0.1, statistics_every=value)
+
+
+def refresh_steps(steps: int, statistics_every: int, update_every: int) -> list[int]:
+    """The optimizer steps that refresh the inverses: the first statistics step at least
+    ``update_every`` optimizer steps after the last refresh (kfac-pytorch's inv_update_steps)."""
+    refreshed: list[int] = []
+    for step in range(0, steps, statistics_every):
+        if not refreshed or step - refreshed[-1] >= update_every:
+            refreshed.append(step)
+    return refreshed
+
+
+@settings(max_examples=12, deadline=None)
+@given(statistics_every=st.integers(1, 4), update_every=st.integers(1, 9))
+def test_update_every_counts_optimizer_steps(statistics_every: int, update_every: int) -> None:
+    model = net()
+    optimizer = FOOF(model, lr=0.05, update_every=update_every, statistics_every=statistics_every)
+    seen, changed = None, []
+    for step in range(12):
+        train_step(model, optimizer, step)
+        inverse = optimizer.state[model[0].weight]["input_inverse"]
+        if seen is None or not torch.equal(inverse, seen):
+            changed.append(step)
+        seen = inverse.clone()
+    assert changed == refresh_steps(12, statistics_every, update_every)

@@ -373,9 +373,12 @@ class InputAwareOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, as torch does; groups saved by another optimizer (say, a stock
-        ``torch.optim.SGD``) get this rule's hyperparameters from its defaults."""
+        ``torch.optim.SGD``) get this rule's hyperparameters from its defaults, and a 0.2 group's
+        ``batch_averaged`` becomes ``loss_reduction``."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
+            if "batch_averaged" in group:  # a 0.2 checkpoint of K-FAC or Eva: the key is loss_reduction now
+                group["loss_reduction"] = "mean" if group.pop("batch_averaged") else "sum"
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
         if self._capture is not None:

@@ -379,6 +379,16 @@ def test_renamed_names_are_refused_with_the_new_name() -> None:
         class Old(InputAwareSGD):
             capture_grad_outputs = True
 
+    for rule in (KFAC, Eva):  # a 0.2 checkpoint's group key is translated, not left beside the new one
+        for old, new in ((True, "mean"), (False, "sum")):
+            saved = rule(model, lr=0.1).state_dict()
+            saved["param_groups"][0].pop("loss_reduction")
+            saved["param_groups"][0]["batch_averaged"] = old
+            loaded = rule(model, lr=0.1, loss_reduction="sum" if new == "mean" else "mean")
+            loaded.load_state_dict(saved)
+            assert loaded.param_groups[0]["loss_reduction"] == new
+            assert "batch_averaged" not in loaded.param_groups[0]
+
     seen: list[torch.Tensor] = []
 
     class Reader(InputAwareSGD):

@@ -22,6 +22,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -174,6 +175,12 @@ def peak_rss(name: str, size_name: str, steps: int = 3) -> int:
     step = _step(model, optimizer, batch)
     for _ in range(steps):
         step()
+    # Linux: this process's own high-water mark. ru_maxrss would carry the parent's (a child started
+    # by vfork, as subprocess does, is charged the parent's peak when it execs).
+    status = Path("/proc/self/status")
+    if status.exists():
+        line = next(x for x in status.read_text().splitlines() if x.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

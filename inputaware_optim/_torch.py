@@ -27,9 +27,11 @@ fails there, by name, rather than somewhere in a rule. Reach into torch only her
   backward uses a pack hook named ``_recomputation_hook``.
 * Dynamo keeps compiled code per code object (``_debug_get_cache_entry_list``) and drops it with
   ``reset_code``.
-* ``GradScaler``: an optimizer whose class sets ``_step_supports_amp_scaling = True`` is handed
-  ``grad_scale`` and ``found_inf`` as attributes and stepped even on inf/NaN (it unscales and
-  skips by itself); ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel.
+* ``GradScaler``: an optimizer with ``_step_supports_amp_scaling = True`` (``unscales_itself``) is
+  handed ``grad_scale`` and ``found_inf`` as attributes (``scaler_handoff``) and stepped even on
+  inf/NaN (it unscales and skips by itself); the scaler deletes them after a step that returned;
+  ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel. The library reads
+  and writes these attributes only through the functions here.
 * ``torch._foreach_sub``/``torch._foreach_norm``: one kernel over a list of tensors;
   ``torch._fused_adamw_`` is the kernel of ``AdamW(fused=True)`` (LazyAdamW updates rows with it).
 * ``torch.utils._pytree``'s ``tree_flatten``/``tree_unflatten``/``tree_map_only``.
@@ -50,6 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 __all__ = [
     "checkpoint_frame",
     "drop_compiled_code",
+    "drop_scaler_handoff",
     "entry_step",
     "foreach_norm",
     "foreach_sub",
@@ -57,15 +60,18 @@ __all__ = [
     "fused_adamw_",
     "grad_scaler_unscale_",
     "graph_task_id",
+    "hide_scaler_handoff",
     "pass_reaches",
     "queue_end_of_backward",
     "recomputing_checkpointed_forward",
     "remove_hooks_of",
+    "scaler_handoff",
     "set_grad_enabled",
     "tree_flatten",
     "tree_map_only",
     "tree_unflatten",
     "unhooked",
+    "unscales_itself",
 ]
 
 
@@ -187,6 +193,35 @@ def drop_compiled_code(modules: list[Any]) -> bool:
 
 
 # -- GradScaler --------------------------------------------------------------------------------------
+_SCALER_ATTRIBUTES = ("grad_scale", "found_inf")
+
+
+def unscales_itself(optimizer: Optimizer) -> None:
+    """Declare that ``optimizer`` unscales and skips by itself: GradScaler then hands it the scale
+    and the inf flag (``scaler_handoff``) and calls ``step`` even on inf/NaN."""
+    optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+
+
+def scaler_handoff(optimizer: Optimizer) -> tuple[Any, Any]:
+    """``(grad_scale, found_inf)`` as GradScaler set them on ``optimizer`` for this step (``None``
+    outside a ``scaler.step``)."""
+    return getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+
+
+def hide_scaler_handoff(optimizer: Optimizer) -> None:
+    """Set the handoff to ``None`` (the stock kernels then neither unscale nor skip again);
+    GradScaler deletes the attributes after a step that returned."""
+    for attribute in _SCALER_ATTRIBUTES:
+        setattr(optimizer, attribute, None)
+
+
+def drop_scaler_handoff(optimizer: Optimizer) -> None:
+    """Remove what GradScaler set, after a step that raised (GradScaler deletes it only after a
+    step that returned), so the next ``scaler.step`` starts afresh."""
+    for attribute in _SCALER_ATTRIBUTES:
+        optimizer.__dict__.pop(attribute, None)
+
+
 def grad_scaler_unscale_(grads: list[Any], found_inf: Any, inv_scale: Any) -> None:
     """Multiply ``grads`` by ``inv_scale`` in place with GradScaler's own kernel (so the result is
     bitwise the scaler's), setting ``found_inf`` to 1 if any value is not finite."""

@@ -10,10 +10,11 @@ The step machinery, in one place:
   releases the captures at the end; nested ``super().step(...)`` calls pass straight
   through, and the stock update is reached unwrapped. So hooks run exactly once, whatever
   else exists.
-* With ``torch.amp.GradScaler``, the optimizer declares ``_step_supports_amp_scaling`` so
-  the scaler always calls ``step``; unscaling (with the scaler's own kernel) and skipping on
-  inf/NaN happen here, before the rule runs, so a rule sees unscaled gradients and a
-  skipped step's captures are dropped rather than delivered to the next step.
+* With ``torch.amp.GradScaler``, the optimizer declares that it unscales itself
+  (``_torch.unscales_itself``) so the scaler always calls ``step``; unscaling (with the
+  scaler's own kernel) and skipping on inf/NaN happen here, before the rule runs, so a rule
+  sees unscaled gradients and a skipped step's captures are dropped rather than delivered to
+  the next step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,15 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from ._torch import entry_step, grad_scaler_unscale_, unhooked
+from ._torch import (
+    drop_scaler_handoff,
+    entry_step,
+    grad_scaler_unscale_,
+    hide_scaler_handoff,
+    scaler_handoff,
+    unhooked,
+    unscales_itself,
+)
 from .capture import Capture, Storage, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
@@ -218,8 +227,7 @@ class InputAwareOptimizer(Optimizer):
         # The capture lives and dies with its optimizer, even if someone still holds the capture.
         weakref.finalize(self, self._capture.remove)
         self._install_reductions()
-        # GradScaler then calls step() even on inf/NaN and leaves unscaling to us (see module doc).
-        self._step_supports_amp_scaling = True
+        unscales_itself(self)  # GradScaler calls step() even on inf/NaN and leaves unscaling to us
 
     def _construct_stock(
         self, base: type[Optimizer] | None, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -763,7 +771,7 @@ class InputAwareOptimizer(Optimizer):
 
     def _amp_skips_step(self) -> bool:
         """Unscale for a GradScaler-driven step; True if the step must be skipped (inf/NaN)."""
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale, found_inf = scaler_handoff(self)
         if found_inf is None:
             return False
         if self._capture is not None:
@@ -780,15 +788,12 @@ class InputAwareOptimizer(Optimizer):
                 "carry the loss scale. Construct it with grad_scaler=scaler (the GradScaler you step with) so "
                 "that they are unscaled where they are read. No parameter was changed"
             )
-        grad_scale = getattr(self, "grad_scale", None)
         if grad_scale is not None:
             self._unscale_grads(grad_scale)
             self._unscaled_by = grad_scale
             if capture is not None:
                 capture._gradients_rescaled()
-        # Keep the attributes (GradScaler deletes them) but hide them from the stock kernels.
-        self.grad_scale = None
-        self.found_inf = None
+        hide_scaler_handoff(self)  # from the stock kernels (GradScaler deletes it after the step)
         return False
 
     @torch.no_grad()
@@ -803,8 +808,7 @@ class InputAwareOptimizer(Optimizer):
                     grad.mul_(scale.to(grad.device, grad.dtype))
             if self._capture is not None:
                 self._capture._gradients_rescaled()
-        for attribute in ("grad_scale", "found_inf"):  # GradScaler deletes them only after a step that returned
-            self.__dict__.pop(attribute, None)
+        drop_scaler_handoff(self)
 
     @torch.no_grad()
     def _unscale_grads(self, grad_scale: Tensor) -> None:

@@ -12,7 +12,15 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from inputaware_optim._torch import entry_step, grad_scaler_unscale_, unhooked
+from inputaware_optim._torch import (
+    drop_scaler_handoff,
+    entry_step,
+    grad_scaler_unscale_,
+    hide_scaler_handoff,
+    scaler_handoff,
+    unhooked,
+    unscales_itself,
+)
 
 
 def _fresh_sgd_subclass() -> type[torch.optim.SGD]:
@@ -237,23 +245,32 @@ def test_dynamo_keeps_code_per_code_object_and_drops_it() -> None:
 
 
 def test_grad_scaler_protocol_for_an_optimizer_that_unscales_itself() -> None:
-    """An optimizer declaring ``_step_supports_amp_scaling`` gets ``grad_scale`` and ``found_inf`` set and
-    is stepped even on inf; ``torch._amp_foreach_non_finite_check_and_unscale_`` is the scaler's kernel."""
+    """An optimizer declared by ``unscales_itself`` is handed the scale and the inf flag
+    (``scaler_handoff``) and stepped even on inf; hiding the handoff keeps GradScaler's bookkeeping, and
+    GradScaler removes it after a step that returned; ``torch._amp_foreach_non_finite_check_and_unscale_``
+    is the scaler's kernel."""
     seen: dict[str, Any] = {}
 
     class Own(torch.optim.SGD):
-        _step_supports_amp_scaling = True
-
         def step(self, closure: Any = None) -> None:
-            seen["grad_scale"] = getattr(self, "grad_scale", None)
-            seen["found_inf"] = getattr(self, "found_inf", None)
+            seen["handoff"] = scaler_handoff(self)
+            hide_scaler_handoff(self)
+            seen["hidden"] = scaler_handoff(self)
 
     param = nn.Parameter(torch.ones(2))
     optimizer = Own([param], lr=0.1)
+    assert scaler_handoff(optimizer) == (None, None)
+    unscales_itself(optimizer)
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale((param * float("inf")).sum()).backward()
     scaler.step(optimizer)
-    assert float(seen["grad_scale"]) == 4.0 and float(seen["found_inf"]) == 1.0
+    scale, found_inf = seen["handoff"]
+    assert float(scale) == 4.0 and float(found_inf) == 1.0 and seen["hidden"] == (None, None)
+    scaler.update()  # the skipped step halves the scale: GradScaler's bookkeeping survived the hiding
+    assert scaler.get_scale() == 2.0 and scaler_handoff(optimizer) == (None, None)
+    optimizer.grad_scale = optimizer.found_inf = torch.ones(1)  # as left by a step that raised
+    drop_scaler_handoff(optimizer)
+    assert "grad_scale" not in vars(optimizer) and "found_inf" not in vars(optimizer)
     grads, found = [torch.tensor([8.0, 4.0])], torch.zeros(1)
     grad_scaler_unscale_(grads, found, torch.tensor(0.25))
     assert grads[0].tolist() == [2.0, 1.0] and float(found) == 0.0

@@ -9,11 +9,9 @@ import torch
 from torch import Tensor, nn
 
 from ._torch import foreach_norm
-from .base import evaluate_closure
-from .inputs import Call, Captured, Inputs
-from .kronecker import FactorSums, KroneckerRule, _statistics_due
+from .inputs import Call, Captured
+from .kronecker import FactorSums, KroneckerRule
 from .layers import Layer, weight_of
-from .sgd import InputAwareSGD
 
 __all__ = ["Eva"]
 
@@ -193,13 +191,11 @@ class Eva(KroneckerRule):
             grads = grads * batch
         return {**sums, "output_grad": (grads, batch)}
 
-    @torch.no_grad()
-    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
-        """Precondition the gradients of the supported layers (then clip), and take the SGD step."""
-        loss = evaluate_closure(closure)
-        assert inputs is not None
-        due = [group for group in self.param_groups if _statistics_due(group)]
-        layers, sums = self._seen_statistics(inputs, due)  # a layer with no row keeps its state
+    def _precondition_layers(
+        self, due: list[dict[str, Any]], layers: list[Layer], sums: list[dict[str, tuple[Tensor, Tensor]]]
+    ) -> None:
+        """Replace each supported layer's gradient by its Kronecker-vector direction, KL-clipped
+        (a layer with no row this step keeps its state)."""
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
         updated = len(layers)
         for layer, (a, g) in self._between_statistics(due, ["input_mean", "output_grad_mean"]):  # kept vectors
@@ -218,9 +214,6 @@ class Eva(KroneckerRule):
                 state["statistics_steps"] = state.get("statistics_steps", 0) + 1
             nu = scales[id(layer.group)]
             layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
-        InputAwareSGD.step(self, inputs=inputs)
-        self._advance_schedule()
-        return loss
 
     def _checked_scales(
         self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]

@@ -65,7 +65,8 @@ class KroneckerRule(InputAwareSGD):
     Subclasses set ``factors`` (the names of their Kronecker factors) and ``statistics`` (the
     ``FactorSums`` reduction that computes each call's numerator and denominator per factor
     in the hooks), implement ``_precondition`` (the new gradient matrix from the old one and the damped inverses),
-    and may override ``_damping`` (the damping added to each factor before inverting).
+    and may override ``_damping`` (the damping added to each factor before inverting). A rule that
+    inverts nothing (Eva) overrides ``_precondition_layers`` instead: the step is the same.
 
     State per preconditioned weight: ``<factor>_second_moment`` (running average),
     ``<factor>_inverse`` (damped inverse) for each factor, and ``statistics_steps``; with
@@ -234,6 +235,17 @@ class KroneckerRule(InputAwareSGD):
         assert inputs is not None
         due = [group for group in self.param_groups if _statistics_due(group)]
         layers, sums = self._seen_statistics(inputs, due)
+        self._precondition_layers(due, layers, sums)
+        super().step(inputs=inputs)
+        self._advance_schedule()
+        return loss
+
+    def _precondition_layers(
+        self, due: list[dict[str, Any]], layers: list[Layer], sums: list[dict[str, tuple[Tensor, Tensor]]]
+    ) -> None:
+        """Replace each supported layer's gradient by its preconditioned one: the layers that saw
+        rows this step (``layers``, with their factor sums) and those whose group is between
+        statistics steps (with the kept inverses)."""
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
         try:
             updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
@@ -248,9 +260,6 @@ class KroneckerRule(InputAwareSGD):
             if self._inverse == "eigh":  # a change of damping formed new ones (Cholesky's are the kept ones)
                 self._keep_inverses(layer, inverses)
             self._set_preconditioned(layer, inverses)
-        super().step(inputs=inputs)
-        self._advance_schedule()
-        return loss
 
     def _seen_statistics(
         self, inputs: Inputs, due: list[dict[str, Any]]

@@ -45,64 +45,22 @@ __all__ = ["DPSGD", "DPAdamW"]
 
 _DOC = r"""
 
-    Each step replaces the gradient of every parameter by its differentially private
-    estimate (Abadi et al. 2016), then applies the stock update:
+    Each step replaces every parameter's gradient by its differentially private estimate (Abadi et
+    al. 2016), then applies the stock update:
 
     .. math::
         \tilde g = \frac{1}{B}\Big(\sum_{i=1}^{B} g_i \min\big(1, \tfrac{C}{\lVert g_i\rVert}\big)
             + \mathcal N(0, \sigma^2 C^2 I)\Big)
 
-    where :math:`g_i` is sample :math:`i`'s gradient of its own loss over *all* parameters of
-    the optimizer, :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier``
-    (with ``loss_reduction="sum"`` the division by :math:`B` is left out, as the loss was a sum).
-    Per-sample gradients come from each captured call's inputs and output gradients, all within
-    the one backward pass the loss takes: closed forms for ``nn.Linear``, Hugging Face's
-    ``Conv1D`` and ``nn.Conv1d/2d/3d`` (grouped too), ``nn.LayerNorm``, ``nn.Embedding`` and
-    ``nn.EmbeddingBag`` (offsets and per-sample weights), and ``torch.func``'s ``vmap(grad)`` over
-    the module's forward for any other layer. For a matrix layer each sample's norm is the cheaper
-    exact form: the ghost norm (which never forms a batch × parameters tensor) where the layer has
-    few positions for its size, else the per-sample gradients themselves (a convolution's from its
-    own weight-gradient kernel, the batch run as groups), which are then reused for the clipped
-    sum; otherwise the clipped sum is one product ``gᵀ diag(c) x`` per layer (Book-Keeping).
-    Every step also checks, by a few fixed random projections, that the per-sample gradients add
-    up to the gradient backward computed (refusing the step if not); the private gradient is
-    written into ``.grad`` in place, the noise drawn straight into it.
-    ``max_grad_norm`` and ``noise_multiplier`` are read from the param groups (a schedule may change
-    them between steps; every group must hold the same values): each backward pass clips at the
-    value the groups hold when it ends, and the step draws the noise at the values they hold then.
-    A clip changed between a backward and its step is refused (the samples were clipped already).
-    Which parameters require grad is read then too: a layer frozen after construction
-    (``requires_grad_(False)``) is a constant of each sample's loss and enters no norm.
-    The noise comes from ``generator`` (default: a generator seeded from torch's global
-    RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
-
-    Every layer's input must carry the batch along ``batch_dim`` (0, or 1 for sequence-first
-    tensors ``(T, B, ...)``, as Opacus's ``batch_first=False``). Each forward's sample count is
-    checked against the model's own tensor arguments: a layer that sees the batch along another
-    dimension (which would clip per time step, not per sample) is refused at the step. Recurrent
-    layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN`` and their cells), parametrized weights (weight or
-    spectral norm) and BatchNorm are refused at construction, by name.
-
-    Under activation checkpointing, use ``use_reentrant=False`` (exact): reentrant checkpointing
-    runs each region's backward as a pass of its own, and a forward whose calls reach several
-    passes is refused at the step, by the modules of each.
-
-    Micro-batches (gradient accumulation) are separate samples of one step. Under
-    ``DistributedDataParallel`` each rank clips its own samples, the clipped sums are added
-    across ranks, the noise is drawn once (on rank 0) and the result divided by the global
-    batch, so every replica applies the same update. Under FSDP2 the same holds without any
-    weight: per-sample norms come from inputs and output gradients, each rank forms its samples'
-    clipped sums in full, rank 0 adds the noise (drawn once, in full) and one reduce-scatter
-    gives each rank its shard of the total. Only layers with closed-form per-sample gradients
-    may be sharded (``vmap(grad)`` needs the whole weights).
-
-    Given ``sample_rate`` (each sample's probability of being in a batch), ``epsilon(delta)``
-    reports the :math:`\varepsilon` spent by the steps taken so far, from Opacus's own accountant
-    (``opacus`` must be installed), each step at the noise multiplier it was taken with
-    (``privacy_history``, which ``state_dict`` carries). The guarantee assumes Poisson sampling (Opacus's
-    ``DPDataLoader``); fixed-size shuffled batches are the usual approximation. An empty batch
-    (Poisson sampling draws them) takes a noise-only step, divided by ``expected_batch_size``.
-    An error in the per-sample code is raised by ``step()`` as its own type, naming the module.
+    where :math:`g_i` is sample :math:`i`'s gradient over *all* parameters of the optimizer,
+    :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier`` (with
+    ``loss_reduction="sum"`` the division by :math:`B` is left out). Per-sample gradients come from
+    each captured call's inputs and output gradients within the one backward pass (closed forms for
+    the common layers, ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they
+    add up to the gradient backward computed. ``max_grad_norm`` and ``noise_multiplier`` are read
+    from the param groups, equal in all (a schedule may change them between steps). What is
+    refused, gradient accumulation, DDP and FSDP2, and the accounting: see the DP guide
+    (``docs/dp.md``).
 
     Args:
         model: The model.
@@ -110,12 +68,12 @@ _DOC = r"""
         max_grad_norm: :math:`C`, the L2 bound on each sample's gradient (> 0).
         noise_multiplier: :math:`\sigma` (>= 0; 0 turns the noise off).
         loss_reduction: ``"mean"`` (the loss averaged over the batch) or ``"sum"``.
-        expected_batch_size: The samples per step the loss is a mean over, and the divisor of
-            the noised sum (needed under gradient accumulation; under Poisson sampling, the
-            sampling rate times the dataset size).
-        batch_dim: The dimension of every layer's input that holds the samples (0 or 1).
-        sample_rate: The probability of each sample being in a batch, for ``epsilon`` (or None).
-        generator: The ``torch.Generator`` the noise is drawn from.
+        expected_batch_size: The samples per step the loss is a mean over, and the noised sum's
+            divisor (needed under gradient accumulation; under Poisson sampling, rate × dataset size).
+        batch_dim: The dimension of every layer's input that holds the samples (0, or 1 for ``(T, B, ...)``).
+        sample_rate: Each sample's probability of being in a batch, for ``epsilon`` (or None).
+        generator: The ``torch.Generator`` the noise is drawn from (default: one seeded from torch's
+            global RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
         params: Parameters or param groups of ``model`` (default: all that require grad).
     """
 
@@ -166,27 +124,24 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._expected_batch_size = expected_batch_size
         self._batch_dim = batch_dim
         self._sample_rate = sample_rate
-        # (noise_multiplier, sample_rate, steps) per run of steps taken at the same pair, as Opacus's
-        # accountants keep it: epsilon composes each run at the noise its steps were drawn with.
         self._privacy_history: list[tuple[float, float | None, int]] = []
-        self._generator = generator or _seeded_generator()
+        # Seeded from the global RNG (reproducible under torch.manual_seed); drawing from it leaves the
+        # global stream (dropout, data order) undisturbed.
+        self._generator = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
         super().__init__(model, params, lr=lr, **kwargs)
-        self.capture.model_input_shapes(None)  # the capture keeps the model's input shapes from now on
+        self.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
 
     @property
     def privacy_history(self) -> list[tuple[float, float | None, int]]:
-        """The steps taken, as Opacus's accountants keep them: ``(noise_multiplier, sample_rate, steps)``
-        for each run of consecutive steps at the same pair (``state_dict`` carries it)."""
+        """``(noise_multiplier, sample_rate, steps)`` per run of steps at the same pair, as Opacus keeps it."""
         return list(self._privacy_history)
 
     def epsilon(self, delta: float, accountant: str = "prv") -> float:
-        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant over
-        ``privacy_history`` (every step at the noise multiplier it was taken with).
+        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant over ``privacy_history``.
 
         Args:
             delta: The target :math:`\delta` (in (0, 1)).
-            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"`` (one noise
-                multiplier only).
+            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"`` (one noise multiplier only).
 
         Raises:
             ValueError: If no ``sample_rate`` was given, or ``"gdp"`` is asked of a changing noise.
@@ -226,18 +181,16 @@ class _PerSampleClipping(InputAwareOptimizer):
         return float(counter.get_epsilon(delta=delta))
 
     def state_dict(self) -> dict[str, Any]:
-        """The stock state dict, the noise generator's state and the privacy history: a resumed run
-        draws the noise an uninterrupted one would have (never the same noise twice, which would
-        cancel when updates are differenced) and reports the same epsilon."""
+        """The stock state dict plus the noise generator's state (a resumed run never redraws the same
+        noise, which would cancel when updates are differenced) and the privacy history."""
         state = super().state_dict()
         state["noise_generator"] = self._generator.get_state()
         state["privacy_history"] = [list(entry) for entry in self._privacy_history]
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict; the noise generator and the privacy history resume where they were when
-        saved (if they were saved). A state dict of 0.2 holds a step count only: its steps are taken
-        to be at the loaded noise multiplier (as 0.2's ``epsilon`` counted them)."""
+        """Load a state dict, the noise generator and privacy history with it (0.2's step count: taken to
+        be at the loaded noise multiplier, as 0.2's ``epsilon`` counted them)."""
         generator_state = state_dict.get("noise_generator")
         own = ("noise_generator", "privacy_steps", "privacy_history")
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in own})
@@ -253,7 +206,6 @@ class _PerSampleClipping(InputAwareOptimizer):
             self._privacy_history = [(sigma, self._sample_rate, int(state_dict["privacy_steps"]))]
 
     def _account(self, sigma: float) -> None:
-        """One step taken at noise multiplier ``sigma``, at the sampling rate given."""
         history, rate = self._privacy_history, self._sample_rate
         if history and history[-1][:2] == (sigma, rate):
             history[-1] = (sigma, rate, history[-1][2] + 1)
@@ -274,8 +226,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._refuse_unsupported_layers()
 
     def _group_privacy(self) -> tuple[float, float]:
-        """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now (a schedule may
-        change them between steps), checked valid and equal across groups."""
+        """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now, checked equal in all."""
         first = self.param_groups[0]
         clip, sigma = first["max_grad_norm"], first["noise_multiplier"]
         for index, group in enumerate(self.param_groups):
@@ -290,7 +241,6 @@ class _PerSampleClipping(InputAwareOptimizer):
         return float(clip), float(sigma)
 
     def _refuse_unsupported_layers(self) -> None:
-        """Raise, naming the module, for layers whose per-sample gradients cannot be computed here."""
         trained = {p for p in self._params() if p.requires_grad}
         for qualified, module in unwrap_model(self._model).named_modules():
             reason = _unsupported(module, trained)
@@ -308,8 +258,6 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _build_reductions(self) -> dict[str, Reduction]:
         _, _, reduction = self._privacy
-        # Every parameter of the groups: which of them require grad is read when each pass ends.
-        trained = set(self._params())
         owner = weakref.ref(self)  # the reduction lives in the capture, which this optimizer owns
 
         def clip() -> float:  # read when each backward pass ends: a schedule may have changed it
@@ -317,8 +265,11 @@ class _PerSampleClipping(InputAwareOptimizer):
             assert optimizer is not None
             return optimizer._group_privacy()[0]
 
-        clipped = ClippedSums(self.capture, trained, clip, reduction, self._expected_batch_size, self._batch_dim)
-        return {"_clipped": clipped}
+        # Every parameter of the groups: which of them require grad is read when each pass ends.
+        params = set(self._params())
+        return {
+            "_clipped": ClippedSums(self.capture, params, clip, reduction, self._expected_batch_size, self._batch_dim)
+        }
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
@@ -353,6 +304,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         return loss
 
     def _private_gradients(self, inputs: Inputs) -> dict[Tensor, Tensor]:
+        """The private gradients; whatever the clipped sums cannot privatize is refused before any change."""
         targets = [p for p in self._params() if p.grad is not None]
         if not targets:
             return {}
@@ -360,18 +312,6 @@ class _PerSampleClipping(InputAwareOptimizer):
         totals = inputs.reduced(self._clipped)
         data_parallel = self.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
-        present, first = self._checked_totals(targets, totals, clip, distributed)
-        if distributed:
-            return self._private_gradients_over_ranks(targets, totals, present, first, clip, sigma, data_parallel)
-        divisor = self._divisor(self._expected_batch_size or first["samples"])
-        with record_function("DP: noise"):
-            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
-
-    def _checked_totals(
-        self, targets: list[Tensor], totals: dict[Tensor, Any], clip: float, distributed: bool
-    ) -> tuple[list[Tensor], dict[str, Any]]:
-        """Refuse, before any parameter changes, what the step's clipped sums cannot privatize; return
-        the parameters that have them and the sums of one (samples and passes are the same for all)."""
         for entry in totals.values():
             if "error" in entry:
                 self._raise_kept(*entry["error"])
@@ -381,46 +321,50 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._refuse_split_forwards(totals)
         with record_function("DP: add-up check"):
             self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
-        self._refuse_changed_clip(clip, set().union(*(totals[p]["clips"] for p in present)))
+        name = type(self).__name__
+        clips = set().union(*(totals[p]["clips"] for p in present))
+        if clips - {clip}:
+            raise RuntimeError(
+                f"{name}: max_grad_norm is {clip} now, but the samples of this step were clipped at "
+                f"{', '.join(map(str, sorted(clips)))} when their backward pass ended. Change max_grad_norm between "
+                "steps, before the next backward (a schedule's step() after optimizer.step()). No parameter was changed"
+            )
         first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
-        self._refuse_accumulation_without_batch(len(first["passes"]))
-        return present, first
+        passes = len(first["passes"])
+        if self._privacy[2] == "mean" and self._expected_batch_size is None and passes > 1:
+            raise RuntimeError(
+                f"{name} got {passes} backward passes in one step (gradient accumulation) with "
+                "loss_reduction='mean': to clip each sample's own gradient it must know the batch the loss is a "
+                "mean over. Pass expected_batch_size=<samples per step> (each micro-batch's loss being its sum "
+                "divided by that), or use loss_reduction='sum'. No parameter was changed"
+            )
+        batch = self._expected_batch_size or first["samples"]
+        if distributed:
+            return self._private_gradients_over_ranks(targets, totals, present, batch, clip * sigma, data_parallel)
+        divisor = self._divisor(batch)
+        with record_function("DP: noise"):
+            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
 
     def _divisor(self, batch: float) -> float:
         """What the noised sum is divided by: the batch the loss is a mean over (1 for a summed loss)."""
         if self._privacy[2] != "mean":
             return 1.0
         if batch == 0:
-            raise self._empty_batch()
+            raise RuntimeError(
+                f"{type(self).__name__}: the batch of this step is empty (Poisson sampling draws empty batches), "
+                "and with loss_reduction='mean' the noise is divided by the batch the loss is a mean over. Pass "
+                "expected_batch_size=<sample_rate x dataset size> (as Opacus does): an empty batch then takes a "
+                "noise-only step. No parameter was changed"
+            )
         return float(batch)
-
-    def _refuse_changed_clip(self, clip: float, clips: set[float]) -> None:
-        if clips - {clip}:
-            raise RuntimeError(
-                f"{type(self).__name__}: max_grad_norm is {clip} now, but the samples of this step were clipped at "
-                f"{', '.join(map(str, sorted(clips)))} when their backward pass ended (each sample is clipped then, "
-                "so that no per-sample gradient is kept until the step). Change max_grad_norm between steps, "
-                "before the backward of the next one (a schedule's step() after optimizer.step()). No parameter "
-                "was changed"
-            )
-
-    def _refuse_accumulation_without_batch(self, passes: int) -> None:
-        if self._privacy[2] == "mean" and self._expected_batch_size is None and passes > 1:
-            raise RuntimeError(
-                f"{type(self).__name__} got {passes} backward passes in one step (gradient accumulation) "
-                "with loss_reduction='mean': to clip each sample's own gradient it must know the batch the loss "
-                "is a mean over. Pass expected_batch_size=<samples per step> (the loss of each micro-batch then "
-                "being its sum divided by that), or use loss_reduction='sum'. No parameter was changed"
-            )
 
     def _private_gradients_over_ranks(
         self,
         targets: list[Tensor],
         totals: dict[Tensor, Any],
         present: list[Tensor],
-        first: dict[str, Any],
-        clip: float,
-        sigma: float,
+        batch: float,
+        std: float,
         data_parallel: Any,
     ) -> dict[Tensor, Tensor]:
         """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
@@ -434,9 +378,12 @@ class _PerSampleClipping(InputAwareOptimizer):
             else torch.zeros(p.shape, dtype=dtype or p.dtype, device=local_tensor(p).device)
             for p in targets
         }
-        if sigma > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
-            self._add_noise(sums.values(), sigma * clip)  # drawn once over all ranks: replicas stay identical
-        count = torch.tensor(float(self._expected_batch_size or first["samples"]), dtype=torch.float64)
+        generator = self._generator
+        if std > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
+            for total in sums.values():  # drawn once over all ranks (replicas stay identical), as in one process
+                noise = torch.randn(total.shape, generator=generator, device=generator.device)
+                total.add_(noise.to(total.device, total.dtype), alpha=std)
+        count = torch.tensor(float(batch), dtype=torch.float64)
         captured = torch.tensor([float(p in totals) for p in targets], dtype=torch.float64)  # ranks that saw each
         all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count, captured], data_parallel)
         nowhere = [p for p, ranks in zip(targets, captured.tolist(), strict=True) if ranks == 0]
@@ -447,20 +394,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         divisor = self._divisor(float(count))  # on every rank alike: the count is all-reduced
         return {p: total / divisor for p, total in sums.items()}
 
-    def _add_noise(self, totals: Any, std: float) -> None:
-        """Add ``N(0, std² I)`` to each of ``totals`` in turn, drawn in the default dtype on the
-        generator's device (as the one-process path draws it)."""
-        generator = self._generator
-        for total in totals:
-            noise = torch.randn(total.shape, generator=generator, device=generator.device)
-            total.add_(noise.to(total.device, total.dtype), alpha=std)
-
     def _refuse_split_forwards(self, totals: dict[Tensor, Any]) -> None:
-        """Refuse a forward whose calls reached the ends of several backward passes: each pass clipped
-        its share of every sample on its own, so no sample's whole gradient was bounded by the clip."""
+        """Refuse a forward whose calls reached several backward passes: each pass clipped only its share."""
         passes = {token: seen for entry in totals.values() for token, seen in entry["passes"].items()}
-        if len(passes) < 2:
-            return
         by_forward: dict[Any, list[tuple[str, ...]]] = {}
         for forwards, modules in passes.values():
             for forward in forwards:
@@ -471,18 +407,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         shares = "; ".join(f"{', '.join(modules)} in pass {index + 1}" for index, modules in enumerate(split))
         raise RuntimeError(
             f"{type(self).__name__}: the calls of one forward reached {len(split)} separate backward passes "
-            f"({shares}), and each pass clipped its share of every sample's gradient on its own, which does not "
-            "bound the whole of it. Reentrant activation checkpointing does this: "
-            "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) runs each checkpointed region's backward "
-            "as a pass of its own. Checkpoint with use_reentrant=False (Hugging Face: "
-            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), which "
-            "DP clips exactly. Two losses of one forward backpropagated separately do it too: sum them and call "
-            "backward once. No parameter was changed"
+            f"({shares}), each clipping its share of every sample's gradient on its own, which does not bound the "
+            "whole. Reentrant activation checkpointing does this (checkpoint(..., use_reentrant=True)): checkpoint "
+            "with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
+            "gradient_checkpointing_kwargs={'use_reentrant': False})), which DP clips exactly. Two losses of one "
+            "forward backpropagated separately do it too: sum them and call backward once. No parameter was changed"
         )
 
     def _raise_kept(self, error: Exception, where: str | None) -> NoReturn:
-        """Raise an error the per-sample code met in a hook: of its type, from it (its traceback is the
-        cause's), naming the module and call where it was met."""
+        """Raise an error the per-sample code met in a hook, of its type and from it, naming where."""
         if where is None:  # a refusal of DP's own (its message says what to do), or met outside a layer
             raise error
         message = (
@@ -495,16 +428,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             raise error from None
         raise again from error
 
-    def _empty_batch(self) -> RuntimeError:
-        return RuntimeError(
-            f"{type(self).__name__}: the batch of this step is empty (Poisson sampling draws empty batches), and "
-            "with loss_reduction='mean' the noise is divided by the batch the loss is a mean over. Pass "
-            "expected_batch_size=<sample_rate x dataset size> (as Opacus does): an empty batch then takes a "
-            "noise-only step. No parameter was changed"
-        )
-
     def _uncaptured(self, params: list[Tensor]) -> RuntimeError:
-        """The refusal of parameters with a gradient that no captured call explains."""
         capture = self.capture
         where = ", ".join(dict.fromkeys(capture.name(m) for p in params for m in capture.owners(p))) or (
             "a module the optimizer does not capture"
@@ -516,9 +440,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         )
 
     def _noised_into_grad(self, param: Tensor, total: Tensor, std: float, divisor: float) -> Tensor:
-        """``(total + N(0, std² I)) / divisor`` in one process, written into ``param.grad`` where it
-        can be (dense, of ``total``'s dtype and device): the noise is drawn into it already divided,
-        then one pass adds the clipped sum (``total``, which the capture keeps, is left as it is)."""
+        """``(total + N(0, std² I)) / divisor``, written into ``param.grad`` where it fits (dense, same
+        dtype and device); ``total``, which the capture keeps, is left as it is."""
         grad = param.grad
         assert grad is not None
         generator = self._generator
@@ -534,15 +457,13 @@ class _PerSampleClipping(InputAwareOptimizer):
             torch.mul(noise.to(total.device, total.dtype), std / divisor, out=out)
         return out.add_(total, alpha=1.0 / divisor)
 
-    def _check_sums_add_up(
-        self, targets: list[Tensor], totals: dict[Tensor, Any], dtypes: frozenset[torch.dtype] = frozenset()
-    ) -> None:
-        """Refuse a gradient that the per-sample gradients do not add up to: part of it came from
-        somewhere no captured call explains, and could not be clipped per sample. Each parameter's
-        gap is measured against the whole gradient's norm (a parameter whose gradient is zero up to
-        rounding, say a bias a normalization cancels, must not fail on its rounding)."""
+    def _check_sums_add_up(self, targets: list[Tensor], totals: dict[Tensor, Any], dtypes: frozenset[Any]) -> None:
+        """Refuse a gradient the per-sample gradients do not add up to: part of it could not be clipped.
+
+        Each parameter's gap is measured against the whole gradient's norm (a gradient that is zero
+        up to rounding, say a bias a normalization cancels, must not fail on its rounding)."""
         compared = {  # param -> (the per-sample sum, the gradient), as compared
-            p: (totals[p]["unclipped"], self._clipped.probes.project(p, _dense(p.grad)))
+            p: (totals[p]["unclipped"], self._clipped.probes.project(p, p.grad))
             for p in targets
             if totals[p]["unclipped"] is not None and p.grad is not None
         }
@@ -558,78 +479,57 @@ class _PerSampleClipping(InputAwareOptimizer):
         else:  # parameters on several devices: one read each
             values = [pair.tolist() for pair in pairs]
         gaps = {param: gap for param, (gap, _) in zip(compared, values, strict=True)}
-        # Under autocast the backward runs in bfloat16 (or float16), and autograd rounds each weight
-        # gradient to it (at most half its eps, relatively), while the per-sample sums add the same
-        # inputs and output gradients in float32: the gap is then up to about half an eps of the
-        # lowest dtype the backward ran in (0.1-0.2% measured in bfloat16; a tied weight: 5-50%).
+        # Under autocast autograd rounds each weight gradient to bfloat16 (or float16) while the
+        # per-sample sums add in float32: the gap is then up to about half an eps of the lowest dtype
+        # the backward ran in (0.1-0.2% measured in bfloat16; a tied weight: 5-50%).
         tolerance = 1e-9 if exact else max([1e-3, *(torch.finfo(d).eps for d in dtypes)])
         whole = math.sqrt(sum(norm * norm for _, norm in values))
         wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
-        if wrong:
-            self._refuse_unexplained(
-                wrong, list(compared.values()), tolerance, max(gaps[p] for p in wrong) / max(whole, 1e-30)
-            )
-
-    def _refuse_unexplained(
-        self, wrong: list[Tensor], compared: list[tuple[Tensor, Tensor]], tolerance: float, worst: float
-    ) -> NoReturn:
-        """The refusal of gradients the per-sample gradients do not add up to (``worst``: the largest
-        gap, relative to the whole gradient's norm), naming a trainer's clip where it explains them."""
-        factor = _common_factor(compared, tolerance)
+        if not wrong:
+            return
+        name = type(self).__name__
+        factor = _common_factor(list(compared.values()), tolerance)
         if factor is not None:
             raise RuntimeError(
-                f"{type(self).__name__}: the gradient backward computed is the sum of the per-sample gradients "
-                f"times {factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient "
-                "clip does. Trainers do it by a setting: Lightning's Trainer(gradient_clip_val=...) (leave it "
-                "None), Hugging Face's TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), "
-                "Accelerate's accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call "
-                f"out). {type(self).__name__} clips each sample's gradient itself (max_grad_norm of the "
-                "optimizer) and must see the gradient as backward made it. No parameter was changed"
+                f"{name}: the gradient backward computed is the sum of the per-sample gradients times "
+                f"{factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient clip does. "
+                "Trainers do it by a setting: Lightning's Trainer(gradient_clip_val=...) (leave it None), Hugging "
+                "Face's TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), Accelerate's "
+                "accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call out). "
+                f"{name} clips each sample's gradient itself and must see the gradient as backward made it. "
+                "No parameter was changed"
             )
         owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
+        worst = max(gaps[p] for p in wrong) / max(whole, 1e-30)
         raise RuntimeError(
-            f"{type(self).__name__}: the per-sample gradients of {owners or 'a module'} do not add up to the "
-            f"gradient backward computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be "
-            "clipped per sample. Typical causes: the weight is also used without calling its module (a "
-            "tied head written F.linear(h, embed.weight): call the module instead), or the gradient was "
-            "changed after backward (clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's "
-            "max_grad_norm, manual edits: DP replaces the gradient, leave it as backward made it), or a "
-            "gradient penalty (torch.autograd.grad(..., create_graph=True) then backward): its "
-            "double-backward terms mix samples and cannot be clipped per sample. No parameter was changed"
+            f"{name}: the per-sample gradients of {owners or 'a module'} do not add up to the gradient backward "
+            f"computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be clipped per sample. "
+            "Typical causes: the weight is also used without calling its module (a tied head written "
+            "F.linear(h, embed.weight): call the module instead), the gradient was changed after backward "
+            "(clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's max_grad_norm, manual edits: leave "
+            "it as backward made it), or a gradient penalty (torch.autograd.grad(..., create_graph=True) then "
+            "backward), whose double-backward terms mix samples. No parameter was changed"
         )
 
 
-def _dense(grad: Tensor | None) -> Tensor:
-    assert grad is not None
-    return grad.to_dense() if grad.is_sparse else grad
-
-
 def _common_factor(compared: list[tuple[Tensor, Tensor]], tolerance: float) -> float | None:
-    """``c`` if every gradient is ``c`` times its per-sample sum (``c`` neither 1 nor 0; up to
-    ``tolerance`` of the whole), as after a gradient clip; else ``None``."""
-    if not compared:
-        return None
-    cross = sum(float((plain.double() * grad.double()).sum()) for plain, grad in compared)
-    square = sum(float(plain.double().pow(2).sum()) for plain, _ in compared)
+    """``c`` if every gradient is ``c`` (neither 1 nor 0) times its per-sample sum, up to ``tolerance``
+    of the whole, as after a gradient clip; else ``None``."""
+    pairs = [(plain.double(), grad.double()) for plain, grad in compared]
+    square = sum(float(plain.pow(2).sum()) for plain, _ in pairs)
     if square == 0.0:
         return None
-    factor = cross / square
-    residual = math.sqrt(sum(float((grad.double() - factor * plain.double()).pow(2).sum()) for plain, grad in compared))
-    whole = math.sqrt(sum(float(grad.double().pow(2).sum()) for _, grad in compared))
+    factor = sum(float((plain * grad).sum()) for plain, grad in pairs) / square
+    residual = math.sqrt(sum(float((grad - factor * plain).pow(2).sum()) for plain, grad in pairs))
+    whole = math.sqrt(sum(float(grad.pow(2).sum()) for _, grad in pairs))
     if abs(factor - 1.0) <= tolerance or factor <= 0.0 or residual > tolerance * whole:
         return None
     return factor
 
 
 class ClippedSums(Reduction):
-    """DP's reduction: each sample's gradient clipped, summed, once each backward pass is complete.
-
-    Per call it keeps the inputs (forward) and forms the per-sample view of the call from them
-    and its output gradient (backward). When the pass is complete, the calls of each forward of
-    the root model are one set of samples: each sample's squared gradient norm is summed over
-    every parameter (all calls of a module in that forward add to its gradient), the clip
-    factors follow, and what is kept is the clipped sum per parameter, never an input.
-    """
+    """DP's reduction: when a backward pass is complete, the calls of each forward of the model are
+    one set of samples, each clipped over every parameter; what is kept is the clipped sum per parameter."""
 
     grad_outputs = True
     keeps_inputs = True  # under activation checkpointing, the inputs of the re-run in backward
@@ -643,12 +543,10 @@ class ClippedSums(Reduction):
         expected_batch_size: int | None,
         batch_dim: int = 0,
     ) -> None:
-        # Check that the per-sample gradients add up to each parameter's gradient. In one process
-        # only: under data parallelism the gradient is already averaged over the ranks.
+        # The add-up check: in one process only (under data parallelism the gradient is averaged already).
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
         self.passes = itertools.count()  # a token per backward pass
-        # ``clip()``: max_grad_norm as the optimizer's param groups hold it when a pass ends
         self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
         self.capture = capture
         self.name = capture.name
@@ -678,13 +576,11 @@ class ClippedSums(Reduction):
         return Call(call.module, kept.args, kept.kwargs, call._grad_slot, call.forward)
 
     def _trained_names(self, module: nn.Module) -> list[str]:
-        """The parameters of ``module`` that enter each sample's norm: its own that require grad now
-        (a layer frozen after construction, ``requires_grad_(False)``, is a constant of the loss)."""
+        """``module``'s own parameters that require grad now (a layer frozen since enters no norm)."""
         return [n for n in self.names.get(module, ()) if module._parameters[n].requires_grad]  # type: ignore[union-attr]
 
     def finish(self, entries: Sequence[tuple[Call, Any]]) -> dict[Tensor, Any]:
-        """The clipped sums of one backward pass; an error is kept in them (under ``"error"``, with the
-        module and call it came from) and raised by the step, with its type and traceback."""
+        """The clipped sums of one backward pass; an error is kept in them (``"error"``) for the step to raise."""
         try:
             return self._finish(entries)
         except Exception as error:
@@ -703,8 +599,7 @@ class ClippedSums(Reduction):
         clip = self.clip()
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
-        for forward, calls in by_forward.items():
-            # An empty batch (Poisson sampling draws them): no sample, zero sums
+        for forward, calls in by_forward.items():  # an empty batch (Poisson sampling): zero sums
             sums, plain = self._clipped_sums(calls, scale, clip) if samples[forward] else self._empty_sums(calls)
             _add_into(out, sums)
             _add_into(unclipped, plain)
@@ -719,8 +614,7 @@ class ClippedSums(Reduction):
         return {p: {"sum": total, "unclipped": unclipped.get(p), **common} for p, total in out.items()}
 
     def _by_forward(self, entries: Sequence[tuple[Call, Any]]) -> dict[Any, dict[nn.Module, list[Call]]]:
-        """The calls of a pass by the forward of the root model they came from, then by module; a
-        frozen layer's calls neither count samples nor enter a norm."""
+        """The calls of a pass by the model's forward they came from, then by module (frozen ones left out)."""
         shared = {m for param, uses in self.shared.items() if param.requires_grad for m, _ in uses}
         trains = {m: bool(self._trained_names(m)) or m in shared for m in {c.module for _, c in entries}}
         by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
@@ -750,21 +644,17 @@ class ClippedSums(Reduction):
         }
 
     def _per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
-        """One call's per-sample gradients: its kind's closed form (on the call with the batch moved
-        first), or ``vmap(grad)`` over the module's forward, called as it was (batch along ``batch_dim``)."""
+        """One call's per-sample gradients: a closed form (on the call with the batch moved first), or
+        ``vmap(grad)`` over the module's forward, called as it was (batch along ``batch_dim``)."""
         kind = layer_kind(module)
         if kind is not None and kind.provides("per_sample"):
-            call = _batch_first(call, self.batch_dim)
-            return kind.per_sample(module, call, names)
+            return kind.per_sample(module, _batch_first(call, self.batch_dim), names)
         if _is_layer_norm(module):
             return _layer_norm_per_sample(module, _batch_first(call, self.batch_dim), names)
-        if self.batch_dim == 0:
-            return (kind or GENERIC).per_sample(module, call, names)
         return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
 
     def _empty_sums(self, calls: dict[nn.Module, list[Call]]) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
-        """The sums of a forward without samples: zero, for every parameter its calls reach (the step
-        then adds the noise alone, as Opacus does for an empty batch)."""
+        """Zero sums for every parameter a forward without samples reaches (the step adds the noise alone)."""
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
         params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
         sums: dict[Tensor, Tensor] = {}
@@ -779,8 +669,7 @@ class ClippedSums(Reduction):
     def _clipped_sums(
         self, calls: dict[nn.Module, list[Call]], scale: float, clip: float
     ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
-        """One forward's samples: their gradients clipped (each over every parameter) and summed; and,
-        when ``verify``, summed unclipped too (which must add up to the gradient autograd computed)."""
+        """One forward's samples clipped (each over every parameter) and summed; when ``verify``, unclipped too."""
         with record_function("DP: per-sample norms"):
             pieces = self._pieces(calls)
             norms = []
@@ -808,36 +697,31 @@ class ClippedSums(Reduction):
         return sums, plain
 
     def _pieces(self, calls: dict[nn.Module, list[Call]]) -> list[_Piece]:
-        """The per-sample gradients of one forward: one piece per module (its calls merged), and one
-        per weight that several modules use (their shares added)."""
+        """One forward's per-sample gradients: a piece per module (its calls merged) and per shared weight."""
         pieces = []
         for module, module_calls in calls.items():
             names = self._trained_names(module)
             if names:
-                per_call = [self._located_per_sample(module, call, names, calls) for call in module_calls]
+                per_call = []
+                for call in module_calls:
+                    with self._at(module, [call], calls):
+                        per_call.append(self._per_sample(module, call, names))
                 with self._at(module, module_calls, calls):
                     merged = _merged(per_call)
                 pieces.append(_Piece(merged, {n: module._parameters[n] for n in names}, module, module_calls))  # type: ignore[misc]
         for param, uses in self.shared.items():  # a weight several modules use: add their shares
             if not param.requires_grad:
                 continue
-            shares = [self._share(m, call, n, calls) for m, n in uses for call in calls.get(m, ())]
+            shares = []
+            for m, n in uses:
+                for call in calls.get(m, ()):
+                    with self._at(m, [call], calls):
+                        shares.append(self._per_sample(m, call, [n]).grads()[n])
             if shares:
                 every = [c for m, _ in uses for c in calls.get(m, ())]
                 per = Materialized({"shared": torch.stack(shares).sum(0)})
                 pieces.append(_Piece(per, {"shared": param}, uses[0][0], every))
         return pieces
-
-    def _located_per_sample(
-        self, module: nn.Module, call: Call, names: Sequence[str], calls: dict[nn.Module, list[Call]]
-    ) -> PerSample:
-        with self._at(module, [call], calls):
-            return self._per_sample(module, call, names)
-
-    def _share(self, module: nn.Module, call: Call, name: str, calls: dict[nn.Module, list[Call]]) -> Tensor:
-        """One call's per-sample gradients of a weight several modules use, formed."""
-        with self._at(module, [call], calls):
-            return self._per_sample(module, call, [name]).grads()[name]
 
     @contextlib.contextmanager
     def _at(self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]]) -> Iterator[None]:
@@ -847,19 +731,16 @@ class ClippedSums(Reduction):
         except _Located:
             raise
         except Exception as error:
-            raise _Located(self._where(module, failed, calls), error) from error
-
-    def _where(self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]]) -> str:
-        """``module`` and which of its calls in one forward, with their input shapes."""
-        every = calls.get(module, [])
-        shapes = ", ".join(
-            "x".join(map(str, t.shape)) for c in failed for t in tree_flatten(c.args)[0] if isinstance(t, Tensor)
-        )
-        if len(failed) == 1 and failed[0] in every:
-            which = f"call {every.index(failed[0]) + 1} of {len(every)} in one forward"
-        else:
-            which = f"its {len(failed)} call(s) in one forward"
-        return f"{self.name(module)} ({type(module).__name__}), {which}, on inputs of shape {shapes or '()'}"
+            every = calls.get(module, [])
+            shapes = ", ".join(
+                "x".join(map(str, t.shape)) for c in failed for t in tree_flatten(c.args)[0] if isinstance(t, Tensor)
+            )
+            if len(failed) == 1 and failed[0] in every:
+                which = f"call {every.index(failed[0]) + 1} of {len(every)} in one forward"
+            else:
+                which = f"its {len(failed)} call(s) in one forward"
+            where = f"{self.name(module)} ({type(module).__name__}), {which}, on inputs of shape {shapes or '()'}"
+            raise _Located(where, error) from error
 
 
 class _Piece(NamedTuple):
@@ -900,13 +781,9 @@ class _Located(Exception):
 
 
 class _Probes:
-    """The sum of the per-sample gradients, to check against the gradient backward computed.
-
-    Forming ``sum_i g_i`` of a weight matrix costs as much as the layer's weight gradient. What is
-    checked instead is its product with a few fixed random output directions ``P`` (``out x 4``,
-    scaled so norms compare): ``Pᵀ (sum_t g_t x_tᵀ) = sum_t (Pᵀ g_t) x_tᵀ`` costs ``O(N (in + out))``,
-    and a difference ``D`` with ``Pᵀ D = 0`` has probability zero. Everything else is summed exactly.
-    """
+    """The per-sample gradients' sum, for the add-up check: a weight's projected on a few fixed random
+    output directions ``P`` (``Pᵀ sum_t g_t x_tᵀ = sum_t (Pᵀ g_t) x_tᵀ``, ``O(N (in + out))``; a difference
+    ``D`` with ``Pᵀ D = 0`` has probability zero), everything else summed exactly."""
 
     DIRECTIONS = 4
 
@@ -939,7 +816,8 @@ class _Probes:
         return per.weighted_sum(torch.ones(_batch_size(per), dtype=torch.float64))
 
     def project(self, param: Tensor, grad: Tensor) -> Tensor:
-        """``grad`` as ``plain_sums`` represents the parameter's sum (projected, or as it is)."""
+        """``grad`` (made dense) as ``plain_sums`` represents the parameter's sum (projected, or as it is)."""
+        grad = grad.to_dense() if grad.is_sparse else grad
         directions = self.directions.get(param)
         if directions is None:
             return grad
@@ -996,10 +874,8 @@ def _is_layer_norm(module: nn.Module) -> TypeGuard[nn.LayerNorm]:
 
 
 def _layer_norm_per_sample(module: nn.LayerNorm, call: Call, names: Sequence[str]) -> PerSample:
-    """``nn.LayerNorm``'s per-sample gradients in closed form: with ``x̂`` the input normalized
-    (without the affine part), sample ``b``'s weight gradient is ``sum_t g_bt * x̂_bt`` and its bias
-    gradient ``sum_t g_bt``, summed over every position ``t`` (the dimensions before the
-    normalized ones): ``(batch, *normalized_shape)`` each, as small as the parameters."""
+    """``nn.LayerNorm``'s per-sample gradients: weight ``sum_t g_bt * x̂_bt`` (``x̂`` the input normalized,
+    without the affine part), bias ``sum_t g_bt``, over the positions ``t`` before the normalized dimensions."""
     shape = tuple(module.normalized_shape)
     x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
     if x.dim() == len(shape):  # one sample, unbatched
@@ -1023,16 +899,13 @@ def _batch_size(per: PerSample) -> int:
 
 
 def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:
-    """The owners of a parameter that are not parents of another owner: a parent whose child owns
-    the same parameter uses it through the child, so its gradient arrives once, through the child."""
+    """The owners of a parameter that are not parents of another (a parent uses it through the child)."""
     return [m for m in owners if not any(o is not m and any(o is d for d in m.modules()) for o in owners)]
 
 
-def _robust_sq_norms(per: PerSample, squared: Tensor | None = None) -> Tensor:
-    """Each sample's squared gradient norm, in float64 where float32 would overflow (gradients near
-    1e19 square past float32's range, and an infinite norm would clip the sample to nothing).
-    ``squared``: ``per.sq_norms()``, if already computed."""
-    squared = per.sq_norms() if squared is None else squared
+def _robust_sq_norms(per: PerSample, squared: Tensor) -> Tensor:
+    """``squared`` (``per.sq_norms()``), recomputed in float64 where it overflowed (an infinite norm
+    would clip the sample to nothing)."""
     if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
         return squared.double()
     if isinstance(per, MatrixRows):
@@ -1045,7 +918,7 @@ def _robust_sq_norms(per: PerSample, squared: Tensor | None = None) -> Tensor:
 
 
 def _samples_of(module: nn.Module, call: Call) -> int:
-    """How many samples one call holds (its kind's count; the common case without the pytree)."""
+    """How many samples one call holds (its kind's count; the common case without a pytree)."""
     kind = layer_kind(module) or GENERIC
     if type(kind).samples is LayerKind.samples and call.args and type(call.args[0]) is Tensor:
         if call.args[0].dim() == 0:
@@ -1083,9 +956,8 @@ def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
 
 
 def _batch_first(call: Call, batch_dim: int) -> Call:
-    """``call`` with the batch dimension moved to the front, in every tensor argument and output
-    gradient that has the batch (the size of the first tensor argument along ``batch_dim``) there;
-    others (a mask shared by the batch) stay as they are."""
+    """``call`` with ``batch_dim`` moved to the front in every tensor argument and output gradient that
+    has the batch there (the first tensor argument's size); others (a shared mask) stay as they are."""
     if batch_dim == 0:
         return call
     first = next((t for t in tree_flatten(call.args)[0] if isinstance(t, Tensor) and t.dim() > batch_dim), None)
@@ -1105,8 +977,7 @@ def _batch_first(call: Call, batch_dim: int) -> Call:
 
 
 def _check_model_batch(capture: Any, batch_dim: int, forward: Any, samples: int, calls: dict[nn.Module, Any]) -> None:
-    """Refuse a forward whose layers hold ``samples`` samples along ``batch_dim`` while no tensor
-    the model was called with has that many: a layer sees the batch along another dimension."""
+    """Refuse a forward whose layers hold ``samples`` samples while no tensor argument of the model does."""
     shapes = capture.model_input_shapes(forward)
     sizes = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
     if not sizes or samples in sizes or any(m is capture.root for m in calls):
@@ -1123,7 +994,7 @@ def _check_model_batch(capture: Any, batch_dim: int, forward: Any, samples: int,
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:
-    """The per-sample gradients of several calls of one module in one forward: their sum."""
+    """The per-sample gradients of several calls of one module in one forward, summed."""
     if len(per_call) == 1:
         return per_call[0]
     if all(isinstance(p, MatrixRows) for p in per_call):
@@ -1132,15 +1003,8 @@ def _merged(per_call: list[PerSample]) -> PerSample:
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
 
 
-def _seeded_generator() -> torch.Generator:
-    """A private generator seeded from torch's global RNG: reproducible under torch.manual_seed,
-    and drawing noise from it leaves the global stream (dropout, data order) undisturbed."""
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
-
-
 def _refuse_sharded_without_closed_form(optimizer: InputAwareOptimizer) -> None:
-    """Refuse, by name, a sharded (FSDP2) parameter whose module's per-sample gradients need its
-    whole weights (the generic ``vmap(grad)`` over the module's forward)."""
+    """Refuse HSDP, and a sharded (FSDP2) module without closed-form per-sample gradients, by name."""
     names = {m: n for n, m in unwrap_model(optimizer.model).named_modules()}
     trained = {p for p in optimizer._params() if p.requires_grad}
     meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
@@ -1153,7 +1017,7 @@ def _refuse_sharded_without_closed_form(optimizer: InputAwareOptimizer) -> None:
         if not any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
             continue
         kind = layer_kind(module)
-        if kind is None or type(kind).per_sample is type(GENERIC).per_sample:
+        if kind is None or not kind.provides("per_sample"):
             raise NotImplementedError(
                 f"{type(optimizer).__name__} cannot compute per-sample gradients of {names.get(module, '?')} "
                 "under FSDP2: only layers with closed-form per-sample gradients "

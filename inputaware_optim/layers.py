@@ -1,14 +1,8 @@
-"""Per-layer helpers: how each layer type turns its captured calls into what rules use.
+"""Per-layer helpers: one registered ``LayerKind`` per layer type turns its captured calls into what rules use.
 
-One ``LayerKind`` per layer type, registered with ``@register_layer``; a new layer type is
-supported by registering one class here. Rules ask ``layer_kind(module)`` and use the
-capabilities they need:
-
-* Kronecker-factored rules (FOOF, K-FAC, NLMS) view a layer as ``y = W̃ x̃``: a weight
-  matrix ``W̃`` (bias as its last column) acting on input rows ``x̃`` (a constant 1
-  appended when the bias is included, the homogeneous coordinate).
-* Lazy rules (LazyAdamW) ask which rows of an embedding table the step touched.
-* Per-sample rules (DP) ask for each sample's squared gradient norm.
+Kronecker-factored rules (FOOF, K-FAC, NLMS) view a layer as ``y = W̃ x̃``: a weight matrix ``W̃``
+(bias as its last column) on input rows ``x̃`` (a constant 1 appended when the bias is included).
+Lazy rules ask which rows of a table a step touched; DP asks for per-sample gradients.
 """
 
 from __future__ import annotations
@@ -33,9 +27,8 @@ def register_layer(*module_types: type[nn.Module] | str) -> Any:
     """Class decorator: register a ``LayerKind`` for ``module_types``.
 
     A type may be given by its qualified name (``"transformers.pytorch_utils.Conv1D"``), so that
-    a kind for another package's layer is registered without importing that package. A kind
-    covers its types and their subclasses that do not override ``forward``; a subclass with its
-    own ``forward`` computes something else until a kind is registered for it.
+    its package need not be imported. A kind covers its types and their subclasses that do not
+    override ``forward``.
     """
 
     def register(cls: type[LayerKind]) -> type[LayerKind]:
@@ -53,7 +46,7 @@ def _registered(cls: type) -> LayerKind | None:
 
 
 def registered_base(module: nn.Module) -> type[nn.Module] | None:
-    """The nearest registered base class of ``module``'s type, if any (its own type included)."""
+    """The nearest registered class in ``module``'s type's MRO, if any."""
     for cls in type(module).__mro__:
         if _registered(cls) is not None:
             return cls
@@ -61,8 +54,8 @@ def registered_base(module: nn.Module) -> type[nn.Module] | None:
 
 
 def layer_kind(module: nn.Module) -> LayerKind | None:
-    """The ``LayerKind`` for ``module``: its type's, or that of a registered base whose ``forward``
-    it keeps; ``None`` if there is none or this module's configuration is not supported."""
+    """The ``LayerKind`` of ``module``'s type, or of a registered base whose ``forward`` it keeps;
+    ``None`` if there is none or this module's configuration is not supported."""
     base = registered_base(module)
     if base is None or getattr(type(module), "forward", None) is not getattr(base, "forward", None):
         return None  # unregistered, or a subclass with its own forward (timm's StdConv2d, Conv2dSame)
@@ -84,15 +77,14 @@ def why_no_kind(module: nn.Module) -> str:
 
 
 def declared_refusal(module: nn.Module) -> str | None:
-    """Why per-sample gradients of ``module`` cannot be computed, if its registered kind says so."""
+    """Why DP refuses ``module``, if its registered kind says so."""
     base = registered_base(module)
     kind = _registered(base) if base is not None else None
     return kind.per_sample_refusal if kind is not None else None
 
 
 def explained(module: nn.Module | None, reason: str | None) -> str | None:
-    """``reason``, or the registry's own explanation where ``module``'s registered kind declines it
-    (say, ``nn.MultiheadAttention``'s ``in_proj_weight``, which is not a ``weight``)."""
+    """``reason``, or the registry's own where ``module``'s registered kind declines it."""
     if reason is None or module is None or layer_kind(module) is not None or registered_base(module) is None:
         return reason
     return why_no_kind(module)
@@ -102,7 +94,7 @@ class LayerKind:
     """How one layer type presents its calls and gradients to rules.
 
     A capability a layer type lacks raises ``NotImplementedError``; ``provides`` tells.
-    ``per_sample_refusal`` says why DP refuses the layer, where it does (for the README's table).
+    ``per_sample_refusal`` says why DP refuses the layer, where it does.
     """
 
     per_sample_refusal: str | None = None
@@ -118,30 +110,25 @@ class LayerKind:
         return f"this configuration of {type(module).__name__} is not supported"
 
     def blocks(self, module: nn.Module) -> int:
-        """How many independent blocks ``W̃`` has (a grouped convolution: its ``groups``; else 1).
+        """How many independent blocks ``W̃`` has (a grouped convolution: its ``groups``).
 
-        With ``k > 1`` blocks, ``W̃`` is block diagonal: block ``j`` maps the ``j``-th slice of the
-        inputs to the ``j``-th slice of the outputs. The Kronecker view then carries a leading
-        block dimension: input rows ``(k, samples, in/k [+1])``, output-gradient rows
-        ``(k, samples, out/k)`` and ``grad_matrix`` ``(k, out/k, in/k [+1])``, so every factor is
-        one per block.
+        With ``k > 1`` blocks, ``W̃`` is block diagonal and the Kronecker view carries a leading
+        block dimension: rows ``(k, samples, in/k [+1])`` and ``(k, samples, out/k)``, ``grad_matrix``
+        ``(k, out/k, in/k [+1])``.
         """
         return 1
 
     def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
-        """The shape of ``W̃`` (of one block): ``(out_features, in_features [+1])``, the sizes of K-FAC's factors."""
+        """The shape of ``W̃`` (of one block): ``(out_features, in_features [+1])``."""
         weight = weight_of(module)
-        blocks = self.blocks(module)
-        return int(weight.shape[0]) // blocks, int(weight[0].numel()) + int(homogeneous)
+        return int(weight.shape[0]) // self.blocks(module), int(weight[0].numel()) + int(homogeneous)
 
     def provides(self, capability: str) -> bool:
         """Whether this kind implements ``capability`` (a method name of ``LayerKind``)."""
         return getattr(type(self), capability) is not getattr(LayerKind, capability)
 
-    # -- Kronecker-factored view -----------------------------------------------------------
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        """The inputs as rows (float32 or wider) ``(samples, in_features [+1])``, over every call
-        (with a leading block dimension when ``blocks(module) > 1``)."""
+        """The inputs of every call as rows (float32 or wider): ``(samples, in_features [+1])``."""
         raise NotImplementedError(f"{type(module).__name__} has no input rows")
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
@@ -149,7 +136,7 @@ class LayerKind:
         raise NotImplementedError(f"{type(module).__name__} has no output-gradient rows")
 
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
-        """How many samples (the leading dimension of the inputs) the captured calls hold together."""
+        """How many samples the captured calls hold together."""
         raise NotImplementedError(f"{type(module).__name__} has no batch dimension")
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
@@ -160,24 +147,19 @@ class LayerKind:
         """Write a ``grad_matrix``-shaped tensor back into the weight (and bias) gradients."""
         raise NotImplementedError(f"{type(module).__name__} has no weight matrix")
 
-    # -- lazy rows -------------------------------------------------------------------------
     def touched_rows(self, module: nn.Module, entry: Captured) -> Tensor:
         """The sorted, unique rows of the weight that the captured calls read (an index tensor)."""
         raise NotImplementedError(f"{type(module).__name__} has no rows to touch")
 
-    # -- per-sample gradients ------------------------------------------------------------------
     def samples(self, module: nn.Module, call: Call) -> int:
-        """How many samples one call holds (default: the leading dimension of its first tensor argument)."""
+        """How many samples one call holds (default: its first tensor argument's leading dimension)."""
         return _batch_of(call)
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
-        """Each sample's gradient of the parameters ``names`` (direct parameters of ``module``) from
-        one call: its share of the gradient of the loss that was backpropagated.
+        """Each sample's gradient of ``module``'s parameters ``names`` from one call.
 
-        The generic version works for any module whose output for a sample depends only on that
-        sample's input: it runs torch.func's ``vmap(grad(...))`` over the module's forward and
-        materializes ``(batch, *parameter shape)`` tensors. Layer kinds override it with a
-        closed form that never forms them where one exists.
+        This generic version runs ``torch.func``'s ``vmap(grad(...))`` over the module's forward (exact
+        where a sample's output depends on its input alone); kinds override it with a closed form.
         """
         return Materialized(_functional_per_sample_grads(module, call, names))
 
@@ -186,7 +168,7 @@ class PerSample:
     """One call's per-sample gradients, in whichever form is cheapest to reduce."""
 
     def sq_norms(self) -> Tensor:
-        """Each sample's squared gradient norm over the parameters: shape ``(batch,)``."""
+        """Each sample's squared gradient norm over the parameters: ``(batch,)``."""
         grads = self.grads()
         return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
 
@@ -200,8 +182,6 @@ class PerSample:
 
 
 class Materialized(PerSample):
-    """Per-sample gradients held as they are."""
-
     def __init__(self, grads: dict[str, Tensor]) -> None:
         self._grads = grads
 
@@ -210,8 +190,7 @@ class Materialized(PerSample):
 
 
 def _names_of(module: nn.Module) -> tuple[str, str]:
-    """The attribute names of ``module``'s weight matrix and bias (its registered kind's, or
-    ``weight`` and ``bias``), cached per type."""
+    """The attribute names of ``module``'s weight matrix and bias, cached per type."""
     cls = type(module)
     names = _NAMES.get(cls)
     if names is None:
@@ -226,14 +205,13 @@ _NAMES: dict[type, tuple[str, str]] = {}
 
 
 def _attribute(module: nn.Module, name: str) -> Any:
-    """``getattr(module, name, None)``, reading a registered parameter straight from ``_parameters``
-    (rules look their layers' weights up several times a step; ``nn.Module.__getattr__`` is slower)."""
+    # A registered parameter straight from ``_parameters``: nn.Module.__getattr__ is slower.
     param = module._parameters.get(name)
     return param if param is not None else getattr(module, name, None)
 
 
 def weight_of(module: nn.Module) -> Tensor:
-    """The weight matrix of ``module`` (``module.weight``, or the attribute its kind names), typed."""
+    """The weight matrix of ``module`` (``module.weight``, or the attribute its kind names)."""
     name = _names_of(module)[0]
     weight = _attribute(module, name)
     assert isinstance(weight, Tensor), f"{type(module).__name__}.{name} is not a tensor"
@@ -241,7 +219,6 @@ def weight_of(module: nn.Module) -> Tensor:
 
 
 def weight_or_none(module: nn.Module) -> Tensor | None:
-    """``weight_of(module)``, or ``None`` where the module has no such tensor."""
     weight = _attribute(module, _names_of(module)[0])
     return weight if isinstance(weight, Tensor) else None
 
@@ -253,10 +230,9 @@ def bias_of(module: nn.Module) -> Tensor | None:
 
 
 class Layer(NamedTuple):
-    """A layer a rule preconditions: its module, kind, whether the bias joins the weight
-    matrix (``homogeneous``: the bias exists and is trained by the optimizer), the param
-    group of its weight (where the rule reads its hyperparameters), and every module that
-    owns the weight (a weight shared by several modules is one layer, with all their calls)."""
+    """A layer a rule preconditions: its module and kind, whether the bias joins the weight matrix
+    (``homogeneous``: it exists and is trained), its weight's param group, and every module owning
+    the weight (a shared weight is one layer, with all their calls)."""
 
     module: nn.Module
     kind: LayerKind
@@ -275,65 +251,69 @@ def _statistics_dtype(x: Tensor) -> Tensor:
 
 
 def _with_ones(rows: Tensor, homogeneous: bool) -> Tensor:
+    """``rows`` with a column of ones appended (the homogeneous coordinate) where ``homogeneous``."""
+    return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1) if homogeneous else rows
+
+
+def _with_bias(matrix: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
+    """A weight gradient ``(out, in)`` with the bias gradient appended as its last column where ``homogeneous``."""
     if not homogeneous:
-        return rows
-    return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+        return matrix
+    assert bias is not None and bias.grad is not None
+    return torch.cat((matrix, bias.grad.reshape(-1, 1)), dim=1)
 
 
-def _matrix_grad(weight: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
-    grad = weight.grad
-    assert grad is not None
-    matrix = grad if grad.dim() == 2 else grad.reshape(grad.shape[0], -1)
-    if homogeneous:
-        assert bias is not None and bias.grad is not None
-        matrix = torch.cat((matrix, bias.grad.unsqueeze(1)), dim=1)
-    return matrix
+class _WeightMatrix(LayerKind):
+    """A kind whose ``W̃`` is its weight (flattened after the first dimension) and bias, in ``blocks`` blocks."""
+
+    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
+        grad = weight_of(module).grad
+        assert grad is not None
+        matrix = _with_bias(grad if grad.dim() == 2 else grad.reshape(grad.shape[0], -1), bias_of(module), homogeneous)
+        blocks = self.blocks(module)
+        return matrix if blocks == 1 else matrix.reshape(blocks, -1, matrix.shape[1])
+
+    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
+        # Every step of a Kronecker rule runs this for each layer: direct copies, no reshaping where it can.
+        grad, bias = weight_of(module).grad, bias_of(module)
+        assert grad is not None
+        matrix = matrix.reshape(-1, matrix.shape[-1])
+        if homogeneous:
+            assert bias is not None and bias.grad is not None
+            columns = matrix.shape[1] - 1
+            bias.grad.copy_(matrix[:, columns])
+            matrix = matrix[:, :columns]
+        if grad.dim() == 2:
+            grad.copy_(matrix)
+        elif grad.is_contiguous():
+            grad.view(grad.shape[0], -1).copy_(matrix)
+        else:  # (a channels-last convolution's gradient)
+            grad.copy_(matrix.reshape(grad.shape))
 
 
-def _set_matrix_grad(weight: Tensor, bias: Tensor | None, matrix: Tensor, homogeneous: bool) -> None:
-    # Every step of a Kronecker rule runs this for each layer: a few direct copies, no reshaping
-    # of the gradient where it is a plain matrix.
-    grad = weight.grad
-    assert grad is not None
-    if homogeneous:
-        assert bias is not None and bias.grad is not None
-        columns = matrix.shape[1] - 1
-        bias.grad.copy_(matrix[:, columns])
-        matrix = matrix[:, :columns]
-    if grad.dim() == 2:
-        grad.copy_(matrix)
-    elif grad.is_contiguous():
-        grad.view(grad.shape[0], -1).copy_(matrix)
-    else:  # (a channels-last convolution's gradient)
-        grad.copy_(matrix.reshape(grad.shape))
+class _MatrixPerSample(_WeightMatrix):
+    """A matrix on rows: inputs ``(batch, positions, in)`` and output gradients ``(batch, positions, out)``
+    give every per-sample quantity (see ``MatrixRows``)."""
 
-
-class _MatrixPerSample(LayerKind):
-    """A layer that is a matrix on rows: inputs ``(batch, positions, in)`` and output gradients
-    ``(batch, positions, out)`` give every per-sample quantity (see ``MatrixRows``)."""
+    transposed = False  # the weight is stored (in, out)
 
     def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         x, g = self._sample_rows(module, call)
-        return MatrixRows(x, g, names, weight_of(module).shape)
+        return MatrixRows(x, g, names, weight_of(module).shape, self.transposed)
 
 
 class MatrixRows(PerSample):
-    """A matrix layer's per-sample gradients from its rows: inputs ``x`` ``(batch, positions, in)``
-    and output gradients ``g`` ``(batch, positions, out)``, any strides (a convolution's are
-    channel-major views, never copied). Sample ``b``'s weight gradient is ``sum_t g_bt x_btᵀ``,
-    its bias gradient ``sum_t g_bt``.
+    """A matrix layer's per-sample gradients from inputs ``x`` ``(batch, positions, in)`` and output
+    gradients ``g`` ``(batch, positions, out)`` (any strides): sample ``b``'s weight gradient is
+    ``sum_t g_bt x_btᵀ``, its bias gradient ``sum_t g_bt``.
 
-    Its squared norm is the cheaper of two exact forms: the ghost norm (Gram matrices over the
-    positions, never forming the gradient) or the gradient itself, formed (``formed``, ``(batch,
-    out, in)``) where it is no larger than the rows already held (``positions * (in + out) >=
-    in * out``). A formed gradient is kept: the clipped sum is then a ``batch``-term weighted sum
-    of it, and the unclipped one its plain sum, instead of a second product over every row.
-    Otherwise the clipped sum is Book-Keeping's single product ``gᵀ diag(c) x`` over all rows (the
-    weights scale whichever of ``x`` and ``g`` is narrower). Given ``formed`` (a convolution's,
-    from its own weight-gradient kernel), ``x`` and ``g`` are not needed.
+    The squared norm is the cheaper exact form: the ghost norm (Gram matrices over the positions),
+    or the gradient itself (``formed``, ``(batch, out, in)``) where it is no larger than the rows
+    (``positions * (in + out) >= in * out``), then kept for the sums. Otherwise the clipped sum is
+    Book-Keeping's one product ``gᵀ diag(c) x``. Given ``formed``, ``x`` and ``g`` are not needed.
     """
 
     def __init__(
@@ -509,12 +489,6 @@ class LinearKind(_MatrixPerSample):
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
         return sum(x.shape[0] if x.dim() > 1 else 1 for x in entry.inputs())
 
-    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
-        return _matrix_grad(weight_of(module), bias_of(module), homogeneous)
-
-    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
-        _set_matrix_grad(weight_of(module), bias_of(module), matrix, homogeneous)
-
     def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
         x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
         if x.dim() == 1:
@@ -554,10 +528,7 @@ class ConvKind(_MatrixPerSample):
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         dims = self._spatial(module) + 2
         patches = [self._patches(module, _statistics_dtype(_batched(x, dims))) for x in entry.inputs()]
-        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches]))
-        if not homogeneous:
-            return rows
-        return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
+        return _with_ones(self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches])), homogeneous)
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
         dims = self._spatial(module) + 2
@@ -586,14 +557,6 @@ class ConvKind(_MatrixPerSample):
         # (B, T, G * n) -> (B, G, T, n): each group a matrix on its own rows
         x, g = (t.reshape(t.shape[0], t.shape[1], groups, -1).transpose(1, 2) for t in (x, g))
         return BlockRows(x, g, names, weight_of(module).shape)
-
-    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
-        matrix = _matrix_grad(weight_of(module), bias_of(module), homogeneous)
-        groups = self.blocks(module)
-        return matrix if groups == 1 else matrix.reshape(groups, -1, matrix.shape[1])
-
-    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
-        _set_matrix_grad(weight_of(module), bias_of(module), matrix.reshape(-1, matrix.shape[-1]), homogeneous)
 
 
 def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRows | None:
@@ -722,10 +685,7 @@ class ConvTransposeKind(ConvKind):
         for call in entry.calls:
             x = _statistics_dtype(_batched(call.input, dims))
             patches.append(self._upsampled_patches(module, x, _output_size(call)))
-        rows = self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches]))
-        if not homogeneous:
-            return rows
-        return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1)
+        return _with_ones(self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches])), homogeneous)
 
     def _upsampled_patches(self, module: nn.Module, x: Tensor, output_size: Sequence[int] | None) -> Tensor:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
@@ -760,12 +720,9 @@ class ConvTransposeKind(ConvKind):
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        weight, bias = weight_of(module), bias_of(module)
-        assert weight.grad is not None
-        matrix = self._as_conv(module, weight.grad).reshape(module.out_channels, -1)
-        if homogeneous:
-            assert bias is not None and bias.grad is not None
-            matrix = torch.cat([matrix, bias.grad.reshape(-1, 1)], dim=1)
+        grad = weight_of(module).grad
+        assert grad is not None
+        matrix = _with_bias(self._as_conv(module, grad).reshape(module.out_channels, -1), bias_of(module), homogeneous)
         groups = self.blocks(module)
         return matrix if groups == 1 else matrix.reshape(groups, -1, matrix.shape[1])
 
@@ -789,7 +746,7 @@ def _output_size(call: Call) -> Sequence[int] | None:
 
 
 @register_layer(nn.MultiheadAttention)
-class MultiheadAttentionKind(LayerKind):
+class MultiheadAttentionKind(_WeightMatrix):
     """``nn.MultiheadAttention``'s ``in_proj_weight`` (``3E x E``, with ``in_proj_bias``): three blocks,
     the query, key and value projections, each a linear map on rows of its own input (the call's
     ``query``, ``key`` and ``value``). Only the input side is known (the projections' outputs stay
@@ -817,10 +774,6 @@ class MultiheadAttentionKind(LayerKind):
     def blocks(self, module: nn.Module) -> int:
         return 3
 
-    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
-        weight = weight_of(module)
-        return int(weight.shape[0]) // 3, int(weight.shape[1]) + int(homogeneous)
-
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         per_call = []
         for call in entry.calls:
@@ -828,9 +781,7 @@ class MultiheadAttentionKind(LayerKind):
                 _with_ones(_statistics_dtype(x.reshape(-1, x.shape[-1])), homogeneous) for x in _attention_inputs(call)
             ]
             width = max(r.shape[0] for r in rows)
-            # A block with fewer rows (cross-attention): scaled and zero-padded to the same count,
-            # so that its (1 / count) sum of x xᵀ is still the mean over its own rows.
-            rows = [
+            rows = [  # scaled so that (1 / width) sum x xᵀ is the mean over its own rows
                 r
                 if r.shape[0] == width
                 else torch.cat([r * math.sqrt(width / max(r.shape[0], 1)), r.new_zeros(width - r.shape[0], r.shape[1])])
@@ -838,13 +789,6 @@ class MultiheadAttentionKind(LayerKind):
             ]
             per_call.append(torch.stack(rows))
         return torch.cat(per_call, dim=1)
-
-    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
-        matrix = _matrix_grad(weight_of(module), bias_of(module), homogeneous)
-        return matrix.reshape(3, -1, matrix.shape[1])
-
-    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
-        _set_matrix_grad(weight_of(module), bias_of(module), matrix.reshape(-1, matrix.shape[-1]), homogeneous)
 
 
 @register_layer(nn.modules.linear.NonDynamicallyQuantizableLinear)
@@ -877,18 +821,16 @@ class TransposedLinearKind(LinearKind):
     ``(in_features, out_features)``, a ``nn.Linear`` with its weight transposed. Registered by
     name, so transformers need not be imported."""
 
+    transposed = True
+
     def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
         weight = weight_of(module)
         return int(weight.shape[1]), int(weight.shape[0]) + int(homogeneous)
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
-        weight, bias = weight_of(module), bias_of(module)
-        assert weight.grad is not None
-        matrix = weight.grad.T
-        if homogeneous:
-            assert bias is not None and bias.grad is not None
-            matrix = torch.cat([matrix, bias.grad.reshape(-1, 1)], dim=1)
-        return matrix
+        grad = weight_of(module).grad
+        assert grad is not None
+        return _with_bias(grad.T, bias_of(module), homogeneous)
 
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
         weight, bias = weight_of(module), bias_of(module)
@@ -897,10 +839,6 @@ class TransposedLinearKind(LinearKind):
         if homogeneous:
             assert bias is not None and bias.grad is not None
             bias.grad.copy_(matrix[:, weight.shape[0]])
-
-    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
-        x, g = self._sample_rows(module, call)
-        return MatrixRows(x, g, names, weight_of(module).shape, transposed=True)
 
 
 def _grad_output(call: Call) -> Tensor:

@@ -1,14 +1,10 @@
-"""Coverage: how an optimizer treats each of its parameters, so that no fallback is silent.
-
-``opt.coverage()`` lists, per trainable parameter, its qualified name, the module that owns
-it, what the rule does with it, and why when that is the stock update. At the first step
-every fallback (a weight matrix the rule could be expected to cover but does not) is warned
-once, in one warning; ``strict=True`` turns them into an error instead.
-"""
+"""Coverage: how an optimizer treats each of its parameters (``opt.coverage()``), so that no fallback is silent."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+from . import layers
 
 __all__ = ["Coverage", "CoverageWarning", "Treatment", "supported_layers_table"]
 
@@ -61,33 +57,20 @@ class Coverage(list[Treatment]):
 
 
 _RULES = ("FOOF", "K-FAC / Eva", "NLMS", "LazyAdamW", "DPSGD / DPAdamW")
+_FALLBACK = "stock, reported"  # every built-in kind has a weight matrix
+_MATRICES = f"{_FALLBACK} (matrices)"
 
 # Layers no registered kind describes, as every rule treats them (what the registry cannot say).
 _UNREGISTERED = (
     ("`nn.LayerNorm`", ("stock", "stock", "stock", "stock", "exact (closed form)")),
-    (
-        "any other module with parameters (norms, custom layers)",
-        (
-            "stock, reported (matrices)",
-            "stock, reported (matrices)",
-            "stock, reported (matrices)",
-            "stock",
-            "exact (torch.func)",
-        ),
-    ),
+    ("any other module with parameters (norms, custom layers)", (_MATRICES,) * 3 + ("stock", "exact (torch.func)")),
     (
         "a registered type's subclass with its own `forward` (timm's `StdConv2d`)",
-        ("stock, reported", "stock, reported", "stock, reported", "stock", "exact (torch.func)"),
+        (_FALLBACK,) * 3 + ("stock", "exact (torch.func)"),
     ),
-    (
-        "`nn.LSTM`, `nn.GRU`, `nn.RNN` and their cells",
-        ("stock, reported", "stock, reported", "stock, reported", "stock", "refused"),
-    ),
+    ("`nn.LSTM`, `nn.GRU`, `nn.RNN` and their cells", (_FALLBACK,) * 3 + ("stock", "refused")),
     ("`nn.BatchNorm*d` in training mode", ("stock", "stock", "stock", "stock", "refused")),
-    (
-        "weights under `weight_norm` / `spectral_norm`",
-        ("stock, reported", "stock, reported", "stock, reported", "stock", "refused"),
-    ),
+    ("weights under `weight_norm` / `spectral_norm`", (_FALLBACK,) * 3 + ("stock", "refused")),
 )
 
 
@@ -99,8 +82,6 @@ def supported_layers_table() -> str:
     refused under ``strict=True``; "(matrices)": for the weight matrices, the rest by design),
     "refused" (raises, naming the module).
     """
-    from . import layers
-
     kinds: dict[layers.LayerKind, list[str]] = {}
     for key, kind in layers._REGISTRY.items():
         if type(kind).__module__ == layers.__name__:  # the built-in kinds, not a user's
@@ -119,13 +100,9 @@ def _type_name(key: type | str) -> str:
     return f"`nn.{key.__name__}`" if key.__module__.startswith("torch.nn") else f"`{key.__qualname__}`"
 
 
-def _cells(kind: object) -> tuple[str, ...]:
-    from .layers import LayerKind
-
-    assert isinstance(kind, LayerKind)
-    fallback = "stock, reported"  # every built-in kind has a weight matrix
-    foof = "exact" if kind.provides("input_rows") else fallback
-    kfac = "exact" if kind.provides("input_rows") and kind.provides("output_grad_rows") else fallback
+def _cells(kind: layers.LayerKind) -> tuple[str, ...]:
+    foof = "exact" if kind.provides("input_rows") else _FALLBACK
+    kfac = "exact" if kind.provides("input_rows") and kind.provides("output_grad_rows") else _FALLBACK
     lazy = "exact" if kind.provides("touched_rows") else "stock"
     if kind.per_sample_refusal is not None:
         dp = "refused"

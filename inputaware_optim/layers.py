@@ -266,10 +266,14 @@ def _with_bias(matrix: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor
 class _WeightMatrix(LayerKind):
     """A kind whose ``W̃`` is its weight (flattened after the first dimension) and bias, in ``blocks`` blocks."""
 
+    def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
+        """The weight's gradient as ``W̃``'s columns, ``(out, in)``."""
+        return grad if grad.dim() == 2 else grad.reshape(grad.shape[0], -1)
+
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
         grad = weight_of(module).grad
         assert grad is not None
-        matrix = _with_bias(grad if grad.dim() == 2 else grad.reshape(grad.shape[0], -1), bias_of(module), homogeneous)
+        matrix = _with_bias(self._weight_grad(module, grad), bias_of(module), homogeneous)
         blocks = self.blocks(module)
         return matrix if blocks == 1 else matrix.reshape(blocks, -1, matrix.shape[1])
 
@@ -451,7 +455,6 @@ class MatrixRows(PerSample):
         return grads
 
     def widened(self) -> MatrixRows:
-        """The same per-sample gradients in float64."""
         if self.x is None or self.g is None:
             assert self.formed is not None
             rows = None if self._bias_rows is None else self._bias_rows.double()
@@ -462,8 +465,7 @@ class MatrixRows(PerSample):
 
 
 def merged_rows(per_call: list[MatrixRows]) -> MatrixRows:
-    """The per-sample gradients of several calls of one matrix layer in one forward: their rows
-    side by side (the positions of every call), or, where one was formed, the formed sum."""
+    """Several calls of one matrix layer in one forward: their rows side by side, or the formed sum."""
     head = per_call[0]
     if all(p.x is not None and p.formed is None for p in per_call):
         x = torch.cat([p.x for p in per_call], dim=1)  # type: ignore[misc]
@@ -498,17 +500,15 @@ class LinearKind(_MatrixPerSample):
 
 @register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
 class ConvKind(_MatrixPerSample):
-    """``nn.Conv1d/2d/3d``: a linear map on unfolded input patches, one row per output position;
-    any padding mode, ``'same'`` included. A grouped or depthwise convolution (``groups > 1``) is
-    ``groups`` independent blocks: each maps its group's input channels to its output channels."""
+    """``nn.Conv1d/2d/3d``: a linear map on unfolded input patches, one row per output position (any
+    padding mode); a grouped convolution is ``groups`` independent blocks."""
 
     def blocks(self, module: nn.Module) -> int:
         assert isinstance(module, nn.modules.conv._ConvNd)
         return int(module.groups)
 
     def _patches(self, module: nn.Module, x: Tensor) -> Tensor:
-        """``(batch, positions, C * prod(kernel))`` rows, in the weight's layout (channels outermost,
-        so group ``j``'s columns are the ``j``-th of ``groups`` equal slices)."""
+        """``(batch, positions, C * prod(kernel))`` rows, in the weight's layout (channels outermost)."""
         assert isinstance(module, nn.modules.conv._ConvNd)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, conv_padding(module), mode=mode)  # pad as the layer does
@@ -547,26 +547,20 @@ class ConvKind(_MatrixPerSample):
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         groups = self.blocks(module)
+        rows = _conv_rows(module, call, names) if groups == 1 else None
+        if rows is not None:
+            return rows
         if groups == 1:
-            rows = _conv_rows(module, call, names)
-            if rows is not None:
-                return rows
-        x, g = self._sample_rows(module, call)
-        if groups == 1:
-            return MatrixRows(x, g, names, weight_of(module).shape)
+            return super().per_sample(module, call, names)
         # (B, T, G * n) -> (B, G, T, n): each group a matrix on its own rows
-        x, g = (t.reshape(t.shape[0], t.shape[1], groups, -1).transpose(1, 2) for t in (x, g))
+        x, g = (t.reshape(t.shape[0], t.shape[1], groups, -1).transpose(1, 2) for t in self._sample_rows(module, call))
         return BlockRows(x, g, names, weight_of(module).shape)
 
 
 def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRows | None:
-    """An ungrouped ``nn.Conv1d/2d/3d`` call's per-sample gradients.
-
-    Formed where that is the cheaper norm (see ``MatrixRows``), by the convolution's own weight-gradient
-    kernel run once with the batch as groups (``(1, batch * C, ...)`` input, ``batch`` groups);
-    otherwise as rows, the input's patches by im2col (``F.unfold``, in the weight's column order)
-    and the output gradient flattened, both channel-major and only viewed position-major.
-    ``None`` for a 3-D convolution's rows (``F.unfold`` takes 4-D inputs)."""
+    """An ungrouped convolution call's per-sample gradients: formed where that is the cheaper norm, by
+    the weight-gradient kernel run once with the batch as groups; else as rows (im2col by ``F.unfold``,
+    channel-major, only viewed position-major). ``None`` for a 3-D convolution's rows (no 3-D unfold)."""
     assert isinstance(module, nn.modules.conv._ConvNd)
     spatial = module.weight.dim() - 2
     x = _statistics_dtype(_batched(call.input, spatial + 2))
@@ -604,8 +598,7 @@ def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRow
 
 
 def _windows(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> Tensor:
-    """The windows of an already padded ``(B, C, *spatial)`` input as rows ``(B, positions, C * prod(kernel))``,
-    channels outermost (the layout of a convolution's weight)."""
+    """A padded ``(B, C, *spatial)`` input's windows as rows ``(B, positions, C * prod(kernel))``, channels outermost."""
     spatial, channels = len(kernel), x.shape[1]
     for d, (k, s, dil) in enumerate(zip(kernel, stride, dilation, strict=True)):
         x = x.unfold(2 + d, dil * (k - 1) + 1, s)  # windows along spatial dim d, appended last
@@ -617,9 +610,8 @@ def _windows(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: 
 
 
 class BlockRows(PerSample):
-    """``MatrixRows`` for a block-diagonal layer (a grouped convolution): inputs ``(batch, blocks,
-    positions, in)`` and output gradients ``(batch, blocks, positions, out)``; block ``j`` owns
-    output rows ``j * out ... (j + 1) * out - 1`` of the weight and bias."""
+    """``MatrixRows`` of a grouped convolution: ``x`` ``(batch, blocks, positions, in)``, ``g`` ``(batch,
+    blocks, positions, out)``; block ``j`` owns output rows ``j * out ... (j + 1) * out - 1``."""
 
     def __init__(self, x: Tensor, g: Tensor, names: Sequence[str], weight_shape: torch.Size) -> None:
         self.x, self.g = x, g
@@ -660,12 +652,9 @@ class BlockRows(PerSample):
 
 @register_layer(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 class ConvTransposeKind(ConvKind):
-    """``nn.ConvTranspose1d/2d/3d``: the convolution it equals, on rows. A transposed convolution
-    is an ordinary one (stride 1, its dilation) over its input with ``stride - 1`` zeros inserted
-    between elements and ``dilation * (kernel - 1) - padding`` padded on each side (plus
-    ``output_padding`` at the end), with the weight ``W'[o, c] = flip(W[c, o])`` (per group). The
-    Kronecker view is that convolution's: rows of the zero-inserted input's windows, the bias a
-    column. Per-sample gradients go through ``torch.func``."""
+    """``nn.ConvTranspose1d/2d/3d``: the convolution it equals (stride 1, over its input with ``stride - 1``
+    zeros inserted and ``dilation * (kernel - 1) - padding`` padded each side, plus ``output_padding``),
+    with the weight ``W'[o, c] = flip(W[c, o])`` per group. Per-sample gradients go through ``torch.func``."""
 
     def supports(self, module: nn.Module) -> bool:
         return getattr(module, "padding_mode", "zeros") == "zeros"
@@ -718,13 +707,9 @@ class ConvTransposeKind(ConvKind):
         w = weight.reshape(groups, -1, *weight.shape[1:]).flip(list(range(3, 3 + spatial))).transpose(1, 2)
         return w.reshape(-1, *w.shape[2:])
 
-    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
+    def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        grad = weight_of(module).grad
-        assert grad is not None
-        matrix = _with_bias(self._as_conv(module, grad).reshape(module.out_channels, -1), bias_of(module), homogeneous)
-        groups = self.blocks(module)
-        return matrix if groups == 1 else matrix.reshape(groups, -1, matrix.shape[1])
+        return self._as_conv(module, grad).reshape(module.out_channels, -1)
 
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
@@ -747,13 +732,9 @@ def _output_size(call: Call) -> Sequence[int] | None:
 
 @register_layer(nn.MultiheadAttention)
 class MultiheadAttentionKind(_WeightMatrix):
-    """``nn.MultiheadAttention``'s ``in_proj_weight`` (``3E x E``, with ``in_proj_bias``): three blocks,
-    the query, key and value projections, each a linear map on rows of its own input (the call's
-    ``query``, ``key`` and ``value``). Only the input side is known (the projections' outputs stay
-    inside the call), so FOOF and NLMS cover it and K-FAC does not; ``out_proj.weight`` is used
-    without calling ``out_proj`` and stays the stock update. Where the blocks' inputs hold different
-    numbers of rows (cross-attention), the shorter ones are scaled and zero-padded so that every
-    block's second moment is the mean over its own rows."""
+    """``nn.MultiheadAttention``'s ``in_proj_weight`` (``3E x E``): three blocks, the query, key and value
+    projections, each on rows of its own input. Only the input side is known (the projections' outputs
+    stay inside the call); blocks with fewer rows (cross-attention) are scaled and zero-padded."""
 
     weight_name, bias_name = "in_proj_weight", "in_proj_bias"
     per_sample_refusal = (
@@ -793,8 +774,7 @@ class MultiheadAttentionKind(_WeightMatrix):
 
 @register_layer(nn.modules.linear.NonDynamicallyQuantizableLinear)
 class AttentionOutputKind(LayerKind):
-    """``nn.MultiheadAttention.out_proj``: registered to say that its weight is used without calling
-    it, so no rule sees its inputs (it would otherwise pass for a covered ``nn.Linear``)."""
+    """``nn.MultiheadAttention.out_proj``, whose weight is used without calling it (not a covered ``nn.Linear``)."""
 
     per_sample_refusal = MultiheadAttentionKind.per_sample_refusal
 
@@ -817,9 +797,7 @@ def _attention_inputs(call: Call) -> tuple[Tensor, Tensor, Tensor]:
 
 @register_layer("transformers.pytorch_utils.Conv1D")
 class TransposedLinearKind(LinearKind):
-    """Hugging Face's ``Conv1D`` (GPT-2's attention and MLP): ``y = x W + b`` with ``W`` of shape
-    ``(in_features, out_features)``, a ``nn.Linear`` with its weight transposed. Registered by
-    name, so transformers need not be imported."""
+    """Hugging Face's ``Conv1D`` (GPT-2): ``y = x W + b``, a ``nn.Linear`` with its weight stored ``(in, out)``."""
 
     transposed = True
 
@@ -827,10 +805,8 @@ class TransposedLinearKind(LinearKind):
         weight = weight_of(module)
         return int(weight.shape[1]), int(weight.shape[0]) + int(homogeneous)
 
-    def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
-        grad = weight_of(module).grad
-        assert grad is not None
-        return _with_bias(grad.T, bias_of(module), homogeneous)
+    def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
+        return grad.T
 
     def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
         weight, bias = weight_of(module), bias_of(module)
@@ -898,10 +874,9 @@ class IndexedRows(PerSample):
 
 @register_layer(nn.EmbeddingBag)
 class EmbeddingBagKind(EmbeddingKind):
-    """``nn.EmbeddingBag``: the indices of every bag (``padding_idx`` excluded). Each bag is a sample:
-    with ``mode="sum"`` its gradient adds ``w_j g`` to the row of each index ``j`` it holds (``w_j``
-    its ``per_sample_weights``, else 1), with ``mode="mean"`` ``g / n`` (``n`` the bag's indices
-    other than padding); ``mode="max"`` goes through ``torch.func`` (2-d input only)."""
+    """``nn.EmbeddingBag``: each bag is a sample, adding ``w_j g`` to the row of each index ``j`` it holds
+    (``w_j`` its ``per_sample_weights``, else 1; ``/ n`` under ``mode="mean"``); ``"max"`` goes through
+    ``torch.func`` (2-d input only)."""
 
     def samples(self, module: nn.Module, call: Call) -> int:
         index, offsets, _ = _bag_arguments(call)
@@ -962,8 +937,7 @@ GENERIC = LayerKind()
 def _functional_per_sample_grads(
     module: nn.Module, call: Call, names: Sequence[str], batch_dim: int = 0
 ) -> dict[str, Tensor]:
-    """``vmap(grad)`` over the module's forward, one sample (along ``batch_dim`` of every argument
-    and output gradient that has the batch there) at a time: ``(batch, *parameter shape)`` each."""
+    """``vmap(grad)`` over the module's forward, one sample (along ``batch_dim``) at a time."""
     from torch.func import functional_call, grad, vmap
 
     if call.grad_outputs is None:
@@ -990,7 +964,7 @@ def _functional_per_sample_grads(
         for i, sample in zip(batched, samples, strict=True):
             full[i] = sample.unsqueeze(batch_dim)
         args, kwargs = tree_unflatten(full, spec)
-        outputs = [t for t in tree_flatten(functional_call(module, {**weights, **fixed}, args, kwargs))[0]]
+        outputs = tree_flatten(functional_call(module, {**weights, **fixed}, args, kwargs))[0]
         outputs = [t for t in outputs if isinstance(t, Tensor)]
         total = torch.zeros((), dtype=grads[0].dtype if grads else torch.float32)
         for (i, _), g in zip(reached, grads, strict=True):
@@ -1009,8 +983,7 @@ def _batch_of(call: Call) -> int:
 
 
 def conv_padding(module: nn.Module) -> tuple[int, ...]:
-    """The padding a convolution applies, in ``F.pad``'s order (last dimension first, each as
-    ``(before, after)``): ``"same"`` splits ``dilation * (kernel - 1)`` with the extra on the after side."""
+    """The padding a convolution applies, in ``F.pad``'s order (``"same"``: the extra on the after side)."""
     assert isinstance(module, nn.modules.conv._ConvNd)
     spatial = len(module.kernel_size)
     if module.padding == "valid":

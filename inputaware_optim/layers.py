@@ -47,10 +47,12 @@ def _registered(cls: type) -> LayerKind | None:
 
 def registered_base(module: nn.Module) -> type[nn.Module] | None:
     """The nearest registered class in ``module``'s type's MRO, if any."""
-    for cls in type(module).__mro__:
-        if _registered(cls) is not None:
-            return cls
-    return None
+    return next((cls for cls in type(module).__mro__ if _registered(cls) is not None), None)
+
+
+def _base_kind(module: nn.Module) -> LayerKind | None:
+    base = registered_base(module)
+    return None if base is None else _registered(base)
 
 
 def layer_kind(module: nn.Module) -> LayerKind | None:
@@ -78,8 +80,7 @@ def why_no_kind(module: nn.Module) -> str:
 
 def declared_refusal(module: nn.Module) -> str | None:
     """Why DP refuses ``module``, if its registered kind says so."""
-    base = registered_base(module)
-    kind = _registered(base) if base is not None else None
+    kind = _base_kind(module)
     return kind.per_sample_refusal if kind is not None else None
 
 
@@ -194,8 +195,7 @@ def _names_of(module: nn.Module) -> tuple[str, str]:
     cls = type(module)
     names = _NAMES.get(cls)
     if names is None:
-        base = registered_base(module)
-        kind = _registered(base) if base is not None else None
+        kind = _base_kind(module)
         names = (kind.weight_name, kind.bias_name) if kind is not None else ("weight", "bias")
         _NAMES[cls] = names
     return names
@@ -287,6 +287,10 @@ class _WeightMatrix(LayerKind):
             columns = matrix.shape[1] - 1
             bias.grad.copy_(matrix[:, columns])
             matrix = matrix[:, :columns]
+        self._copy_weight_grad(module, grad, matrix)
+
+    def _copy_weight_grad(self, module: nn.Module, grad: Tensor, matrix: Tensor) -> None:
+        """Write ``W̃``'s weight columns (``_weight_grad``'s layout) into the weight's gradient."""
         if grad.dim() == 2:
             grad.copy_(matrix)
         elif grad.is_contiguous():
@@ -378,27 +382,18 @@ class MatrixRows(PerSample):
             self.formed = torch.bmm(self.g.transpose(1, 2), self.x)
         return self.formed
 
-    def _forms(self) -> bool:
-        if self.formed is not None:
-            return True
-        assert self.x is not None and self.g is not None
-        positions, inputs, outputs = self.x.shape[1], self.x.shape[2], self.g.shape[2]
-        return positions > 1 and positions * (inputs + outputs) >= inputs * outputs
-
     def sq_norms(self) -> Tensor:
         total = self.bias_rows.square().sum(1) if self.bias else None
         if not self.weight:
             assert total is not None
             return total
-        if self._forms():
+        x, g = self.x, self.g
+        if self.formed is not None or x is None or g is None or _forms(x.shape[1], x.shape[2], g.shape[2]):
             squared = self.form().square().sum((1, 2))
-        else:
-            x, g = self.x, self.g
-            assert x is not None and g is not None
-            if g.shape[1] == 1:  # one position: |g xᵀ|² = |g|² |x|²
-                squared = g[:, 0].square().sum(1) * x[:, 0].square().sum(1)
-            else:  # the ghost norm: |sum_t g_t x_tᵀ|² = sum_{t,s} (g_t . g_s)(x_t . x_s)
-                squared = (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
+        elif g.shape[1] == 1:  # one position: |g xᵀ|² = |g|² |x|²
+            squared = g[:, 0].square().sum(1) * x[:, 0].square().sum(1)
+        else:  # the ghost norm: |sum_t g_t x_tᵀ|² = sum_{t,s} (g_t . g_s)(x_t . x_s)
+            squared = (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
         return squared if total is None else squared + total
 
     def _weight_sum(self, weights: Tensor) -> Tensor:
@@ -462,6 +457,11 @@ class MatrixRows(PerSample):
                 None, None, self.names, self.weight_shape, self.transposed, formed=self.formed.double(), bias_rows=rows
             )
         return MatrixRows(self.x.double(), self.g.double(), self.names, self.weight_shape, self.transposed)
+
+
+def _forms(positions: int, inputs: int, outputs: int) -> bool:
+    """Whether a per-sample weight gradient ``(out, in)`` is no larger than its rows (then it is formed)."""
+    return positions > 1 and positions * (inputs + outputs) >= inputs * outputs
 
 
 def merged_rows(per_call: list[MatrixRows]) -> MatrixRows:
@@ -576,7 +576,7 @@ def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRow
     kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
     positions, inputs = math.prod(g.shape[2:]), channels * math.prod(kernel)
     bias_rows = g.flatten(2).sum(2) if bias else None
-    if weight and positions * (inputs + outputs) >= inputs * outputs and positions > 1:
+    if weight and _forms(positions, inputs, outputs):
         shape = (batch * outputs, channels, *kernel)
         formed = torch.ops.aten.convolution_backward(
             g.reshape(1, batch * outputs, *g.shape[2:]),
@@ -598,7 +598,7 @@ def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRow
 
 
 def _windows(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> Tensor:
-    """A padded ``(B, C, *spatial)`` input's windows as rows ``(B, positions, C * prod(kernel))``, channels outermost."""
+    """A padded ``(B, C, *spatial)`` input's windows as rows ``(B, positions, C * prod(kernel))``, channels first."""
     spatial, channels = len(kernel), x.shape[1]
     for d, (k, s, dil) in enumerate(zip(kernel, stride, dilation, strict=True)):
         x = x.unfold(2 + d, dil * (k - 1) + 1, s)  # windows along spatial dim d, appended last
@@ -711,17 +711,10 @@ class ConvTransposeKind(ConvKind):
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
         return self._as_conv(module, grad).reshape(module.out_channels, -1)
 
-    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
+    def _copy_weight_grad(self, module: nn.Module, grad: Tensor, matrix: Tensor) -> None:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        weight, bias = weight_of(module), bias_of(module)
-        assert weight.grad is not None
-        matrix = matrix.reshape(-1, matrix.shape[-1])
-        columns = matrix.shape[1] - int(homogeneous)
-        conv_shape = (module.out_channels, weight.shape[0] // self.blocks(module), *weight.shape[2:])
-        weight.grad.copy_(self._from_conv(module, matrix[:, :columns].reshape(conv_shape)))
-        if homogeneous:
-            assert bias is not None and bias.grad is not None
-            bias.grad.copy_(matrix[:, columns])
+        conv_shape = (module.out_channels, grad.shape[0] // self.blocks(module), *grad.shape[2:])
+        grad.copy_(self._from_conv(module, matrix.reshape(conv_shape)))
 
 
 def _output_size(call: Call) -> Sequence[int] | None:
@@ -808,13 +801,8 @@ class TransposedLinearKind(LinearKind):
     def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
         return grad.T
 
-    def set_grad_matrix(self, module: nn.Module, matrix: Tensor, homogeneous: bool) -> None:
-        weight, bias = weight_of(module), bias_of(module)
-        assert weight.grad is not None
-        weight.grad.copy_(matrix[:, : weight.shape[0]].T)
-        if homogeneous:
-            assert bias is not None and bias.grad is not None
-            bias.grad.copy_(matrix[:, weight.shape[0]])
+    def _copy_weight_grad(self, module: nn.Module, grad: Tensor, matrix: Tensor) -> None:
+        grad.copy_(matrix.T)
 
 
 def _grad_output(call: Call) -> Tensor:

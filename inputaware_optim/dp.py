@@ -609,7 +609,14 @@ class ClippedSums(Reduction):
             "samples": float(sum(samples.values())),
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
             "clips": frozenset({clip}),
-            "dtypes": _backward_dtypes(by_forward),  # bfloat16 under autocast, for the add-up check
+            "dtypes": frozenset(  # those the backward ran in (bfloat16 under autocast), for the add-up check
+                t.dtype
+                for calls in by_forward.values()
+                for module_calls in calls.values()
+                for call in module_calls
+                for t in (*(call.grad_outputs or ()), *call.args)
+                if isinstance(t, Tensor) and t.is_floating_point()
+            ),
         }
         return {p: {"sum": total, "unclipped": unclipped.get(p), **common} for p, total in out.items()}
 
@@ -624,10 +631,22 @@ class ClippedSums(Reduction):
         return by_forward
 
     def _samples(self, forward: Any, calls: dict[nn.Module, list[Call]]) -> int:
-        """The samples of one forward, checked against the batch of the model's own inputs."""
-        count = _samples({m: [_batch_first(c, self.batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
-        _check_model_batch(self.capture, self.batch_dim, forward, count, calls)
-        return count
+        """The samples of one forward; refused where no tensor argument of the model has that many."""
+        batch_dim, capture = self.batch_dim, self.capture
+        count = _samples({m: [_batch_first(c, batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
+        shapes = capture.model_input_shapes(forward)
+        sizes = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
+        if not sizes or count in sizes or any(m is capture.root for m in calls):
+            return count  # agrees, or the model is itself a layer whose call says what its samples are
+        layers = ", ".join(capture.name(m) for m in list(calls)[:3])
+        raise RuntimeError(
+            f"the layers called in one forward ({layers}, ...) hold {count} samples along dim {batch_dim}, "
+            f"but no tensor argument of the model has {count} along dim {batch_dim} (it has "
+            f"{sorted(sizes)}): a layer sees the batch along another dimension. Sequence-first tensors "
+            "(T, B, ...), the default of nn.LSTM, nn.Transformer and nn.MultiheadAttention, would be clipped per "
+            "time step instead of per sample, which breaks the privacy bound. Pass batch_dim=1 if every layer "
+            "gets (T, B, ...), or keep the batch first throughout (batch_first=True). No parameter was changed"
+        )
 
     def combine(self, a: Any, b: Any) -> Any:
         if a is None or "error" in b:
@@ -692,7 +711,7 @@ class ClippedSums(Reduction):
         with record_function("DP: add-up sums"):
             for piece in pieces if self.verify else ():
                 with self._at(piece.module, piece.calls, calls):
-                    unclipped = self.probes.plain_sums(piece.per, piece.params)
+                    unclipped = self.probes.plain_sums(piece.per, piece.params, len(weights))
                 _add_into(plain, {piece.params[n]: t for n, t in unclipped.items()})
         return sums, plain
 
@@ -760,18 +779,6 @@ def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bo
         totals[param] = add_statistics(totals.get(param), total)
 
 
-def _backward_dtypes(by_forward: dict[Any, dict[nn.Module, list[Call]]]) -> frozenset[torch.dtype]:
-    """The floating dtypes of a pass's captured inputs and output gradients: those its backward ran in."""
-    return frozenset(
-        t.dtype
-        for calls in by_forward.values()
-        for module_calls in calls.values()
-        for call in module_calls
-        for t in (*(call.grad_outputs or ()), *call.args)
-        if isinstance(t, Tensor) and t.is_floating_point()
-    )
-
-
 class _Located(Exception):
     """An error of the per-sample code, with the module and call it came from."""
 
@@ -799,7 +806,7 @@ class _Probes:
             directions = self.directions[param] = (drawn / math.sqrt(self.DIRECTIONS)).to(like.device, like.dtype)
         return directions if directions.dtype == like.dtype else directions.to(like.dtype)
 
-    def plain_sums(self, per: PerSample, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    def plain_sums(self, per: PerSample, params: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
         if isinstance(per, MatrixRows) and per.weight:
             weight = params["weight"]
             if per.transposed:
@@ -813,7 +820,7 @@ class _Probes:
             if per.bias:
                 out["bias"] = per.g.sum((0, 2)).reshape(-1)
             return out
-        return per.weighted_sum(torch.ones(_batch_size(per), dtype=torch.float64))
+        return per.weighted_sum(torch.ones(batch, dtype=torch.float64))
 
     def project(self, param: Tensor, grad: Tensor) -> Tensor:
         """``grad`` (made dense) as ``plain_sums`` represents the parameter's sum (projected, or as it is)."""
@@ -888,14 +895,6 @@ def _layer_norm_per_sample(module: nn.LayerNorm, call: Call, names: Sequence[str
     if "bias" in names:
         grads["bias"] = g.reshape(batch, -1, *shape).sum(1)
     return Materialized(grads)
-
-
-def _batch_size(per: PerSample) -> int:
-    if isinstance(per, MatrixRows):
-        return per.batch
-    if isinstance(per, (BlockRows, IndexedRows)):
-        return int(per.g.shape[0])
-    return int(next(iter(per.grads().values())).shape[0])
 
 
 def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:
@@ -974,23 +973,6 @@ def _batch_first(call: Call, batch_dim: int) -> Call:
     grads = call.grad_outputs
     slot = None if grads is None else [moved(g) for g in grads]
     return Call(call.module, args, kwargs, slot, call.forward)
-
-
-def _check_model_batch(capture: Any, batch_dim: int, forward: Any, samples: int, calls: dict[nn.Module, Any]) -> None:
-    """Refuse a forward whose layers hold ``samples`` samples while no tensor argument of the model does."""
-    shapes = capture.model_input_shapes(forward)
-    sizes = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
-    if not sizes or samples in sizes or any(m is capture.root for m in calls):
-        return  # agrees, or the model is itself a layer whose call says what its samples are
-    layers = ", ".join(capture.name(m) for m in list(calls)[:3])
-    raise RuntimeError(
-        f"the layers called in one forward ({layers}, ...) hold {samples} samples along dim {batch_dim}, "
-        f"but no tensor argument of the model has {samples} along dim {batch_dim} (it has "
-        f"{sorted(sizes)}): a layer sees the batch along another dimension. Sequence-first tensors "
-        "(T, B, ...), the default of nn.LSTM, nn.Transformer and nn.MultiheadAttention, would be clipped per "
-        "time step instead of per sample, which breaks the privacy bound. Pass batch_dim=1 if every layer "
-        "gets (T, B, ...), or keep the batch first throughout (batch_first=True). No parameter was changed"
-    )
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:

@@ -359,10 +359,6 @@ class MatrixRows(PerSample):
         return like
 
     @property
-    def batch(self) -> int:
-        return int(self.like.shape[0])
-
-    @property
     def outputs(self) -> int:
         """The weight's output rows (its first dimension, or its second when ``transposed``)."""
         return int(self.g.shape[-1] if self.g is not None else self.like.shape[1])

@@ -640,12 +640,11 @@ class ClippedSums(Reduction):
             return count  # agrees, or the model is itself a layer whose call says what its samples are
         layers = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
-            f"the layers called in one forward ({layers}, ...) hold {count} samples along dim {batch_dim}, "
-            f"but no tensor argument of the model has {count} along dim {batch_dim} (it has "
-            f"{sorted(sizes)}): a layer sees the batch along another dimension. Sequence-first tensors "
-            "(T, B, ...), the default of nn.LSTM, nn.Transformer and nn.MultiheadAttention, would be clipped per "
-            "time step instead of per sample, which breaks the privacy bound. Pass batch_dim=1 if every layer "
-            "gets (T, B, ...), or keep the batch first throughout (batch_first=True). No parameter was changed"
+            f"the layers called in one forward ({layers}, ...) hold {count} samples along dim {batch_dim}, but no "
+            f"tensor argument of the model has {count} there (it has {sorted(sizes)}): a layer sees the batch along "
+            "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
+            "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
+            "(batch_first=True). No parameter was changed"
         )
 
     def combine(self, a: Any, b: Any) -> Any:
@@ -854,23 +853,21 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
     if isinstance(module, (nn.RNNBase, nn.RNNCellBase)) and own:
         return (
             "torch.func has no per-sample rule for its fused recurrent kernel. Use opacus.layers.DPLSTM / DPGRU / "
-            "DPRNN (drop-in replacements built from linear layers, exact here with batch_first=True on padded "
-            "tensors; sequence-first and PackedSequence inputs are refused), or write the recurrence with nn.Linear"
+            "DPRNN (built from linear layers, exact here with batch_first=True on padded tensors), or write the "
+            "recurrence with nn.Linear"
         )
     if parametrize.is_parametrized(module) and reaches:
         parametrized: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
         return (
-            f"its {', '.join(parametrized)} is computed by a parametrization (weight_norm or "
-            "spectral_norm from torch.nn.utils.parametrizations) called without the batch, so its trained tensors "
-            "get no per-sample gradient. Remove it before training with DP "
-            "(torch.nn.utils.parametrize.remove_parametrizations), or normalize activations instead "
-            "(LayerNorm, GroupNorm)"
+            f"its {', '.join(parametrized)} is computed by a parametrization (weight_norm, spectral_norm) called "
+            "without the batch, so its trained tensors get no per-sample gradient. Remove it before training with "
+            "DP (torch.nn.utils.parametrize.remove_parametrizations), or normalize activations (LayerNorm, GroupNorm)"
         )
     if unknown:
         return (
-            f"its parameters {', '.join(unknown)} are not the weight and bias its layer is computed with (the "
-            "torch.nn.utils.weight_norm / spectral_norm hooks derive the weight from them in a forward pre-hook). "
-            "Remove the hook (torch.nn.utils.remove_weight_norm / remove_spectral_norm) before training with DP"
+            f"its parameters {', '.join(unknown)} are not the weight and bias its layer is computed with (a "
+            "weight_norm / spectral_norm hook derives the weight from them). Remove the hook before training with "
+            "DP (torch.nn.utils.remove_weight_norm / remove_spectral_norm)"
         )
     return None
 
@@ -936,21 +933,20 @@ def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
     if found == {1, batch}:
         shared = ", ".join(names(m) for m, s in sizes.items() if 1 in s)
         raise RuntimeError(
-            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: it is "
-            "broadcast over the samples (like position ids of shape (1, T)), so its output gradient sums over "
-            "them and no sample's own gradient can be told apart. Pass that input expanded to the batch (for "
-            "Hugging Face models: position_ids=torch.arange(T).expand(B, T)). No parameter was changed"
+            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: broadcast "
+            "over the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that "
+            "input expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter "
+            "was changed"
         )
     counts = Counter(size for found_sizes in sizes.values() for size in found_sizes)
     batch = counts.most_common(1)[0][0]
     odd = {names(m): sorted(s) for m, s in sizes.items() if s != {batch}}
     raise RuntimeError(
         f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. "
-        "Either those inputs are not batched (as T5's relative_attention_bias, called with (T, T) position "
-        "buckets whose output is broadcast over the samples, so no sample's own gradient through it can be "
-        "told apart: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), "
-        "or some layers see the batch along another dimension (sequence-first tensors: see batch_dim). "
-        "No parameter was changed"
+        "Either those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over the "
+        "samples: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), or some "
+        "layers see the batch along another dimension (sequence-first tensors: see batch_dim). No parameter was "
+        "changed"
     )
 
 

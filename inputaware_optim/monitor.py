@@ -77,6 +77,10 @@ def _written_norms(tensors: list[Tensor], write: Callable[[int], object]) -> lis
     return norms if len(norms) == len(tensors) else _per_tensor_norms(tensors)
 
 
+def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def _dense_values(grad: Tensor) -> Tensor:
     return grad.coalesce()._values() if grad.is_sparse else grad
 
@@ -316,7 +320,7 @@ class Monitor:
                 raise TypeError(
                     f"Monitor needs the model to watch a plain {type(optimizer).__name__}: Monitor(optimizer, model)"
                 )
-            params = {id(p) for p in self._params()}
+            params = {id(p) for p in _params(self.optimizer)}
             if isinstance(model, Capture):
                 self.capture = model
             else:
@@ -346,9 +350,6 @@ class Monitor:
                 register(self._after_update, when="post", every=every, reads=None),
             ]
 
-    def _params(self) -> list[Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
     # -- a plain torch.optim optimizer: its own step hooks ---------------------------------------
     def _arm(self) -> None:
         """Compute the statistics in the hooks exactly for the steps that log them."""
@@ -365,7 +366,7 @@ class Monitor:
         if wrapped is None:
             self._before_update(optimizer, None)
         else:  # the gradient exists once the closure ran (LBFGS runs it several times: the last is logged)
-            self._keep_weights([p for p in self._params() if p.requires_grad])
+            self._keep_weights([p for p in _params(self.optimizer) if p.requires_grad])
         return wrapped
 
     def _plain_after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -391,7 +392,6 @@ class Monitor:
         tables = [reduced(reduction) for reduction in self._reductions]
         first = next((row for got in tables for row in got.values() if row is not None), None)
         empty = torch.zeros(6, dtype=torch.float64, device=first.device if first is not None else None)
-        kinds = [kind for kind, _ in zip(("input", "grad_output"), tables, strict=False) for _ in keys]
         rows = [empty if got.get(key) is None else got[key] for got in tables for key in keys]
         table = torch.stack(rows) if rows else empty.reshape(0, 6)
         group = self._group()
@@ -401,10 +401,9 @@ class Monitor:
             dist.all_reduce(summed, group=group)
             dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
             table[:, _SUMMED], table[:, _MAX_ABS] = summed, largest
-        grads = {p: p.grad for p in self._params() if p.grad is not None}
+        grads = {p: p.grad for p in _params(self.optimizer) if p.grad is not None}
         self._pending = {
-            "names": [self._module_name(key) for _ in tables for key in keys],
-            "kinds": kinds,
+            "rows": [(self._module_name(k), kind) for kind in ("input", "grad_output")[: len(tables)] for k in keys],
             "table": table,
             "params": list(grads),
             "grad_norms": _as_float64(_per_tensor_norms([_dense_values(g) for g in grads.values()])),
@@ -440,27 +439,19 @@ class Monitor:
         weight_norms = [self._weight_norms.get(p, p.new_zeros(())) for p in params]
         change_norms = _written_norms(changes, lambda i: changes[i].sub_(params[i].detach()))
         table = pending["table"]
-        device = table.device
-        values = torch.cat(
-            [
-                table.reshape(-1),
-                pending["grad_norms"].to(device),
-                _as_float64(weight_norms, device),
-                _as_float64(change_norms, device),
-            ]
-        )
-        flat = values.tolist()  # the one host synchronization of a logged step
+        norms = [pending["grad_norms"].to(table.device), _as_float64([*weight_norms, *change_norms], table.device)]
+        flat = torch.cat([table.reshape(-1), *norms]).tolist()  # the one host synchronization of a logged step
         if self.every > 1:
             self._weights.clear()
         self._weight_norms = {}
         step = self._step if self._plain else self._handles[0].step
         record: dict[str, Any] = {"step": step, "modules": {}, "parameters": {}, "layers": pending["layers"]}
-        for index, (name, kind) in enumerate(zip(pending["names"], pending["kinds"], strict=True)):
+        for index, (name, kind) in enumerate(pending["rows"]):
             described = _describe(flat[index * 6 : (index + 1) * 6])
             if described:  # (a module no call of this step reached has no statistics)
                 entry = record["modules"].setdefault(name, {})
                 entry.update({f"{kind}_{k}": v for k, v in described.items()})
-        offset, n = len(pending["names"]) * 6, len(params)
+        offset, n = len(pending["rows"]) * 6, len(params)
         for i, param in enumerate(params):
             grad_norm, weight_norm, update_norm = flat[offset + i], flat[offset + n + i], flat[offset + 2 * n + i]
             ratio = update_norm / weight_norm if weight_norm > 0 else (0.0 if update_norm == 0 else math.inf)
@@ -553,13 +544,11 @@ class _Sinks:
 
     def close(self) -> None:
         self.flush()
-        for sink in (self.jsonl, self.csv):
+        for sink in (self.jsonl, self.csv, self.writer if self.own_writer else None):
             if sink is not None:
                 sink.close()
-        if self.own_writer and self.writer is not None:
-            self.writer.close()
-            self.writer = None
         self.jsonl = self.csv = None
+        self.writer = None if self.own_writer else self.writer
 
 
 # -- the first non-finite value ---------------------------------------------------------------
@@ -626,11 +615,10 @@ class _Tensor:
 class _Seen:
     """One call of a hooked module: the tensors it took and returned."""
 
-    __slots__ = ("forward", "inputs", "module", "outputs")
+    __slots__ = ("inputs", "module", "outputs")
 
-    def __init__(self, module: nn.Module, forward: int) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.forward = forward
         self.inputs: list[_Tensor] = []
         self.outputs: list[_Tensor] = []
 
@@ -680,7 +668,7 @@ class _Watch:
     def record(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or self.size >= _MAX_CALLS:
             return
-        seen = _Seen(module, self.forward)
+        seen = _Seen(module)
         for t in args if not kwargs else (*args, *kwargs.values()):
             if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
                 seen.inputs.append(self._track(t))
@@ -755,12 +743,12 @@ def _backward_origin(calls: list[_Seen], inside: dict[nn.Module, set[int]]) -> _
     # gradient reaching every one of its calls was finite.
     clean = {c.module for c in calls} - {c.module for c in calls if not _grads_finite(c.outputs)}
 
-    def began_here(c: _Seen) -> bool:
-        if not _grads_finite(c.outputs):
-            return False
-        return not _grads_finite(c.inputs) or (c.module in clean and not _parameter_gradients_finite(c.module))
-
-    candidates = [c for c in arrived if began_here(c)]
+    candidates = [
+        c
+        for c in arrived
+        if _grads_finite(c.outputs)
+        and (not _grads_finite(c.inputs) or (c.module in clean and not _parameter_gradients_finite(c.module)))
+    ]
     # A module whose gradient went bad inside a hooked submodule is a candidate too: name the innermost.
     inner = [
         c
@@ -783,8 +771,7 @@ def _mark_finite(tensors: list[_Tensor]) -> None:
     values = [e.total for e in tensors] + [e.grad for e in tensors if e.grad is not None]
     if not values:
         return
-    device = values[0].device
-    flags = torch.isfinite(torch.stack([v.to(device, torch.float64) for v in values])).tolist()
+    flags = torch.isfinite(_as_float64(values)).tolist()
     position = len(tensors)
     for e, flag in zip(tensors, flags, strict=False):
         e.finite = flag
@@ -886,9 +873,7 @@ class NonFiniteFinder:
 
     def _check(self, step: int) -> None:
         try:
-            grads = [
-                _dense_values(p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
-            ]
+            grads = [_dense_values(p.grad) for p in _params(self.optimizer) if p.grad is not None]
             if not grads or _all_finite(grads):
                 return
             origin = self.found = self._watch.origin(step, self._names, self._inside)
@@ -947,8 +932,12 @@ def plot(log: str | Path, out: str | Path) -> Path:
 
 
 def _figure(records: list[dict[str, Any]], source: str) -> Any:
-    """One panel per statistic, a row per layer (qualified name and kind), a colour bar each."""
+    """One heatmap per statistic (a row per layer, named by qualified name and kind; a column per
+    record) with a colour bar; on a logarithmic one, exact zeros in black (below the bar's range)
+    and values not logged in grey."""
     import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize
 
     steps = [r["step"] for r in records]
     layers: dict[str, str] = {}
@@ -966,58 +955,37 @@ def _figure(records: list[dict[str, Any]], source: str) -> Any:
         gridspec_kw={"height_ratios": [max(1, len(names)) for names in rows]},
     )
     figure.suptitle(f"Monitor: {source}, steps {steps[0]} to {steps[-1]} ({len(records)} logged)")
-    for axis, panel, names in zip(axes[:, 0], PLOTTED, rows, strict=True):
-        _panel(figure, axis, panel, names, records, layers)
+    for axis, (table, statistic, title, logarithmic), names in zip(axes[:, 0], PLOTTED, rows, strict=True):
+        grid = np.full((max(len(names), 1), len(records)), np.nan)
+        for column, record in enumerate(records):
+            for row, name in enumerate(names):
+                value = record[table].get(name, {}).get(statistic)
+                if value is not None and math.isfinite(value):
+                    grid[row, column] = value
+        zeros = logarithmic and bool((grid == 0).any())
+        if logarithmic:
+            positive = grid[np.isfinite(grid) & (grid > 0)]
+            low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
+            norm: Any = LogNorm(low, high if high > low else low * 10)
+            shown = np.where(grid == 0, low / 10, grid)
+        else:
+            norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
+            shown = grid
+        image = axis.imshow(
+            np.ma.masked_invalid(shown),
+            aspect="auto",
+            interpolation="nearest",
+            norm=norm,
+            cmap=plt.get_cmap("viridis").with_extremes(bad="#d9d9d9", under="black"),
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
+        )
+        kinds = [layers.get(n.rpartition(".")[0] if table == "parameters" else n) for n in names]
+        labels = [f"{n} ({k})" if k else n for n, k in zip(names, kinds, strict=True)]
+        axis.set_yticks(range(len(names)), labels, fontsize=7)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        bar = figure.colorbar(image, ax=axis, extend="min" if zeros else "neither")
+        notes = (["black: exactly 0"] if zeros else []) + (["grey: not logged"] if np.isnan(grid).any() else [])
+        bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)
     figure.tight_layout()
     return figure
-
-
-def _panel(
-    figure: Any,
-    axis: Any,
-    panel: tuple[str, str, str, bool],
-    names: list[str],
-    records: list[dict[str, Any]],
-    layers: dict[str, str],
-) -> None:
-    """One statistic's heatmap (a row per name, a column per record) and its colour bar; on a
-    logarithmic one, exact zeros in black (below the bar's range), values not logged in grey."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import LogNorm, Normalize
-
-    table, statistic, title, logarithmic = panel
-    steps = [r["step"] for r in records]
-    grid = np.full((max(len(names), 1), len(records)), np.nan)
-    for column, record in enumerate(records):
-        for row, name in enumerate(names):
-            value = record[table].get(name, {}).get(statistic)
-            if value is not None and math.isfinite(value):
-                grid[row, column] = value
-    zeros = logarithmic and bool((grid == 0).any())
-    if logarithmic:
-        positive = grid[np.isfinite(grid) & (grid > 0)]
-        low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
-        norm: Any = LogNorm(low, high if high > low else low * 10)
-        shown = np.where(grid == 0, low / 10, grid)
-    else:
-        norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
-        shown = grid
-    image = axis.imshow(
-        np.ma.masked_invalid(shown),
-        aspect="auto",
-        interpolation="nearest",
-        norm=norm,
-        cmap=plt.get_cmap("viridis").with_extremes(bad="#d9d9d9", under="black"),
-        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
-    )
-    # A row is named by the layer's qualified name and, where the log has it, its kind: "2 (Linear 8x4)".
-    kinds = [layers.get(n.rpartition(".")[0] if table == "parameters" else n) for n in names]
-    axis.set_yticks(
-        range(len(names)), [f"{n} ({k})" if k else n for n, k in zip(names, kinds, strict=True)], fontsize=7
-    )
-    axis.set_title(title)
-    axis.set_xlabel("step")
-    bar = figure.colorbar(image, ax=axis, extend="min" if zeros else "neither")
-    notes = (["black: exactly 0"] if zeros else []) + (["grey: not logged"] if np.isnan(grid).any() else [])
-    bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)

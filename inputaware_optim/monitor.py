@@ -102,40 +102,12 @@ def _after_closure(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable
     return (args[0], closure_then, *args[2:]), kwargs
 
 
-# -- module statistics --------------------------------------------------------------------------
-
-
-class _SeenTensors:
-    """The summaries of the tensors already summarised in the current forward of the model.
-
-    A tensor is known by its storage (held weakly, so a freed address reused by a new tensor is not
-    mistaken for it), its view and its version (an in-place change makes it a new tensor).
-    """
-
-    __slots__ = ("forward", "rows")
-
-    def __init__(self) -> None:
-        self.forward: int | None = None
-        self.rows: dict[tuple[Any, ...], tuple[weakref.ref[Any], Tensor]] = {}
-
-    def summarize(self, t: Tensor, forward: int | None) -> Tensor:
-        if forward is None or t.is_inference() or t.is_sparse or type(t) is not Tensor:
-            return _summarize(t)  # (no version counter, no plain storage: a DTensor, a subclass, a sparse tensor)
-        if forward != self.forward:
-            self.forward, self.rows = forward, {}
-        key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t._version)
-        entry = self.rows.get(key)
-        if entry is None or entry[0]() is not t.untyped_storage():
-            entry = self.rows[key] = (weakref.ref(t.untyped_storage()), _summarize(t))
-        return entry[1]
-
-
-def _summary(tensors: Iterable[Any], seen: _SeenTensors | None = None, forward: int | None = None) -> Tensor | None:
+def _summary(tensors: Iterable[Any], summarize: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
     """``[count, sum, sum of squares, zeros, non-finite, max |x|]`` (float64) over the floating-point tensors."""
     total: Tensor | None = None
     for t in tensors:
         if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
-            total = _combine(total, seen.summarize(t, forward) if seen is not None else _summarize(t))
+            total = _combine(total, (summarize or _summarize)(t))
     return total
 
 
@@ -224,13 +196,30 @@ def _layer_description(module: nn.Module) -> str:
 
 
 class _InputStatistics(Reduction):
-    """The summary of each call's floating-point arguments, kept under the module's trained parameter."""
+    """The summary of each call's floating-point arguments, kept under the module's trained parameter.
+
+    A tensor already summarised in the same forward of the model (a block and its first layer; the
+    query, key and value projections) is known by its storage (held weakly: a freed address reused
+    is not mistaken for it), view and version (an in-place change makes a new tensor).
+    """
 
     def __init__(self) -> None:
-        self._seen = _SeenTensors()
+        self._forward: int | None = None
+        self._rows: dict[tuple[Any, ...], tuple[weakref.ref[Any], Tensor]] = {}
 
     def forward(self, call: Call) -> Any:
-        return _summary([*call.args, *call.kwargs.values()], self._seen, call.forward)
+        return _summary([*call.args, *call.kwargs.values()], functools.partial(self._once, forward=call.forward))
+
+    def _once(self, t: Tensor, forward: int | None) -> Tensor:
+        if forward is None or t.is_inference() or t.is_sparse or type(t) is not Tensor:
+            return _summarize(t)  # (no version counter, no plain storage: a DTensor, a subclass, a sparse tensor)
+        if forward != self._forward:
+            self._forward, self._rows = forward, {}
+        key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t._version)
+        entry = self._rows.get(key)
+        if entry is None or entry[0]() is not t.untyped_storage():
+            entry = self._rows[key] = (weakref.ref(t.untyped_storage()), _summarize(t))
+        return entry[1]
 
     def combine(self, a: Any, b: Any) -> Any:
         return _combine(a, b)
@@ -258,18 +247,13 @@ class Monitor:
     Per module (by qualified name): ``input_mean``, ``input_rms``, ``input_max_abs``,
     ``input_zero_fraction``, ``input_nonfinite`` over the floating-point arguments of the calls in
     its gradient (``grad_output_*`` over output gradients, with ``grad_outputs=True``). Per
-    parameter: ``grad_norm`` (before the update), ``update_norm`` and ``update_to_weight`` (the
-    update's norm over the weight's norm before it). Under data parallelism the module statistics
-    are summed over the ranks and rank 0 writes.
-
-    The monitor lives as long as its optimizer; ``remove()`` (or leaving its ``with`` block) stops
-    it. With ``every=1`` it keeps a copy of the weights between steps.
+    parameter: ``grad_norm`` (before the update), ``update_norm`` and ``update_to_weight`` (over
+    the weight's norm before it). Under data parallelism rank 0 writes the whole batch's. It lives
+    as long as its optimizer; ``remove()`` (or leaving its ``with`` block) stops it.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
-        model: The model (or a ``Capture`` of it) for a plain ``torch.optim`` optimizer: its modules
-            owning an optimized parameter are watched, the capture is cleared after each step, and a
-            step's closure (``LBFGS``, Lightning) runs as usual, the statistics read after it.
+        model: The model (or a ``Capture`` of it, cleared after each step) for a plain optimizer.
         every: Log every ``every`` steps, from the first; nothing is computed on the others.
         grad_outputs: Also log statistics of the output gradients.
         tensorboard: A ``torch.utils.tensorboard.SummaryWriter``, or a log folder for one.
@@ -350,7 +334,6 @@ class Monitor:
                 register(self._after_update, when="post", every=every, reads=None),
             ]
 
-    # -- a plain torch.optim optimizer: its own step hooks ---------------------------------------
     def _arm(self) -> None:
         """Compute the statistics in the hooks exactly for the steps that log them."""
         for reduction in self._reductions:
@@ -378,7 +361,6 @@ class Monitor:
             self._step += 1
             self._arm()
 
-    # -- the logged step ---------------------------------------------------------------------------
     @torch.no_grad()
     def _before_update(self, optimizer: Any, inputs: Inputs | None) -> None:
         self._read(inputs.reduced if inputs is not None else self.capture.reduced)
@@ -551,9 +533,6 @@ class _Sinks:
         self.writer = None if self.own_writer else self.writer
 
 
-# -- the first non-finite value ---------------------------------------------------------------
-
-
 class NonFiniteWarning(UserWarning):
     """A step's gradient was not finite; the message names where the first non-finite value arose."""
 
@@ -629,8 +608,7 @@ def _total(t: Tensor) -> Tensor:
     return t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
 
 
-# Calls kept between two checks at most (forwards that never reach a backward and whose outputs
-# are still alive stop adding once there are this many).
+# Calls kept between two checks at most (bounds forwards that never reach a backward, outputs still alive).
 _MAX_CALLS = 100_000
 
 
@@ -678,9 +656,8 @@ class _Watch:
         self.calls.setdefault(self.forward, []).append(seen)
         self.size += 1
 
-    # One module's output is usually the next one's input: each tensor is summed, and its
-    # gradient hooked, once, and shared by the calls that see it.
     def _track(self, t: Tensor) -> _Tensor:
+        """Each tensor summed, and its gradient hooked, once (one module's output is the next one's input)."""
         version = -1 if t.is_inference() else t._version
         entry = self.tensors.get(id(t))
         if entry is not None and entry.ref() is t and entry.version == version:
@@ -798,14 +775,10 @@ def _all_finite(tensors: list[Tensor]) -> bool:
 class NonFiniteFinder:
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
-    The modules that compute (those without submodules, and those with parameters of their own)
-    are watched through the optimizer's ``Capture`` (``Capture.watch``), keeping one sum per tensor
-    and per gradient, with no host synchronization in the hooks. Only a step whose gradient is not
-    finite is looked into: the first call in forward order whose inputs were finite and whose
-    output was not; else the first whose input was not; else the first in backward order whose
-    output gradient was finite and whose input gradient (or own parameter's) was not, innermost
-    module first. With a closure (``LBFGS``, Lightning) the gradient is checked after each
-    evaluation. The finder lives as long as its optimizer; ``remove()`` takes it off.
+    It names the first module call in forward order whose inputs were finite and whose output was
+    not; else the first whose input was not; else the first in backward order whose output gradient
+    was finite and whose input gradient (or own parameter's) was not. It lives as long as its
+    optimizer; ``remove()`` takes it off.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
@@ -903,8 +876,6 @@ class NonFiniteFinder:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-
-# -- pictures ---------------------------------------------------------------------------------
 
 PLOTTED = (
     ("modules", "input_rms", "input RMS", True),

@@ -57,7 +57,10 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 class _MonitorLogging:
     """What both callbacks share: the monitors, the records waiting for the trainer's step count, and ε."""
 
-    def __init__(self, every: int | None, grad_outputs: bool, delta: float, accountant: str) -> None:
+    def __init__(
+        self, every: int | None = None, *, grad_outputs: bool = False, delta: float = 1e-5, accountant: str = "prv"
+    ) -> None:
+        super().__init__()  # (the framework's Callback, after this class)
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer (or None: the trainer's)")
         if not 0.0 < delta < 1.0:
@@ -119,7 +122,7 @@ class _MonitorLogging:
 def _lightning_callback() -> type:
     import lightning.pytorch as pl
 
-    class LightningMonitorCallback(pl.Callback, _MonitorLogging):
+    class LightningMonitorCallback(_MonitorLogging, pl.Callback):
         """Attaches a ``Monitor`` to each of a Lightning ``Trainer``'s optimizers at ``on_train_start``
         and logs its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to
         ``trainer.loggers`` at ``trainer.global_step`` (docs/integrations/lightning.md).
@@ -133,12 +136,6 @@ def _lightning_callback() -> type:
         Attributes:
             monitors: The monitors attached during training, one per optimizer.
         """
-
-        def __init__(
-            self, every: int | None = None, *, grad_outputs: bool = False, delta: float = 1e-5, accountant: str = "prv"
-        ) -> None:
-            pl.Callback.__init__(self)
-            _MonitorLogging.__init__(self, every, grad_outputs, delta, accountant)
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             every = self.every if self.every is not None else max(1, int(getattr(trainer, "log_every_n_steps", 1)))
@@ -163,7 +160,7 @@ def _lightning_callback() -> type:
 def _hugging_face_callback() -> type:
     import transformers
 
-    class HuggingFaceMonitorCallback(transformers.TrainerCallback, _MonitorLogging):
+    class HuggingFaceMonitorCallback(_MonitorLogging, transformers.TrainerCallback):
         """Attaches a ``Monitor`` to a Hugging Face ``Trainer``'s optimizer at ``on_train_begin`` and
         writes its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to TensorBoard at
         ``state.global_step``, from the main process (docs/integrations/hugging-face.md).
@@ -190,7 +187,7 @@ def _hugging_face_callback() -> type:
             accountant: str = "prv",
             tensorboard: Any = None,
         ) -> None:
-            _MonitorLogging.__init__(self, every, grad_outputs, delta, accountant)
+            super().__init__(every, grad_outputs=grad_outputs, delta=delta, accountant=accountant)
             self.tensorboard = tensorboard
             self.log_dir: str | None = None
             self._writer: Any = None

@@ -1,9 +1,5 @@
-"""``Monitor`` logs per-module input and per-parameter update statistics every ``every`` steps;
-``NonFiniteFinder`` names the module where a step's first non-finite value arose (docs/monitoring.md).
-
-``python -m inputaware_optim plot LOG.jsonl -o out.png`` draws a ``Monitor`` JSON-lines log as
-per-layer heatmaps over steps.
-"""
+"""``Monitor`` (per-module input and per-parameter update statistics), ``NonFiniteFinder`` (where a
+step's first non-finite value arose) and ``plot`` (a ``Monitor`` log as heatmaps): docs/monitoring.md."""
 
 from __future__ import annotations
 
@@ -175,7 +171,7 @@ def _describe(row: Sequence[float]) -> dict[str, float]:
         return {}
     return {
         "mean": row[_SUM] / count,
-        "rms": math.sqrt(row[_SQUARES] / count) if row[_SQUARES] >= 0 else math.nan,
+        "rms": math.sqrt(row[_SQUARES] / count),
         "max_abs": row[_MAX_ABS],
         "zero_fraction": row[_ZEROS] / count,
         "nonfinite": row[_NONFINITE],

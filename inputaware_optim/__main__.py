@@ -8,21 +8,16 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: the process's arguments); returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="python -m inputaware_optim",
-        description="Tools for inputaware_optim. 'plot LOG.jsonl -o out.png' draws a Monitor's log "
-        "as per-layer heatmaps.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    plot_command = commands.add_parser(
+    parser = argparse.ArgumentParser(prog="python -m inputaware_optim", description="Tools for inputaware_optim.")
+    plot = parser.add_subparsers(dest="command", required=True).add_parser(
         "plot", help="per-layer heatmaps over steps (input RMS, zero fraction, update/weight) from a JSON-lines log"
     )
-    plot_command.add_argument("log", help="the JSON-lines file a Monitor(..., jsonl=...) wrote")
-    plot_command.add_argument("-o", "--out", default="monitor.png", help="the PNG to write (default: monitor.png)")
+    plot.add_argument("log", help="the JSON-lines file a Monitor(..., jsonl=...) wrote")
+    plot.add_argument("-o", "--out", default="monitor.png", help="the PNG to write (default: monitor.png)")
     args = parser.parse_args(argv)
-    from .monitor import plot
+    from .monitor import plot as draw
 
-    print(f"Wrote {plot(args.log, args.out)}")
+    print(f"Wrote {draw(args.log, args.out)}")
     return 0
 
 

@@ -1,8 +1,7 @@
 """Trainer callbacks: a ``Monitor`` on the trainer's optimizer, logged to the trainer's own logger.
 
-``LightningMonitorCallback`` is a ``lightning.pytorch.Callback``; ``HuggingFaceMonitorCallback`` a
-``transformers.TrainerCallback``. Both frameworks are optional: each class is built on first use
-(``from inputaware_optim import LightningMonitorCallback`` imports Lightning then, not before).
+``LightningMonitorCallback`` (a ``lightning.pytorch.Callback``) and ``HuggingFaceMonitorCallback``
+(a ``transformers.TrainerCallback``) are built on first use, importing their framework then.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ __all__ = ["HuggingFaceMonitorCallback", "LightningMonitorCallback"]
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The optimizer under a trainer's wrapper (Accelerate's ``AcceleratedOptimizer`` holds it in ``.optimizer``)."""
+    """The optimizer under a trainer's wrapper (Accelerate's ``AcceleratedOptimizer``: ``.optimizer``)."""
     while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
         optimizer = optimizer.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -58,7 +57,10 @@ def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
 class _MonitorLogging:
     """What both callbacks share: the monitors, the records waiting for the trainer's step count, and ε."""
 
-    def __init__(self, every: int | None, grad_outputs: bool, delta: float, accountant: str) -> None:
+    def __init__(
+        self, every: int | None = None, *, grad_outputs: bool = False, delta: float = 1e-5, accountant: str = "prv"
+    ) -> None:
+        super().__init__()  # (the framework's Callback, after this class)
         if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer (or None: the trainer's)")
         if not 0.0 < delta < 1.0:
@@ -120,15 +122,10 @@ class _MonitorLogging:
 def _lightning_callback() -> type:
     import lightning.pytorch as pl
 
-    class LightningMonitorCallback(pl.Callback, _MonitorLogging):
-        """Monitors a Lightning ``Trainer``'s optimizers and logs to the trainer's loggers.
-
-        At ``on_train_start`` a :class:`~inputaware_optim.Monitor` is attached to each of the trainer's
-        optimizers (an input-aware one directly; a plain ``torch.optim`` one through a capture of the
-        ``LightningModule``). Every ``every`` optimizer steps its statistics go to each of
-        ``trainer.loggers`` (``log_metrics``, at ``trainer.global_step``) under the ``Monitor``'s
-        tags (``input_rms/<module>``, ``update_to_weight/<parameter>``, ...), with the
-        ``privacy/epsilon`` spent so far where the optimizer is ``DPSGD`` or ``DPAdamW``.
+    class LightningMonitorCallback(_MonitorLogging, pl.Callback):
+        """Attaches a ``Monitor`` to each of a Lightning ``Trainer``'s optimizers at ``on_train_start``
+        and logs its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to
+        ``trainer.loggers`` at ``trainer.global_step`` (docs/integrations/lightning.md).
 
         Args:
             every: Log every ``every`` optimizer steps (default: the trainer's ``log_every_n_steps``).
@@ -137,15 +134,8 @@ def _lightning_callback() -> type:
             accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
 
         Attributes:
-            monitors: The monitors attached during training, one per optimizer (``monitors[0].last``
-                is the latest record).
+            monitors: The monitors attached during training, one per optimizer.
         """
-
-        def __init__(
-            self, every: int | None = None, *, grad_outputs: bool = False, delta: float = 1e-5, accountant: str = "prv"
-        ) -> None:
-            pl.Callback.__init__(self)
-            _MonitorLogging.__init__(self, every, grad_outputs, delta, accountant)
 
         def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             every = self.every if self.every is not None else max(1, int(getattr(trainer, "log_every_n_steps", 1)))
@@ -164,39 +154,27 @@ def _lightning_callback() -> type:
                 for logger in trainer.loggers:
                     logger.log_metrics(scalars, step=trainer.global_step)
 
-    LightningMonitorCallback.__module__ = __name__
-    LightningMonitorCallback.__qualname__ = "LightningMonitorCallback"
     return LightningMonitorCallback
 
 
 def _hugging_face_callback() -> type:
     import transformers
 
-    class HuggingFaceMonitorCallback(transformers.TrainerCallback, _MonitorLogging):
-        """Monitors a Hugging Face ``Trainer``'s optimizer and logs to TensorBoard beside the trainer.
-
-        At ``on_train_begin`` a :class:`~inputaware_optim.Monitor` is attached to the trainer's
-        optimizer (under Accelerate's wrapper; a plain ``torch.optim`` one through a capture of the
-        model). Every ``every`` optimizer steps its statistics are written at ``state.global_step``
-        under the ``Monitor``'s tags (``input_rms/<module>``, ``update_to_weight/<parameter>``, ...),
-        with the ``privacy/epsilon`` spent so far where the optimizer is ``DPSGD`` or ``DPAdamW``.
-
-        A ``TrainerCallback`` cannot reach the ``TensorBoardCallback``'s writer, so this one writes
-        its own event file: into ``tensorboard`` (a ``SummaryWriter``, for example the one handed to
-        ``TensorBoardCallback(tb_writer=...)``, or a folder), else into ``TENSORBOARD_LOGGING_DIR``
-        (the folder the ``TensorBoardCallback`` uses when it is set), else into
-        ``<output_dir>/runs/<time>_<host>`` as the ``TensorBoardCallback`` names its own folder.
-        Only the main process writes.
+    class HuggingFaceMonitorCallback(_MonitorLogging, transformers.TrainerCallback):
+        """Attaches a ``Monitor`` to a Hugging Face ``Trainer``'s optimizer at ``on_train_begin`` and
+        writes its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to TensorBoard at
+        ``state.global_step``, from the main process (docs/integrations/hugging-face.md).
 
         Args:
             every: Log every ``every`` optimizer steps (default: the trainer's ``logging_steps``).
             grad_outputs: Also log output-gradient statistics.
             delta: The :math:`\\delta` the logged :math:`\\varepsilon` is for (DP optimizers only).
             accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
-            tensorboard: A ``SummaryWriter`` or a folder (default: as above).
+            tensorboard: A ``SummaryWriter`` or a folder (default: ``TENSORBOARD_LOGGING_DIR``, else
+                ``<output_dir>/runs/<time>_<host>``, as the ``TensorBoardCallback`` names its own).
 
         Attributes:
-            monitors: The monitors attached during training (``monitors[0].last`` is the latest record).
+            monitors: The monitors attached during training.
             log_dir: The folder the scalars are written to (set when training begins).
         """
 
@@ -209,7 +187,7 @@ def _hugging_face_callback() -> type:
             accountant: str = "prv",
             tensorboard: Any = None,
         ) -> None:
-            _MonitorLogging.__init__(self, every, grad_outputs, delta, accountant)
+            super().__init__(every, grad_outputs=grad_outputs, delta=delta, accountant=accountant)
             self.tensorboard = tensorboard
             self.log_dir: str | None = None
             self._writer: Any = None
@@ -259,8 +237,6 @@ def _hugging_face_callback() -> type:
                 if scalars:
                     self._writer.flush()
 
-    HuggingFaceMonitorCallback.__module__ = __name__
-    HuggingFaceMonitorCallback.__qualname__ = "HuggingFaceMonitorCallback"
     return HuggingFaceMonitorCallback
 
 
@@ -280,4 +256,5 @@ def __getattr__(name: str) -> type:
                 f"{name} needs its trainer's package: pip install 'inputaware_optim[integration]' "
                 "(with torch pinned, see the README)"
             ) from error
+        _BUILT[name].__module__, _BUILT[name].__qualname__ = __name__, name
     return _BUILT[name]

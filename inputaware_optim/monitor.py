@@ -1,28 +1,5 @@
-"""See inside training from the optimizer's seat: ``Monitor`` and ``NonFiniteFinder``.
-
-``Monitor`` logs, every ``every`` steps, per watched module the mean, RMS, largest magnitude,
-fraction of exact zeros and count of non-finite values of its inputs (and of its output
-gradients, with ``grad_outputs=True``), and per parameter the gradient norm, the update norm
-and the update-to-weight ratio. The module statistics are a ``Reduction`` of the optimizer's
-``Capture``: computed in the hooks, summed over the calls in each parameter's gradient, and no
-input is kept; a tensor several watched modules receive in one forward (a container and its
-first child, the query, key and value projections) is summarised once; on steps ``every``
-skips nothing is computed at all. Under data parallelism they are summed over the ranks, so
-every rank holds the statistics of the whole batch (output gradients: those of each rank's own
-loss); rank 0 writes them to the sinks (a TensorBoard ``SummaryWriter``, JSON lines, CSV, a
-callback).
-
-``NonFiniteFinder`` names, when a step's gradient is not finite, the first module call whose
-inputs were finite and whose output was not (forward), or else the first, in backward order,
-whose output gradient was finite and whose input gradient was not. Its hooks keep one sum per
-tensor and never synchronise with the device; only a non-finite step is looked into.
-
-Both live as long as their optimizer (or until ``remove()``): an optimizer dropped with its
-tools leaves the model as it was, with no hook and no reference.
-
-``python -m inputaware_optim plot LOG.jsonl -o out.png`` draws a JSON-lines log as per-layer
-heatmaps over steps.
-"""
+"""``Monitor`` (per-module input and per-parameter update statistics), ``NonFiniteFinder`` (where a
+step's first non-finite value arose) and ``plot`` (a ``Monitor`` log as heatmaps): docs/monitoring.md."""
 
 from __future__ import annotations
 
@@ -66,30 +43,16 @@ _SUMMED = slice(0, 5)
 
 
 def _per_tensor_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """The 2-norm of each tensor (0-d tensors, no host synchronization).
-
-    On an accelerator torch's multi-tensor norm (private: ``_torch.foreach_norm``) takes one launch
-    for the whole list. On CPU torch runs that as this same loop of public ``vector_norm`` calls,
-    so the public form is used there.
-    """
-    if tensors:
-        device = tensors[0].device
-        if device.type != "cpu" and all(t.device == device for t in tensors):
-            return list(foreach_norm(list(tensors)))
+    """The 2-norm of each tensor (0-d, no host sync): one launch on an accelerator (torch's private
+    ``foreach_norm``); on CPU torch runs that as this same loop of public calls."""
+    if tensors and tensors[0].device.type != "cpu" and all(t.device == tensors[0].device for t in tensors):
+        return list(foreach_norm(list(tensors)))
     return [torch.linalg.vector_norm(t) for t in tensors]
 
 
-def _norms(tensors: Sequence[Tensor]) -> Tensor:
-    """The 2-norm of each tensor, as one float64 tensor."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.float64)
-    return _as_float64(_per_tensor_norms(tensors))
-
-
 def _as_float64(values: Sequence[Tensor], device: Any = None) -> Tensor:
-    """0-d tensors as one float64 tensor (on ``device``, default the first's): stacked first and cast
-    once where they share a dtype and device (a cast per value costs more than the norms of small
-    tensors)."""
+    """0-d tensors as one float64 tensor on ``device`` (default: the first's), cast once where they
+    share a dtype and device (a cast per value costs more than the norms of small tensors)."""
     if not values:
         return torch.zeros(0, dtype=torch.float64, device=device)
     first = values[0]
@@ -100,8 +63,8 @@ def _as_float64(values: Sequence[Tensor], device: Any = None) -> Tensor:
 
 
 def _written_norms(tensors: list[Tensor], write: Callable[[int], object]) -> list[Tensor]:
-    """``write(i)`` for each tensor, then the 2-norm of each: on CPU each right after its write,
-    while the tensor is in cache (about a quarter faster than two loops); elsewhere one launch."""
+    """``write(i)`` for each tensor, then their 2-norms: on CPU each right after its write, while the
+    tensor is in cache (about a quarter faster than two loops); elsewhere one launch."""
     norms = []
     for i, t in enumerate(tensors):
         write(i)
@@ -110,61 +73,37 @@ def _written_norms(tensors: list[Tensor], write: Callable[[int], object]) -> lis
     return norms if len(norms) == len(tensors) else _per_tensor_norms(tensors)
 
 
+def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def _dense_values(grad: Tensor) -> Tensor:
     return grad.coalesce()._values() if grad.is_sparse else grad
 
 
-# -- module statistics --------------------------------------------------------------------------
+def _after_closure(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[], object]) -> Any:
+    """What a step pre-hook returns to run ``then()`` after each evaluation of the step's closure
+    (torch runs pre-hooks before the step evaluates it); ``None`` where the step has no closure."""
+    closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def closure_then() -> Any:
+        loss = closure()
+        then()
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure_then}
+    return (args[0], closure_then, *args[2:]), kwargs
 
 
-class _SeenTensors:
-    """Summaries of the tensors already summarised in the current forward of the model.
-
-    Watched modules often receive one tensor: a module with parameters of its own and its first
-    child, or the query, key and value projections of an attention block. A tensor is known by
-    its storage (the object, held weakly, so a freed address taken by a new tensor is not
-    mistaken for it), its view and its version (an in-place change makes it a new tensor).
-    """
-
-    __slots__ = ("forward", "rows")
-
-    def __init__(self) -> None:
-        self.forward: int | None = None
-        self.rows: dict[tuple[Any, ...], tuple[weakref.ref[Any], Tensor]] = {}
-
-    @staticmethod
-    def _key(t: Tensor) -> tuple[Any, ...] | None:
-        if t.is_inference() or t.is_sparse or type(t) is not Tensor:
-            return None  # (no version counter, no plain storage: a DTensor, a subclass, a sparse tensor)
-        return (t.data_ptr(), t.dtype, t.shape, t.stride(), t._version)
-
-    def get(self, t: Tensor, forward: int | None) -> tuple[tuple[Any, ...] | None, Tensor | None]:
-        if forward is None:
-            return None, None
-        if forward != self.forward:
-            self.forward, self.rows = forward, {}
-        key = self._key(t)
-        entry = self.rows.get(key) if key is not None else None
-        if entry is not None and entry[0]() is t.untyped_storage():
-            return key, entry[1]
-        return key, None
-
-    def put(self, key: tuple[Any, ...], t: Tensor, row: Tensor) -> None:
-        self.rows[key] = (weakref.ref(t.untyped_storage()), row)
-
-
-def _summary(tensors: Iterable[Any], seen: _SeenTensors | None = None, forward: int | None = None) -> Tensor | None:
+def _summary(tensors: Iterable[Any], summarize: Callable[[Tensor], Tensor] | None = None) -> Tensor | None:
     """``[count, sum, sum of squares, zeros, non-finite, max |x|]`` (float64) over the floating-point tensors."""
     total: Tensor | None = None
     for t in tensors:
-        if not isinstance(t, Tensor) or not t.is_floating_point() or t.numel() == 0:
-            continue
-        key, row = seen.get(t, forward) if seen is not None else (None, None)
-        if row is None:
-            row = _summarize(t)
-            if key is not None and seen is not None:
-                seen.put(key, t, row)
-        total = row if total is None else _combine(total, row)
+        if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
+            total = _combine(total, (summarize or _summarize)(t))
     return total
 
 
@@ -176,8 +115,8 @@ def _summarize(t: Tensor) -> Tensor:
 
 
 def _device_summary(x: Tensor) -> Tensor:
-    """The summary of flat ``x`` on an accelerator: sums accumulated in float64 inside the
-    reductions (finite values never overflow them), no host synchronization."""
+    """The summary of flat ``x`` on an accelerator: sums accumulated in float64 inside the reductions,
+    no host synchronization."""
     low, high = torch.aminmax(x)
     return torch.stack(
         [
@@ -195,15 +134,12 @@ _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def _cpu_summary(x: Tensor) -> Tensor:
-    """The summary of flat float32/float64 ``x`` on CPU, from the fastest reductions there.
+    """The summary of flat float32/float64 ``x`` on CPU, from its fastest reductions.
 
-    Reading a value is free on CPU, while ``isfinite``, ``== 0``, ``count_nonzero`` on floats and
-    the float64 casts are several times slower than a sum: the sums run in ``x``'s dtype and are
-    done again in float64 only where they are not finite although every value is (they
-    overflowed). +0.0 is the only float whose bits are all zero: zeros are counted on the integer
-    view, and exactly only where its smallest value says there is a -0.0 (the most negative
-    integer). Non-finite values are counted only where the sum, NaN or infinite whenever one is,
-    says so.
+    ``isfinite``, ``== 0`` and float64 casts cost several sums there, so: sums in ``x``'s dtype,
+    redone in float64 only where they overflowed; zeros counted on the integer view (+0.0 is the
+    only all-zero float), exactly only where -0.0 (the most negative integer) occurs; non-finite
+    values counted only where the sum is not finite.
     """
     count = x.numel()
     total = x.sum().item()
@@ -217,16 +153,14 @@ def _cpu_summary(x: Tensor) -> Tensor:
     low, high = torch.aminmax(x)
     largest = torch.maximum(high, -low).item()  # NaN where x holds one
     if nonfinite == 0 and not (math.isfinite(total) and math.isfinite(squares)):
-        wide = x.double()  # finite values whose sum (or sum of squares) overflowed x's dtype
+        wide = x.double()
         total, squares = wide.sum().item(), torch.dot(wide, wide).item()
     return torch.tensor([count, total, squares, zeros, nonfinite, largest], dtype=torch.float64)
 
 
-def _combine(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+def _combine(a: Tensor | None, b: Tensor) -> Tensor:
     if a is None:
         return b
-    if b is None:
-        return a
     return torch.cat([a[_SUMMED] + b[_SUMMED], torch.maximum(a[_MAX_ABS:], b[_MAX_ABS:])])
 
 
@@ -237,7 +171,7 @@ def _describe(row: Sequence[float]) -> dict[str, float]:
         return {}
     return {
         "mean": row[_SUM] / count,
-        "rms": math.sqrt(row[_SQUARES] / count) if row[_SQUARES] >= 0 else math.nan,
+        "rms": math.sqrt(row[_SQUARES] / count),
         "max_abs": row[_MAX_ABS],
         "zero_fraction": row[_ZEROS] / count,
         "nonfinite": row[_NONFINITE],
@@ -245,16 +179,9 @@ def _describe(row: Sequence[float]) -> dict[str, float]:
 
 
 def _trained_parameter(module: nn.Module) -> Tensor | None:
-    """The parameter a module's statistics are kept under: its first trained one (a frozen weight's
-    gradient never holds a call), else its first."""
-    first = None
-    for p in module._parameters.values():
-        if p is None:
-            continue
-        if p.requires_grad:
-            return p
-        first = first if first is not None else p
-    return first
+    """Its first trained parameter (a frozen weight's gradient never holds a call), else its first."""
+    params = [p for p in module._parameters.values() if p is not None]
+    return next((p for p in params if p.requires_grad), params[0] if params else None)
 
 
 def _layer_description(module: nn.Module) -> str:
@@ -265,13 +192,30 @@ def _layer_description(module: nn.Module) -> str:
 
 
 class _InputStatistics(Reduction):
-    """The summary of each call's floating-point arguments, kept under the module's trained parameter."""
+    """The summary of each call's floating-point arguments, kept under the module's trained parameter.
+
+    A tensor already summarised in the same forward of the model (a block and its first layer; the
+    query, key and value projections) is known by its storage (held weakly: a freed address reused
+    is not mistaken for it), view and version (an in-place change makes a new tensor).
+    """
 
     def __init__(self) -> None:
-        self._seen = _SeenTensors()
+        self._forward: int | None = None
+        self._rows: dict[tuple[Any, ...], tuple[weakref.ref[Any], Tensor]] = {}
 
     def forward(self, call: Call) -> Any:
-        return _summary([*call.args, *call.kwargs.values()], self._seen, call.forward)
+        return _summary([*call.args, *call.kwargs.values()], functools.partial(self._once, forward=call.forward))
+
+    def _once(self, t: Tensor, forward: int | None) -> Tensor:
+        if forward is None or t.is_inference() or t.is_sparse or type(t) is not Tensor:
+            return _summarize(t)  # (no version counter, no plain storage: a DTensor, a subclass, a sparse tensor)
+        if forward != self._forward:
+            self._forward, self._rows = forward, {}
+        key = (t.data_ptr(), t.dtype, t.shape, t.stride(), t._version)
+        entry = self._rows.get(key)
+        if entry is None or entry[0]() is not t.untyped_storage():
+            entry = self._rows[key] = (weakref.ref(t.untyped_storage()), _summarize(t))
+        return entry[1]
 
     def combine(self, a: Any, b: Any) -> Any:
         return _combine(a, b)
@@ -296,22 +240,16 @@ class _GradOutputStatistics(_InputStatistics):
 class Monitor:
     """Logs input, output-gradient and parameter statistics of a training run, every ``every`` steps.
 
-    Per module (keyed by its qualified name): ``input_mean``, ``input_rms``, ``input_max_abs``,
-    ``input_zero_fraction``, ``input_nonfinite`` over every floating-point argument of the calls
-    in its gradient (``grad_output_*`` the same over output gradients, with ``grad_outputs=True``).
-    Per parameter: ``grad_norm`` (before the update), ``update_norm`` and ``update_to_weight``
-    (the update's norm over the weight's norm before it).
-
-    The monitor lives as long as its optimizer, kept or not; ``remove()`` (or leaving its ``with``
-    block) stops it. With ``every=1`` it keeps a copy of the weights between steps (the update is
-    measured against it, without allocating one at every step).
+    Per module (by qualified name): ``input_mean``, ``input_rms``, ``input_max_abs``,
+    ``input_zero_fraction``, ``input_nonfinite`` over the floating-point arguments of the calls in
+    its gradient (``grad_output_*`` over output gradients, with ``grad_outputs=True``). Per
+    parameter: ``grad_norm`` (before the update), ``update_norm`` and ``update_to_weight`` (over
+    the weight's norm before it). Under data parallelism rank 0 writes the whole batch's. It lives
+    as long as its optimizer; ``remove()`` (or leaving its ``with`` block) stops it.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
-        model: The model (or a ``Capture`` of it) for a plain ``torch.optim`` optimizer; its modules
-            that own an optimized parameter are watched. The capture is cleared after each step, as
-            an input-aware optimizer's step does. A closure given to the step (``LBFGS``,
-            Lightning) is evaluated by the optimizer as usual; the statistics are read after it.
+        model: The model (or a ``Capture`` of it, cleared after each step) for a plain optimizer.
         every: Log every ``every`` steps, from the first; nothing is computed on the others.
         grad_outputs: Also log statistics of the output gradients.
         tensorboard: A ``torch.utils.tensorboard.SummaryWriter``, or a log folder for one.
@@ -347,7 +285,6 @@ class Monitor:
         if grad_outputs:
             self._reductions.append(_GradOutputStatistics())
         self._own_capture: Capture | None = None
-        self._handles: list[Any] = []
         self._pending: dict[str, Any] | None = None
         self._weights: dict[Tensor, Tensor] = {}  # each parameter before the update (updated in place)
         self._weight_norms: dict[Tensor, Tensor] = {}
@@ -363,7 +300,7 @@ class Monitor:
                 raise TypeError(
                     f"Monitor needs the model to watch a plain {type(optimizer).__name__}: Monitor(optimizer, model)"
                 )
-            params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            params = {id(p) for p in _params(self.optimizer)}
             if isinstance(model, Capture):
                 self.capture = model
             else:
@@ -372,12 +309,14 @@ class Monitor:
                 self.capture = self._own_capture = Capture(model, owners, keep_calls=False)
             wrapped = self.capture._model
             self._group = lambda: data_parallel_group(wrapped)
-        root = self.capture._root
         self._param_names: dict[Tensor, str] = {}
-        for name, param in root.named_parameters(remove_duplicate=False):
+        for name, param in self.capture._root.named_parameters(remove_duplicate=False):
             self._param_names.setdefault(param, name)
-        self._sinks = _Sinks(tensorboard, jsonl, csv, callback, self._writes(self._group()))
+        group, dist = self._group(), torch.distributed
+        writes = group is None or not dist.is_initialized() or dist.get_rank(group) == 0
+        self._sinks = _Sinks(tensorboard, jsonl, csv, callback, writes)
         self._finalizer = weakref.finalize(self, self._sinks.close)
+        self._handles: list[Any]
         if self._plain:
             self._handles = [
                 optimizer.register_step_pre_hook(self._plain_before),
@@ -391,20 +330,10 @@ class Monitor:
                 register(self._after_update, when="post", every=every, reads=None),
             ]
 
-    @staticmethod
-    def _writes(group: Any) -> bool:
-        dist = torch.distributed
-        return group is None or not dist.is_initialized() or dist.get_rank(group) == 0
-
-    def _params(self) -> list[Tensor]:
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
-
-    # -- a plain torch.optim optimizer: its own step hooks ---------------------------------------
     def _arm(self) -> None:
         """Compute the statistics in the hooks exactly for the steps that log them."""
-        due = self._step % self.every == 0
         for reduction in self._reductions:
-            if due:
+            if self._step % self.every == 0:
                 self.capture.add_reduction(reduction)
             else:
                 self.capture.remove_reduction(reduction)
@@ -412,23 +341,12 @@ class Monitor:
     def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._step % self.every:
             return None
-        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-        if closure is None:
+        wrapped = _after_closure(args, kwargs, lambda: self._read(self.capture.reduced))
+        if wrapped is None:
             self._before_update(optimizer, None)
-            return None
-        # Torch runs step pre-hooks before the step evaluates its closure: the gradient (and its
-        # calls) exist only once the closure has run. Keep the weights now, read the rest after
-        # each evaluation (an LBFGS step evaluates it several times: the last one is logged).
-        self._keep_weights([p for p in self._params() if p.requires_grad])
-
-        def closure_then_read() -> Any:
-            loss = closure()
-            self._read(self.capture.reduced)
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_read}
-        return (args[0], closure_then_read, *args[2:]), kwargs
+        else:  # the gradient exists once the closure ran (LBFGS runs it several times: the last is logged)
+            self._keep_weights([p for p in _params(self.optimizer) if p.requires_grad])
+        return wrapped
 
     def _plain_after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
@@ -439,7 +357,6 @@ class Monitor:
             self._step += 1
             self._arm()
 
-    # -- the logged step ---------------------------------------------------------------------------
     @torch.no_grad()
     def _before_update(self, optimizer: Any, inputs: Inputs | None) -> None:
         self._read(inputs.reduced if inputs is not None else self.capture.reduced)
@@ -449,35 +366,30 @@ class Monitor:
     def _read(self, reduced: Callable[[Reduction], dict[Tensor, Any]]) -> None:
         """The module statistics (summed over ranks) and the gradient norms, as tensors (no host sync)."""
         # The same rows on every rank, whichever modules each one called: the reduction lines up.
-        modules = self.capture.modules
-        keys = list(dict.fromkeys(k for m in modules for k in self._reductions[0].keys(m)))
-        names, rows, kinds = [], [], []
+        keys = list(dict.fromkeys(k for m in self.capture.modules for k in self._reductions[0].keys(m)))
         tables = [reduced(reduction) for reduction in self._reductions]
         first = next((row for got in tables for row in got.values() if row is not None), None)
         empty = torch.zeros(6, dtype=torch.float64, device=first.device if first is not None else None)
-        for kind, got in zip(("input", "grad_output"), tables, strict=False):
-            for key in keys:
-                row = got.get(key)
-                names.append(self._module_name(key))
-                kinds.append(kind)
-                rows.append(empty if row is None else row)
+        rows = [empty if got.get(key) is None else got[key] for got in tables for key in keys]
         table = torch.stack(rows) if rows else empty.reshape(0, 6)
         group = self._group()
         if group is not None and torch.distributed.is_initialized():
-            _all_reduce_statistics(table, group)
-        grads = {p: p.grad for p in self._params() if p.grad is not None}
-        layers = {}
-        for key in keys:
-            owners = self.capture.owners(key)
-            if owners:
-                layers[self._module_name(key)] = _layer_description(owners[0])
+            dist = torch.distributed
+            summed, largest = table[:, _SUMMED].contiguous(), table[:, _MAX_ABS].contiguous()
+            dist.all_reduce(summed, group=group)
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+            table[:, _SUMMED], table[:, _MAX_ABS] = summed, largest
+        grads = {p: p.grad for p in _params(self.optimizer) if p.grad is not None}
         self._pending = {
-            "names": names,
-            "kinds": kinds,
+            "rows": [(self._module_name(k), kind) for kind in ("input", "grad_output")[: len(tables)] for k in keys],
             "table": table,
             "params": list(grads),
-            "grad_norms": _norms([_dense_values(g) for g in grads.values()]),
-            "layers": layers,
+            "grad_norms": _as_float64(_per_tensor_norms([_dense_values(g) for g in grads.values()])),
+            "layers": {
+                self._module_name(key): _layer_description(self.capture.owners(key)[0])
+                for key in keys
+                if self.capture.owners(key)
+            },
         }
 
     def _keep_weights(self, params: list[Tensor]) -> None:
@@ -503,31 +415,21 @@ class Monitor:
         # (a parameter that got its gradient after the weights were kept has no copy: zero)
         changes = [self._weights[p] if p in self._weights else torch.zeros_like(p.detach()) for p in params]
         weight_norms = [self._weight_norms.get(p, p.new_zeros(())) for p in params]
-        # In place: the buffers are refilled at the next logged step.
         change_norms = _written_norms(changes, lambda i: changes[i].sub_(params[i].detach()))
         table = pending["table"]
-        device = table.device
-        values = torch.cat(
-            [
-                table.reshape(-1),
-                pending["grad_norms"].to(device),
-                _as_float64(weight_norms, device),
-                _as_float64(change_norms, device),
-            ]
-        )
-        flat = values.tolist()  # the one host synchronization of a logged step
+        norms = [pending["grad_norms"].to(table.device), _as_float64([*weight_norms, *change_norms], table.device)]
+        flat = torch.cat([table.reshape(-1), *norms]).tolist()  # the one host synchronization of a logged step
         if self.every > 1:
-            self._weights.clear()  # (kept between steps only when every step is logged)
+            self._weights.clear()
         self._weight_norms = {}
-        width, count = 6, len(pending["names"])
         step = self._step if self._plain else self._handles[0].step
         record: dict[str, Any] = {"step": step, "modules": {}, "parameters": {}, "layers": pending["layers"]}
-        for index, (name, kind) in enumerate(zip(pending["names"], pending["kinds"], strict=True)):
-            described = _describe(flat[index * width : (index + 1) * width])
+        for index, (name, kind) in enumerate(pending["rows"]):
+            described = _describe(flat[index * 6 : (index + 1) * 6])
             if described:  # (a module no call of this step reached has no statistics)
                 entry = record["modules"].setdefault(name, {})
                 entry.update({f"{kind}_{k}": v for k, v in described.items()})
-        offset, n = count * width, len(params)
+        offset, n = len(pending["rows"]) * 6, len(params)
         for i, param in enumerate(params):
             grad_norm, weight_norm, update_norm = flat[offset + i], flat[offset + n + i], flat[offset + 2 * n + i]
             ratio = update_norm / weight_norm if weight_norm > 0 else (0.0 if update_norm == 0 else math.inf)
@@ -563,28 +465,15 @@ class Monitor:
         self.remove()
 
 
-def _all_reduce_statistics(table: Tensor, group: Any) -> None:
-    """Sum the counts and sums over the ranks, and take the largest magnitude (in place)."""
-    dist = torch.distributed
-    summed = table[:, _SUMMED].contiguous()
-    largest = table[:, _MAX_ABS].contiguous()
-    dist.all_reduce(summed, group=group)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-    table[:, _SUMMED] = summed
-    table[:, _MAX_ABS] = largest
-
-
 class _Sinks:
     """Where records go: TensorBoard, JSON lines, CSV and a callback (only on the writing rank)."""
 
     def __init__(self, tensorboard: Any, jsonl: Any, csv: Any, callback: Any, writes: bool) -> None:
-        self.writes = writes
-        self.callback = callback
+        self.callback = callback if writes else None
         self.writer: Any = None
         self.own_writer = False
         self.jsonl: Any = None
         self.csv: Any = None
-        self.csv_writer: Any = None
         if not writes:
             return
         if isinstance(tensorboard, (str, Path)):
@@ -602,13 +491,10 @@ class _Sinks:
         if csv is not None:
             new = not Path(csv).exists() or Path(csv).stat().st_size == 0
             self.csv = open(csv, "a", newline="")  # noqa: SIM115
-            self.csv_writer = _csv.writer(self.csv)
             if new:
-                self.csv_writer.writerow(["step", "kind", "name", "statistic", "value"])
+                _csv.writer(self.csv).writerow(["step", "kind", "name", "statistic", "value"])
 
     def write(self, record: dict[str, Any]) -> None:
-        if not self.writes:
-            return
         step = record["step"]
         rows = [
             (kind, name, statistic, value)
@@ -619,11 +505,12 @@ class _Sinks:
         if self.writer is not None:
             for _, name, statistic, value in rows:
                 self.writer.add_scalar(f"{statistic}/{name}", value, step)
+        # Flushed at each record: a run that dies (say, of a NaN) keeps its log.
         if self.jsonl is not None:
             self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()  # a run that dies (say, of a NaN) keeps its log
-        if self.csv_writer is not None:
-            self.csv_writer.writerows([(step, *row) for row in rows])
+            self.jsonl.flush()
+        if self.csv is not None:
+            _csv.writer(self.csv).writerows([(step, *row) for row in rows])
             self.csv.flush()
         if self.callback is not None:
             self.callback(record)
@@ -635,16 +522,11 @@ class _Sinks:
 
     def close(self) -> None:
         self.flush()
-        for sink in (self.jsonl, self.csv):
+        for sink in (self.jsonl, self.csv, self.writer if self.own_writer else None):
             if sink is not None:
                 sink.close()
-        if self.own_writer and self.writer is not None:
-            self.writer.close()
-            self.writer = None
-        self.jsonl = self.csv = self.csv_writer = None
-
-
-# -- the first non-finite value ---------------------------------------------------------------
+        self.jsonl = self.csv = None
+        self.writer = None if self.own_writer else self.writer
 
 
 class NonFiniteWarning(UserWarning):
@@ -664,14 +546,13 @@ class NonFiniteOrigin:
     """Where a step's first non-finite value arose.
 
     Attributes:
-        module: The qualified name of the module (``""`` when no module produced it: the loss).
+        module: The qualified name of the module (``""`` for the loss).
         call: Which call of that module in the step (0 for its first).
         step: The step (counted from 0 when the finder was attached).
-        phase: ``"forward"`` (inputs finite, output not); ``"input"`` (no module made it: the
-            first call with a non-finite input got it from the data or from code outside modules);
-            ``"backward"`` (output gradient finite, the gradient it passed to its inputs or its
-            parameters not); ``"loss"`` (every module's output was finite, the gradient reaching
-            the model's output was not).
+        phase: ``"forward"`` (inputs finite, output not); ``"input"`` (the first call with a
+            non-finite input, which came from the data or code outside modules); ``"backward"``
+            (output gradient finite, the gradient it produced not); ``"loss"`` (every output
+            finite, the gradient reaching the model's output not).
     """
 
     module: str
@@ -699,21 +580,20 @@ class _Tensor:
     def __init__(self, t: Tensor, version: int, forward: int) -> None:
         self.ref = weakref.ref(t)
         self.version = version
-        self.forward = forward  # the model's forward it was seen in
+        self.forward = forward
         self.total = _total(t)
         self.grad: Tensor | None = None
         self.arrival: int | None = None  # when its gradient arrived, in backward order
-        self.finite = self.grad_finite = True  # (filled in when a step is looked into)
+        self.finite = self.grad_finite = True  # (set when a step is looked into)
 
 
 class _Seen:
     """One call of a hooked module: the tensors it took and returned."""
 
-    __slots__ = ("forward", "inputs", "module", "outputs")
+    __slots__ = ("inputs", "module", "outputs")
 
-    def __init__(self, module: nn.Module, forward: int) -> None:
+    def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self.forward = forward
         self.inputs: list[_Tensor] = []
         self.outputs: list[_Tensor] = []
 
@@ -724,12 +604,7 @@ def _total(t: Tensor) -> Tensor:
     return t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
 
 
-def _version(t: Tensor) -> int:
-    return -1 if t.is_inference() else t._version
-
-
-# Calls kept between two checks at most (forwards that never reach a backward and whose outputs
-# are still alive stop adding once there are this many).
+# Calls kept between two checks at most (bounds forwards that never reach a backward, outputs still alive).
 _MAX_CALLS = 100_000
 
 
@@ -767,7 +642,7 @@ class _Watch:
     def record(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or self.size >= _MAX_CALLS:
             return
-        seen = _Seen(module, self.forward)
+        seen = _Seen(module)
         for t in args if not kwargs else (*args, *kwargs.values()):
             if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
                 seen.inputs.append(self._track(t))
@@ -777,10 +652,9 @@ class _Watch:
         self.calls.setdefault(self.forward, []).append(seen)
         self.size += 1
 
-    # One module's output is usually the next one's input: each tensor is summed, and its
-    # gradient hooked, once, and shared by the calls that see it.
     def _track(self, t: Tensor) -> _Tensor:
-        version = _version(t)
+        """Each tensor summed, and its gradient hooked, once (one module's output is the next one's input)."""
+        version = -1 if t.is_inference() else t._version
         entry = self.tensors.get(id(t))
         if entry is not None and entry.ref() is t and entry.version == version:
             return entry
@@ -797,27 +671,26 @@ class _Watch:
             self.arrivals += 1
         self.reached.add(entry.forward)
 
-    # -- a non-finite step: where it began ---------------------------------------------------
     def origin(
         self, step: int, names: dict[nn.Module, str], inside: dict[nn.Module, set[int]]
     ) -> NonFiniteOrigin | None:
+        """Where a non-finite step began, over the calls of the forwards that reached a backward."""
         calls = [c for f, group in self.calls.items() if f in self.reached for c in group]
         _mark_finite(list({id(e): e for c in calls for e in (*c.inputs, *c.outputs)}.values()))
-        numbers: dict[nn.Module, int] = {}
-        index: dict[int, int] = {}
-        for c in calls:  # which call of its module, among the calls of forwards that reached a backward
-            index[id(c)] = numbers.get(c.module, 0)
-            numbers[c.module] = index[id(c)] + 1
-        found = _forward_origin(calls)
-        if found is not None:
-            call, phase = found
-            return NonFiniteOrigin(names[call.module], index[id(call)], step, phase)
-        return _backward_origin(
-            calls, inside, lambda c: NonFiniteOrigin(names[c.module], index[id(c)], step, "backward"), step
-        )
+        found = _forward_origin(calls) or _backward_origin(calls, inside)
+        if found is None:
+            return None
+        call, phase = found
+        if call is None:
+            return NonFiniteOrigin("", 0, step, "loss")
+        number = sum(c.module is call.module for c in calls[: calls.index(call)])
+        return NonFiniteOrigin(names[call.module], number, step, phase)
 
 
-def _forward_origin(calls: list[_Seen]) -> tuple[_Seen, Literal["forward", "input"]] | None:
+_Found = tuple[_Seen | None, Literal["forward", "input", "backward", "loss"]]
+
+
+def _forward_origin(calls: list[_Seen]) -> _Found | None:
     """The first call whose inputs were finite and whose output was not; else the first with a
     non-finite input (no module made it: it came in with the data, or from code outside modules)."""
     for c in calls:
@@ -834,12 +707,7 @@ def _arrival(c: _Seen) -> int:
     return min((e.arrival for e in c.outputs if e.arrival is not None), default=-1)
 
 
-def _backward_origin(
-    calls: list[_Seen],
-    inside: dict[nn.Module, set[int]],
-    origin: Callable[[_Seen], NonFiniteOrigin],
-    step: int,
-) -> NonFiniteOrigin | None:
+def _backward_origin(calls: list[_Seen], inside: dict[nn.Module, set[int]]) -> _Found | None:
     """The first call in backward order whose output gradient was finite and whose input gradient
     (or own parameter's gradient) was not, innermost module first; else the loss, where the
     gradient reaching the model's output was not finite."""
@@ -848,12 +716,12 @@ def _backward_origin(
     # gradient reaching every one of its calls was finite.
     clean = {c.module for c in calls} - {c.module for c in calls if not _grads_finite(c.outputs)}
 
-    def began_here(c: _Seen) -> bool:
-        if not _grads_finite(c.outputs):
-            return False
-        return not _grads_finite(c.inputs) or (c.module in clean and not _parameter_gradients_finite(c.module))
-
-    candidates = [c for c in arrived if began_here(c)]
+    candidates = [
+        c
+        for c in arrived
+        if _grads_finite(c.outputs)
+        and (not _grads_finite(c.inputs) or (c.module in clean and not _parameter_gradients_finite(c.module)))
+    ]
     # A module whose gradient went bad inside a hooked submodule is a candidate too: name the innermost.
     inner = [
         c
@@ -861,9 +729,9 @@ def _backward_origin(
         if not any(o.module is not c.module and id(o.module) in inside[c.module] for o in candidates)
     ]
     if inner:
-        return origin(inner[0])
+        return inner[0], "backward"
     if arrived and not _grads_finite(arrived[0].outputs):
-        return NonFiniteOrigin("", 0, step, "loss")
+        return None, "loss"
     return None
 
 
@@ -876,8 +744,7 @@ def _mark_finite(tensors: list[_Tensor]) -> None:
     values = [e.total for e in tensors] + [e.grad for e in tensors if e.grad is not None]
     if not values:
         return
-    device = values[0].device
-    flags = torch.isfinite(torch.stack([v.to(device, torch.float64) for v in values])).tolist()
+    flags = torch.isfinite(_as_float64(values)).tolist()
     position = len(tensors)
     for e, flag in zip(tensors, flags, strict=False):
         e.finite = flag
@@ -892,12 +759,8 @@ def _parameter_gradients_finite(module: nn.Module) -> bool:
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:
-    """Whether every value of every tensor is finite, with one host synchronization.
-
-    One total per tensor, non-finite wherever a value is: its sum on CPU (several times cheaper
-    than a norm there), its 2-norm on an accelerator (one launch for the list). A total that is not
-    finite while the values are (it overflowed) is told apart by checking that tensor's values.
-    """
+    """Whether every value of every tensor is finite, with one host synchronization: one total per
+    tensor (its sum on CPU, its norm on an accelerator), its values checked where it overflowed."""
     totals = [t.sum() for t in tensors] if tensors[0].device.type == "cpu" else _per_tensor_norms(tensors)
     flags = torch.isfinite(_as_float64(totals))
     if bool(flags.all()):
@@ -908,22 +771,10 @@ def _all_finite(tensors: list[Tensor]) -> bool:
 class NonFiniteFinder:
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
-    The modules that compute (those without submodules, and those with parameters of their own) are
-    watched through the optimizer's ``Capture`` (``Capture.watch``: the capture's one forward hook
-    per module, no hook of the finder's own), which keeps the sum of each tensor a call takes or
-    returns, once per tensor, in the tensor's dtype (non-finite exactly when the tensor is, or when
-    the sum overflows), and a tensor hook that keeps the sum of its gradient: 0-d tensors, with no
-    host synchronization in the hooks. At each step one check of the gradients decides; only a
-    non-finite step is looked into, over the forwards of the model that reached a backward (a
-    forward whose output was dropped, say an evaluation with grad enabled, is forgotten): the first
-    call in forward order whose inputs were finite and whose output was not; else the first whose
-    input was not (the data, or code outside those modules); else the first in backward order whose
-    output gradient was finite and whose input gradient (or own parameter's gradient) was not,
-    innermost module first. Where a tensor feeds several modules its gradient is their sum, so the
-    first of them in backward order is named.
-
-    The finder lives as long as its optimizer, kept or not; ``remove()`` takes it off. With a
-    closure (``LBFGS``, Lightning), the gradient is checked after each evaluation of the closure.
+    It names the first module call in forward order whose inputs were finite and whose output was
+    not; else the first whose input was not; else the first in backward order whose output gradient
+    was finite and whose input gradient (or own parameter's) was not. It lives as long as its
+    optimizer; ``remove()`` takes it off.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
@@ -966,50 +817,35 @@ class NonFiniteFinder:
         else:  # a plain optimizer: a capture of its own, with nothing but this watch
             capture = self._own_capture = Capture(model, [], keep_calls=False)
         self.capture = capture
-        names = {m: capture.name(m) for m in capture.root.modules()}
-        hooked = [m for m in names if not m._modules or any(p is not None for p in m._parameters.values())]
-        self._names = names
+        self._names = {m: capture.name(m) for m in capture.root.modules()}
+        hooked = [m for m in self._names if not m._modules or any(p is not None for p in m._parameters.values())]
         self._inside = {m: {id(s) for s in m.modules()} for m in hooked}
         self._watch = _Watch()
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
         self._watching = capture.watch(hooked, self._watch.record, self._watch.open_forward)
         self._finalizer = weakref.finalize(self, self._watching.remove)
         if isinstance(optimizer, InputAwareOptimizer):
-            self._step_handles: list[Any] = [optimizer.register_inputs_hook(self._inputs_hook, reads=None)]
+            self._step_handle: Any = optimizer.register_inputs_hook(self._inputs_hook, reads=None)
         else:
-            self._step_handles = [optimizer.register_step_pre_hook(self._plain_before)]
+            self._step_handle = optimizer.register_step_pre_hook(self._plain_before)
 
-    # -- the step ---------------------------------------------------------------------------
     def _inputs_hook(self, optimizer: Any, inputs: Any) -> None:
         step, self.step = self.step, self.step + 1
         self._check(step)
 
     def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         step, self.step = self.step, self.step + 1
-        closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
-        if closure is None:
+        wrapped = _after_closure(args, kwargs, lambda: self._check(step))
+        if wrapped is None:
             self._check(step)
-            return None
-
-        # Torch runs step pre-hooks before the step evaluates its closure: check after each evaluation.
-        def closure_then_check() -> Any:
-            loss = closure()
-            self._check(step)
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": closure_then_check}
-        return (args[0], closure_then_check, *args[2:]), kwargs
+        return wrapped
 
     def _check(self, step: int) -> None:
         try:
-            grads = [
-                _dense_values(p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None
-            ]
+            grads = [_dense_values(p.grad) for p in _params(self.optimizer) if p.grad is not None]
             if not grads or _all_finite(grads):
                 return
-            origin = self._watch.origin(step, self._names, self._inside)
-            self.found = origin
+            origin = self.found = self._watch.origin(step, self._names, self._inside)
             message = "the gradient is not finite; " + (
                 origin.describe()
                 if origin
@@ -1024,9 +860,7 @@ class NonFiniteFinder:
 
     def remove(self) -> None:
         """Take the hooks off the model and the optimizer."""
-        for handle in self._step_handles:
-            handle.remove()
-        self._step_handles.clear()
+        self._step_handle.remove()
         self._finalizer()
         if self._own_capture is not None:
             self._own_capture.remove()
@@ -1039,15 +873,11 @@ class NonFiniteFinder:
         self.remove()
 
 
-# -- pictures ---------------------------------------------------------------------------------
-
 PLOTTED = (
     ("modules", "input_rms", "input RMS", True),
     ("modules", "input_zero_fraction", "fraction of exact zeros in the input", False),
     ("parameters", "update_to_weight", "update norm / weight norm", True),
 )
-
-_ZERO_COLOUR, _MISSING_COLOUR = "black", "#d9d9d9"
 
 
 def plot(log: str | Path, out: str | Path) -> Path:
@@ -1068,18 +898,13 @@ def plot(log: str | Path, out: str | Path) -> Path:
     return out
 
 
-def _row_label(name: str, layers: dict[str, str], table: str) -> str:
-    """``"2 (Linear 8x4)"``: the qualified name and, where the log has it, what the layer is."""
-    module = name.rpartition(".")[0] if table == "parameters" else name
-    kind = layers.get(module)
-    return f"{name} ({kind})" if kind else name
-
-
 def _figure(records: list[dict[str, Any]], source: str) -> Any:
-    """The heatmaps of ``records`` as a matplotlib figure: one panel per statistic, a row per layer
-    (qualified name and kind), a colour bar each; on the logarithmic ones, exact zeros in their own
-    colour (below the bar's range) and steps without a value in another."""
+    """One heatmap per statistic (a row per layer, named by qualified name and kind; a column per
+    record) with a colour bar; on a logarithmic one, exact zeros in black (below the bar's range)
+    and values not logged in grey."""
     import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize
 
     steps = [r["step"] for r in records]
     layers: dict[str, str] = {}
@@ -1097,62 +922,37 @@ def _figure(records: list[dict[str, Any]], source: str) -> Any:
         gridspec_kw={"height_ratios": [max(1, len(names)) for names in rows]},
     )
     figure.suptitle(f"Monitor: {source}, steps {steps[0]} to {steps[-1]} ({len(records)} logged)")
-    for axis, panel, names in zip(axes[:, 0], PLOTTED, rows, strict=True):
-        _panel(figure, axis, panel, names, records, layers)
+    for axis, (table, statistic, title, logarithmic), names in zip(axes[:, 0], PLOTTED, rows, strict=True):
+        grid = np.full((max(len(names), 1), len(records)), np.nan)
+        for column, record in enumerate(records):
+            for row, name in enumerate(names):
+                value = record[table].get(name, {}).get(statistic)
+                if value is not None and math.isfinite(value):
+                    grid[row, column] = value
+        zeros = logarithmic and bool((grid == 0).any())
+        if logarithmic:
+            positive = grid[np.isfinite(grid) & (grid > 0)]
+            low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
+            norm: Any = LogNorm(low, high if high > low else low * 10)
+            shown = np.where(grid == 0, low / 10, grid)
+        else:
+            norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
+            shown = grid
+        image = axis.imshow(
+            np.ma.masked_invalid(shown),
+            aspect="auto",
+            interpolation="nearest",
+            norm=norm,
+            cmap=plt.get_cmap("viridis").with_extremes(bad="#d9d9d9", under="black"),
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
+        )
+        kinds = [layers.get(n.rpartition(".")[0] if table == "parameters" else n) for n in names]
+        labels = [f"{n} ({k})" if k else n for n, k in zip(names, kinds, strict=True)]
+        axis.set_yticks(range(len(names)), labels, fontsize=7)
+        axis.set_title(title)
+        axis.set_xlabel("step")
+        bar = figure.colorbar(image, ax=axis, extend="min" if zeros else "neither")
+        notes = (["black: exactly 0"] if zeros else []) + (["grey: not logged"] if np.isnan(grid).any() else [])
+        bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)
     figure.tight_layout()
     return figure
-
-
-def _grid(records: list[dict[str, Any]], table: str, statistic: str, names: list[str]) -> Any:
-    """A row per name, a column per record: the finite values, NaN where none was logged."""
-    import numpy as np
-
-    grid = np.full((max(len(names), 1), len(records)), np.nan)
-    for column, record in enumerate(records):
-        for row, name in enumerate(names):
-            value = record[table].get(name, {}).get(statistic)
-            if value is not None and math.isfinite(value):
-                grid[row, column] = value
-    return grid
-
-
-def _panel(
-    figure: Any,
-    axis: Any,
-    panel: tuple[str, str, str, bool],
-    names: list[str],
-    records: list[dict[str, Any]],
-    layers: dict[str, str],
-) -> None:
-    """One statistic's heatmap and its colour bar."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import LogNorm, Normalize
-
-    table, statistic, title, logarithmic = panel
-    steps = [r["step"] for r in records]
-    grid = _grid(records, table, statistic, names)
-    colours = plt.get_cmap("viridis").with_extremes(bad=_MISSING_COLOUR, under=_ZERO_COLOUR)
-    zeros = logarithmic and bool((grid == 0).any())
-    if logarithmic:
-        positive = grid[np.isfinite(grid) & (grid > 0)]
-        low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
-        norm: Any = LogNorm(low, high if high > low else low * 10)
-        shown = np.where(grid == 0, low / 10, grid)  # below the range: drawn in the zero colour
-    else:
-        norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
-        shown = grid
-    image = axis.imshow(
-        np.ma.masked_invalid(shown),
-        aspect="auto",
-        interpolation="nearest",
-        norm=norm,
-        cmap=colours,
-        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
-    )
-    axis.set_yticks(range(len(names)), [_row_label(n, layers, table) for n in names], fontsize=7)
-    axis.set_title(title)
-    axis.set_xlabel("step")
-    bar = figure.colorbar(image, ax=axis, extend="min" if zeros else "neither")
-    notes = ([f"{_ZERO_COLOUR}: exactly 0"] if zeros else []) + (["grey: not logged"] if np.isnan(grid).any() else [])
-    bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)

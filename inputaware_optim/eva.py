@@ -155,9 +155,6 @@ class Eva(KroneckerRule):
     def _check_sharded_layers(self) -> None:
         self._refuse_sharded_parameters("its output-side vector mixes the rows of each weight's gradient")
 
-    def _factor_shape(self, size: int) -> tuple[int, ...]:
-        return (size,)  # Kronecker vectors
-
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
         # Ds = B g; summing (B sum g) and B over ranks, then dividing, gives the mean of Ds.

@@ -75,6 +75,8 @@ class FOOF(KroneckerRule):
     statistics = InputSecondMoment
     acts_on_rows = True
 
-    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
+    def _precondition(
+        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
+    ) -> Tensor:
         dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
-        return matrix.to(dtype) @ inverses["input"].to(dtype)
+        return (matrix.to(dtype) @ inverses["input"].to(dtype))[rows]

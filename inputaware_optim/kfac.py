@@ -187,10 +187,9 @@ class KFAC(KroneckerRule):
             return None
         return torch.eye(moment.shape[-1], dtype=moment.dtype, device=moment.device).expand_as(moment)
 
-    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
-        return self._precondition_rows(layer, matrix, inverses, slice(None))
-
-    def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
+    def _precondition(
+        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
+    ) -> Tensor:
         if self._kfac_pytorch and self._inverse == "eigh":
             return self._kronecker_damped(layer, matrix)[rows]
         dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)

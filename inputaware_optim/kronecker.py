@@ -1,8 +1,7 @@
 """The machinery FOOF, K-FAC and Eva share: Kronecker factors from captured calls, kept and inverted.
 
-Each factor is a ratio of sums (numerator, denominator), computed in the hooks from each call
-(a ``Reduction``), so micro-batches and data-parallel ranks combine exactly and no input is
-held between forward and step.
+Each factor is a ratio of sums computed in the hooks (a ``Reduction``), so micro-batches and ranks
+combine exactly and no input is held between forward and step.
 """
 
 from __future__ import annotations
@@ -132,7 +131,7 @@ class KroneckerRule(InputAwareSGD):
         return {"_statistics": self.statistics(self._layers(self.reads_capability))}
 
     def _excluded(self, layer: Layer) -> str | None:
-        if self._max_dim is None:
+        if self._max_dim is None:  # (matrix_shape fails on a layer of width 0)
             return None
         size = max(_sides(layer)[factor] for factor in self.factors)
         if size <= self._max_dim:
@@ -174,12 +173,11 @@ class KroneckerRule(InputAwareSGD):
                 )
 
     # -- what subclasses provide ----------------------------------------------------------
-    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
+    def _precondition(
+        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
+    ) -> Tensor:
+        """Rows ``rows`` of the preconditioned ``matrix``."""
         raise NotImplementedError
-
-    def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
-        """Rows ``rows`` of the preconditioned ``matrix`` (all of ``G̃``)."""
-        return self._precondition(layer, matrix, inverses)[rows]
 
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         """This rank's factor sums of the step, before they are summed over ranks."""
@@ -193,10 +191,6 @@ class KroneckerRule(InputAwareSGD):
     def _initial_moment(self, moment: Tensor) -> Tensor | None:
         """The running average a factor's first moment is averaged with (``None``: it is taken as is)."""
         return None
-
-    def _factor_shape(self, size: int) -> tuple[int, ...]:
-        """The shape of a factor's numerator for a side ``size`` wide."""
-        return (size, size)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -295,7 +289,7 @@ class KroneckerRule(InputAwareSGD):
             new = self._precondition(layer, local_matrix_rows(weight, bias, homogeneous), inverses)
         else:  # rows mix: gather this layer's gradient, keep this rank's rows of the result
             full = full_matrix_rows(weight, bias, homogeneous)
-            new = self._precondition_rows(layer, full, inverses, row_range(weight))
+            new = self._precondition(layer, full, inverses, row_range(weight))
         set_local_matrix_rows(weight, bias, new, homogeneous)
 
     def _step_statistics(
@@ -351,8 +345,9 @@ class KroneckerRule(InputAwareSGD):
         blocks = layer.kind.blocks(layer.module)
         sizes = _sides(layer)
         zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+        square = 2 if self.inverts else 1  # (Eva's factors are vectors, with nothing to invert)
         return {
-            factor: (zero(*((blocks,) if blocks > 1 else ()), *self._factor_shape(sizes[factor])), zero(()))
+            factor: (zero(*((blocks,) if blocks > 1 else ()), *(sizes[factor],) * square), zero(()))
             for factor in self.factors
         }
 
@@ -499,7 +494,7 @@ def _sides(layer: Layer) -> dict[str, int]:
     return {"input": inputs, "output_grad": outputs}
 
 
-def _positive_integer(value: Any) -> bool:
+def _positive_integer(value: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 

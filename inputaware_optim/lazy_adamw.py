@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -240,8 +238,14 @@ class LazyAdamW(InputAwareAdamW):
         lazy = [update.weight for update in updates]
         hidden = {id(weight) for weight in lazy}
         if any(p.grad is not None and id(p) not in hidden for group in self.param_groups for p in group["params"]):
-            with _hidden_grads(lazy):  # (else the stock step would change nothing)
+            grads = [weight.grad for weight in lazy]
+            for weight in lazy:  # hidden from the stock kernel, which skips a parameter whose grad is None
+                weight.grad = None
+            try:
                 super().step(inputs=inputs)
+            finally:
+                for weight, grad in zip(lazy, grads, strict=True):
+                    weight.grad = grad
         for update in updates:
             self._update_rows(update)
         return loss
@@ -264,7 +268,10 @@ class LazyAdamW(InputAwareAdamW):
         ranks = self.data_parallel_group if from_inputs else None
         if ranks is not None:  # (a sparse gradient's rows are already every rank's: DDP sums it)
             for update in from_inputs:
-                update.rows = _union_over_ranks(update.rows, update.weight.shape[0], ranks)
+                touched_here = torch.zeros(update.weight.shape[0], dtype=torch.int32, device=update.rows.device)
+                touched_here[update.rows] = 1
+                torch.distributed.all_reduce(touched_here, group=ranks)
+                update.rows = touched_here.nonzero().squeeze(1)
         updates += from_inputs
         for update in updates:
             self._gather_weight_rows(update)
@@ -340,12 +347,8 @@ class LazyAdamW(InputAwareAdamW):
         assert grad is not None and theta is not None
         grad = local_tensor(grad)
         grad_rows = grad.values() if grad.is_sparse else grad.index_select(0, rows)  # (sparse: coalesced, its rows)
-        if grad_rows.dtype != theta.dtype:
-            grad_rows = grad_rows.to(theta.dtype)
-        if not grad_rows.is_contiguous():  # a sparse gradient's values may be strided; the kernel reads them flat
-            grad_rows = grad_rows.contiguous()
-        if step.device != theta.device:
-            step = step.to(theta.device)
+        grad_rows = grad_rows.to(theta.dtype).contiguous()  # a sparse gradient's values may be strided
+        step = step.to(theta.device)
         beta1, beta2 = group["betas"]
         fused_adamw_(
             [theta],
@@ -375,13 +378,6 @@ class _RowUpdate:
     def __init__(self, module: nn.Module, weight: Tensor, rows: Tensor, group: dict[str, Any]) -> None:
         self.module, self.weight, self.rows, self.group = module, weight, rows, group
         self.theta: Tensor | None = None
-
-
-def _union_over_ranks(rows: Tensor, num_rows: int, group: Any) -> Tensor:
-    touched = torch.zeros(num_rows, dtype=torch.int32, device=rows.device)
-    touched[rows] = 1
-    torch.distributed.all_reduce(touched, group=group)
-    return touched.nonzero().squeeze(1)
 
 
 @functools.cache
@@ -428,16 +424,3 @@ def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:
     start = mesh.get_local_rank() * chunk
     held = local_tensor(weight).shape[0]
     return rows[(rows >= start) & (rows < start + held)] - start
-
-
-@contextmanager
-def _hidden_grads(params: list[Tensor]) -> Iterator[None]:
-    """Hide gradients from the stock kernel (which skips parameters whose grad is None)."""
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g

@@ -189,15 +189,15 @@ class Eva(KroneckerRule):
 
     def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]
-        out = []
-        for factor, key in (("input", "input_mean"), ("output_grad", "output_grad_mean")):
+        means = []
+        for factor in self.factors:
             numerator, denominator = sums[factor]
             mean = numerator / denominator
-            previous = state.get(key)
+            previous = state.get(f"{factor}_mean")
             if previous is not None:  # beta * previous + (1 - beta) * mean; the first step takes its own
                 mean = torch.lerp(previous.to(mean.dtype), mean, 1 - layer.group["stat_decay"])
-            out.append(mean)
-        return out[0], out[1]
+            means.append(mean)
+        return means[0], means[1]
 
     def _checked_scales(
         self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]

@@ -102,11 +102,6 @@ class KroneckerRule(InputAwareSGD):
             raise ValueError(f"Invalid inverse: {inverse!r} (must be one of {', '.join(map(repr, INVERSES))})")
         if inverse_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"Invalid inverse_dtype: {inverse_dtype!r} (must be torch.float64 or torch.float32)")
-        if not self.inverts and (inverse != "cholesky" or inverse_dtype != torch.float64):
-            raise ValueError(
-                f"{type(self).__name__} inverts no matrix (its inverses are closed-form): inverse= and "
-                "inverse_dtype= do not apply; leave them out"
-            )
         self._max_dim = max_dim
         self._distributed_inversion = distributed_inversion
         self._inverse, self._inverse_dtype = inverse, inverse_dtype
@@ -412,30 +407,25 @@ class KroneckerRule(InputAwareSGD):
             for factor in due:
                 moment = moments[factor]
                 name = f"{self.capture.name(layer.module)} ({factor})"
+                damping, given = self._damping(layer.group, factor, means), layer.group["damping"]
                 if self._inverse == "eigh":  # the decomposition travels, packed as (n + 1) x n
                     jobs.append(functools.partial(eigenbasis, moment, name, dtype))
                     likes.append(
                         moment.new_empty((*moment.shape[:-2], moment.shape[-1] + 1, moment.shape[-1]), dtype=dtype)
                     )
                 else:
-                    damping = self._damping(layer.group, factor, means)
-                    given = layer.group["damping"]
                     jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype, given=given))
                     likes.append(moment)
                 costs.append(float(moment.numel() * moment.shape[-1]))  # ~ n³ per block either way
-                slots.append((layer.group, means, inverses, bases, factor, name, moment.dtype))
+                slots.append((inverses, bases, factor, name, damping, given, moment.dtype))
         group = self.data_parallel_group if self._distributed_inversion else None
-        for (param_group, means, inverses, bases, factor, name, like), result in zip(
-            slots, computed_once(jobs, likes, costs, group), strict=True
-        ):
+        results = computed_once(jobs, likes, costs, group)
+        for (inverses, bases, factor, name, damping, given, like), result in zip(slots, results, strict=True):
             if self._inverse == "eigh":
                 values, vectors = result[..., -1, :].clone(), result[..., :-1, :].clone()
                 bases[factor] = (values, vectors)
-                damping = self._damping(param_group, factor, means)
-                given = param_group["damping"]
-                inverses[factor] = inverse_from_eigenbasis(values, vectors, damping, name, like, given)
-            else:
-                inverses[factor] = result
+                result = inverse_from_eigenbasis(values, vectors, damping, name, like, given)
+            inverses[factor] = result
 
 
 def damped_inverse(

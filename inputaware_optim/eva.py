@@ -9,31 +9,19 @@ import torch
 from torch import Tensor, nn
 
 from ._torch import foreach_norm
-from .inputs import Call, Captured
-from .kronecker import FactorSums, KroneckerRule
+from .kfac import KroneckerFactors
+from .kronecker import KroneckerRule
 from .layers import Layer, weight_of
 
 __all__ = ["Eva"]
 
 
-class KroneckerVectors(FactorSums):
-    """Per call: the sum of its input rows in the forward hook, the sum of its output-gradient rows
-    when they arrive in backward (vectors: Eva keeps no matrix between forward and step)."""
+class KroneckerVectors(KroneckerFactors):
+    """K-FAC's sums with vectors for matrices: the sums of the rows (Eva keeps no matrix)."""
 
-    grad_outputs = True
-
-    def forward(self, call: Call) -> Any:
-        layer = self.layers[call.module]
-        entry = Captured([call])
-        rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
-        batch = float(layer.kind.batch_size(call.module, entry))
-        return (rows.sum(-2), rows.new_tensor(float(rows.shape[-2]))), batch  # one vector per block if grouped
-
-    def backward(self, call: Call, kept: Any) -> Any:
-        layer = self.layers[call.module]
-        (input_sum, rows), batch = kept
-        grads = layer.kind.output_grad_rows(call.module, Captured([call]))
-        return {"input": (input_sum, rows), "output_grad": (grads.sum(-2), grads.new_tensor(batch))}
+    @staticmethod
+    def side(rows: Tensor) -> Tensor:
+        return rows.sum(-2)
 
 
 class Eva(KroneckerRule):

@@ -30,6 +30,11 @@ class KroneckerFactors(FactorSums):
         super().__init__(layers)
         self.per_position = per_position
 
+    @staticmethod
+    def side(rows: Tensor) -> Tensor:
+        """A side's sum over ``rows`` (per block if grouped)."""
+        return rows.mT @ rows
+
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         entry = Captured([call])
@@ -39,7 +44,7 @@ class KroneckerFactors(FactorSums):
         positions = rows.shape[-2] / batch if self.per_position and isinstance(layer.kind, ConvKind) else 1.0
         if positions != 1.0:
             rows = rows / positions
-        return (rows.mT @ rows, count), batch, positions  # per block if grouped
+        return (self.side(rows), count), batch, positions
 
     def backward(self, call: Call, kept: Any) -> Any:
         (input_sum, rows), batch, positions = kept
@@ -47,7 +52,7 @@ class KroneckerFactors(FactorSums):
         if positions != 1.0:  # (only with per_position)
             grads = grads / positions
         count = float(grads.shape[-2]) if self.per_position else batch
-        return {"input": (input_sum, rows), "output_grad": (grads.mT @ grads, grads.new_tensor(count))}
+        return {"input": (input_sum, rows), "output_grad": (self.side(grads), grads.new_tensor(count))}
 
 
 class KFAC(KroneckerRule):

@@ -9,31 +9,19 @@ import torch
 from torch import Tensor, nn
 
 from ._torch import foreach_norm
-from .inputs import Call, Captured
-from .kronecker import FactorSums, KroneckerRule
+from .kfac import KroneckerFactors
+from .kronecker import KroneckerRule
 from .layers import Layer, weight_of
 
 __all__ = ["Eva"]
 
 
-class KroneckerVectors(FactorSums):
-    """Per call: the sum of its input rows in the forward hook, the sum of its output-gradient rows
-    when they arrive in backward (vectors: Eva keeps no matrix between forward and step)."""
+class KroneckerVectors(KroneckerFactors):
+    """K-FAC's sums with vectors for matrices: the sums of the rows (Eva keeps no matrix)."""
 
-    grad_outputs = True
-
-    def forward(self, call: Call) -> Any:
-        layer = self.layers[call.module]
-        entry = Captured([call])
-        rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
-        batch = float(layer.kind.batch_size(call.module, entry))
-        return (rows.sum(-2), rows.new_tensor(float(rows.shape[-2]))), batch  # one vector per block if grouped
-
-    def backward(self, call: Call, kept: Any) -> Any:
-        layer = self.layers[call.module]
-        (input_sum, rows), batch = kept
-        grads = layer.kind.output_grad_rows(call.module, Captured([call]))
-        return {"input": (input_sum, rows), "output_grad": (grads.sum(-2), grads.new_tensor(batch))}
+    @staticmethod
+    def side(rows: Tensor) -> Tensor:
+        return rows.sum(-2)
 
 
 class Eva(KroneckerRule):
@@ -47,28 +35,21 @@ class Eva(KroneckerRule):
     ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
     :math:`g_r` the gradient that reached its output rows, :math:`B` the batch and
     :math:`\tilde G` the weight-and-bias gradient, the Kronecker vectors are the mean input row
-    and the mean per-example output derivative (:math:`Ds = B g` for a loss averaged over the
-    batch), kept as running averages (decay ``stat_decay``; the first step takes its own):
+    and the mean per-example output derivative (:math:`Ds = B g` for a mean loss), kept as
+    running averages (decay ``stat_decay``; the first step takes its own):
 
     .. math::
         \bar a = \frac{1}{N_x}\sum_r \tilde x_r, \qquad \bar g = \frac{1}{B}\sum_r B g_r, \qquad
         \operatorname{vec} P = (\bar g \bar g^\top \otimes \bar a \bar a^\top + \gamma I)^{-1}\,
-            \operatorname{vec} \tilde G
-
-    the damping added to the Kronecker product, as in the paper and its authors' code. The
-    product is the rank-one :math:`u u^\top`, :math:`u = \bar g \otimes \bar a`, so its inverse is
-    closed-form (one Sherman-Morrison step) and no matrix is formed or inverted:
-
-    .. math::
+            \operatorname{vec} \tilde G, \qquad
         P = \frac{1}{\gamma}\Big(\tilde G - \frac{\bar g^\top \tilde G\, \bar a}
             {\gamma + \lVert \bar g\rVert^2 \lVert \bar a\rVert^2}\, \bar g \bar a^\top\Big)
 
-    Then, as in the paper (and K-FAC's KL clipping), all preconditioned gradients are scaled by
+    (one Sherman-Morrison step: no matrix is formed or inverted). Then all preconditioned
+    gradients are scaled by the KL clip
     :math:`\nu = \min\big(1, \sqrt{\kappa / (\eta^2 \sum_\ell |\langle P_\ell, \tilde G_\ell\rangle|)}\big)`
-    (``kl_clip`` :math:`\kappa`, learning rate :math:`\eta`; ``kl_clip=None`` leaves them as they
-    are), and the SGD momentum update runs with torch's kernel. Parameters of other modules take
-    the plain SGD step. Statistics cost :math:`O(\text{in} + \text{out})` per layer: between
-    forward and step only the two vectors' sums are held.
+    (``kl_clip`` :math:`\kappa`, learning rate :math:`\eta`) and the SGD momentum update runs.
+    Other parameters take plain SGD. Differences from the authors' code: docs/rules/eva.md.
 
     State per preconditioned weight: ``input_mean`` (:math:`\bar a`), ``output_grad_mean``
     (:math:`\bar g`) and ``statistics_steps``.
@@ -80,32 +61,17 @@ class Eva(KroneckerRule):
         damping: :math:`\gamma`, added to the Kronecker product of the rank-one factors (> 0).
         stat_decay: Decay of the running vectors, in [0, 1).
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
-        statistics_every: Collect the vectors every this many steps (>= 1, keyword-only); between
-            them the hooks keep nothing and the kept vectors precondition.
-        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first
-            dimension) or ``"sum"``, as for DP (keyword-only).
-        damping_form: ``"kronecker"`` (default): :math:`\gamma` added to the Kronecker product, as
-            above; ``"factors"``: added to each rank-one factor,
-            :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`
-            (the form this library had before, about :math:`\tilde G / \gamma^2` where the vectors do
-            not reach, so it wants ``kl_clip=None`` and a learning rate about :math:`\gamma` times
-            smaller). Keyword-only.
-        max_dim: Leave layers with a side larger than this to the stock update (None: no limit;
-            keyword-only).
-        distributed_inversion: Accepted for the Kronecker rules' common signature; Eva inverts
-            nothing, so it changes nothing (keyword-only).
-        params: Parameters or param groups of ``model`` (default: all that require grad;
-            keyword-only).
+        statistics_every: Collect the vectors every this many steps (>= 1); between them the kept
+            vectors precondition.
+        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first dimension)
+            or ``"sum"``.
+        damping_form: ``"kronecker"`` (default, as above) or ``"factors"``: :math:`\gamma` added to each
+            factor, :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`.
+        max_dim: Leave layers with a side larger than this to the stock update (None: no limit).
+        distributed_inversion: Accepted for the Kronecker rules' common signature; changes nothing.
+        params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
             optimizer class to take the update instead of SGD) and its arguments.
-
-    Against the authors' code (github.com/lzhangbv/eva, ``kfac/eva.py``): the same :math:`P` and
-    KL clip; there :math:`\bar g` is the mean output gradient of the mean loss, over the samples
-    and a convolution's :math:`L` output positions, so :math:`1/B` of :math:`\bar g` here
-    (:math:`1/(BL)` for a convolution, whose per-example derivative sums its positions here;
-    ``loss_reduction="sum"`` on a mean loss gives theirs for ``nn.Linear``); only the first 16
-    samples of a batch are read (``kfac_batch_size``); and the running average weighs the new
-    vector by ``factor_decay`` (0.95), where here the old one is weighed by ``stat_decay``.
 
     Reference:
         Lin Zhang, Shaohuai Shi and Bo Li, "Eva: Practical Second-order Optimization with
@@ -177,12 +143,6 @@ class Eva(KroneckerRule):
     def _check_sharded_layers(self) -> None:
         self._refuse_sharded_parameters("its output-side vector mixes the rows of each weight's gradient")
 
-    def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
-        return layer.kind.matrix_shape(layer.module, layer.homogeneous)
-
-    def _factor_shape(self, size: int) -> tuple[int, ...]:
-        return (size,)  # Kronecker vectors
-
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
         # Ds = B g; summing (B sum g) and B over ranks, then dividing, gives the mean of Ds.
@@ -215,70 +175,56 @@ class Eva(KroneckerRule):
             nu = scales[id(layer.group)]
             layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
 
+    def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        state = self.state[weight_of(layer.module)]
+        means = []
+        for factor in self.factors:
+            numerator, denominator = sums[factor]
+            mean = numerator / denominator
+            previous = state.get(f"{factor}_mean")
+            if previous is not None:  # beta * previous + (1 - beta) * mean; the first step takes its own
+                mean = torch.lerp(previous.to(mean.dtype), mean, 1 - layer.group["stat_decay"])
+            means.append(mean)
+        return means[0], means[1]
+
     def _checked_scales(
         self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]
     ) -> dict[int, float]:
-        """Each group's KL-clip scale, after one check of every layer, before any change: each
-        direction's norm is finite unless it holds a NaN or an inf (or its squares overflow: then
-        each element is checked). One transfer to the host for both."""
-        if not directions:
-            return self._kl_clip_scales(layers, [], [])
-        finite = torch.stack(foreach_norm(directions)).isfinite().all().double()
-        totals = self._kl_clip_totals(layers, matrices, directions)
-        found = torch.stack([finite, *totals.values()]).tolist()
-        if not found[0]:
-            for layer, direction in zip(layers, directions, strict=True):
-                if not bool(direction.isfinite().all()):
-                    raise RuntimeError(
-                        f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: "
-                        "training has diverged (NaN or inf activations or gradients). Lower the learning rate "
-                        "or raise damping. No parameter was changed by this step"
-                    )
-        return self._kl_clip_scales(layers, list(totals), found[1:])
-
-    def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-        state = self.state[weight_of(layer.module)]
-        out = []
-        for factor, key in (("input", "input_mean"), ("output_grad", "output_grad_mean")):
-            numerator, denominator = sums[factor]
-            mean = numerator / denominator
-            previous = state.get(key)
-            if previous is not None:  # beta * previous + (1 - beta) * mean; the first step takes its own
-                mean = torch.lerp(previous.to(mean.dtype), mean, 1 - layer.group["stat_decay"])
-            out.append(mean)
-        return out[0], out[1]
-
-    def _kl_clip_totals(
-        self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]
-    ) -> dict[int, Tensor]:
-        r"""Per clipped param group (by ``id``): :math:`\eta^2 \sum_\ell \langle P_\ell, \tilde G_\ell \rangle`
-        (float64, on the device: read with the finiteness check)."""
-        totals: dict[int, Tensor] = {}
+        """Each group's KL-clip scale, after one check of every direction, before any change (one
+        transfer to the host for both)."""
+        totals: dict[int, Tensor] = {}  # per clipped group: η² Σ ⟨P, G̃⟩
         for layer, matrix, direction in zip(layers, matrices, directions, strict=True):
-            if layer.group["kl_clip"] is None:
-                continue  # (no clipping in this group: its total is not needed)
-            lr = float(layer.group["lr"])
-            inner = torch.vdot(direction.reshape(-1), matrix.reshape(-1)).double() * (lr * lr)
-            totals[id(layer.group)] = inner if id(layer.group) not in totals else totals[id(layer.group)] + inner
-        return totals
-
-    def _kl_clip_scales(self, layers: list[Layer], groups: list[int], values: list[float]) -> dict[int, float]:
-        r"""Per param group: :math:`\nu = \min(1, \sqrt{\kappa / (\eta^2 \sum |\langle P, G \rangle|)})`
-        from the totals ``values`` of the groups ``groups``."""
-        totals = dict(zip(groups, values, strict=True))
+            if layer.group["kl_clip"] is not None:
+                lr = float(layer.group["lr"])
+                inner = torch.vdot(direction.reshape(-1), matrix.reshape(-1)).double() * (lr * lr)
+                key = id(layer.group)
+                totals[key] = inner if key not in totals else totals[key] + inner
+        found: list[float] = []
+        if directions:
+            # A norm is finite unless the direction holds a NaN or an inf (or its squares overflow: then
+            # each element is checked).
+            finite = torch.stack(foreach_norm(directions)).isfinite().all().double()
+            found = torch.stack([finite, *totals.values()]).tolist()
+            if not found.pop(0):
+                for layer, direction in zip(layers, directions, strict=True):
+                    if not bool(direction.isfinite().all()):
+                        raise RuntimeError(
+                            f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: "
+                            "training has diverged (NaN or inf activations or gradients). Lower the learning rate "
+                            "or raise damping. No parameter was changed by this step"
+                        )
+        values = dict(zip(totals, found, strict=True))
         scales = {}
         for group in self.param_groups:
-            total, kappa = abs(totals.get(id(group), 0.0)), group["kl_clip"]
+            total, kappa = abs(values.get(id(group), 0.0)), group["kl_clip"]
             scales[id(group)] = 1.0 if kappa is None or total == 0.0 else min(1.0, math.sqrt(kappa / total))
         return scales
 
 
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
     """:math:`(\\bar g \\bar g^\\top \\otimes \\bar a \\bar a^\\top + \\gamma I)^{-1} \\operatorname{vec} M` by
-    Sherman-Morrison (no inverse), as the paper and its authors' code: the Kronecker product is the
-    rank-one :math:`u u^\\top` with :math:`u = \\bar g \\otimes \\bar a`, so the result is
-    ``(M - c g aᵀ) / γ`` with ``c = gᵀ M a / (γ + |g|² |a|²)``. With leading block dimensions (a
-    grouped convolution), one such product per block.
+    Sherman-Morrison: ``(M - c g aᵀ) / γ`` with ``c = gᵀ M a / (γ + |g|² |a|²)``; with leading block
+    dimensions (a grouped convolution), one per block.
     """
     scale = 1.0 / damping
     if matrix.dim() == 2:  # (the common case, in matrix-vector kernels)
@@ -292,11 +238,9 @@ def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tenso
 
 
 def per_factor_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
-    """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` by Sherman-Morrison (no inverse),
-    each factor damped (``damping_form="factors"``); with leading block dimensions, one per block.
-
-    Each factor is a rank-one update, so the product is two: ``R = M - u aᵀ`` with
-    ``u = M a / (γ + aᵀa)``, then ``R - g vᵀ`` with ``v = Rᵀ g / (γ + gᵀg)``, scaled by ``1/γ²``.
+    """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` (``damping_form="factors"``) by
+    Sherman-Morrison twice: ``R = M - u aᵀ``, ``u = M a / (γ + aᵀa)``, then ``(R - g vᵀ) / γ²``,
+    ``v = Rᵀ g / (γ + gᵀg)``; with leading block dimensions, one per block.
     """
     scale = 1.0 / (damping * damping)
     if matrix.dim() == 2:

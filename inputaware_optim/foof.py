@@ -31,49 +31,40 @@ class FOOF(KroneckerRule):
     params=None, **sgd_kwargs)``
 
     For each layer with input rows (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Conv1d/2d/3d``
-    through their unfolded input patches, as K-FAC does; a grouped convolution one block per
-    group, each with its own factor; a transposed one as the convolution it equals), with
-    :math:`\tilde x` the input with a constant 1 appended when the layer's bias is trained (the
-    homogeneous coordinate) and :math:`\tilde G` the weight gradient with the bias gradient as
-    its last column:
+    through their unfolded patches; a grouped convolution one factor per group), with
+    :math:`\tilde x` the input with a 1 appended when the bias is trained and :math:`\tilde G` the
+    weight gradient with the bias gradient as its last column:
 
     .. math::
         A_t = \frac{1}{N}\sum_{n=1}^{N} \tilde x_n \tilde x_n^\top, \qquad
         \bar A_1 = A_1, \quad \bar A_t = \beta \bar A_{t-1} + (1-\beta) A_t, \qquad
         \tilde G \leftarrow \tilde G\,(\bar A + \lambda I)^{-1}
 
-    where the :math:`N` samples are every row of every call of the step (all leading
-    dimensions flattened; so ``k`` micro-batches give the statistics of their concatenation).
-    The inverse (by default Cholesky, in float64) is refreshed every ``update_every`` optimizer
-    steps. Then the SGD momentum update runs with torch's kernel; parameters of other modules take it as
-    is. Under data parallelism :math:`A_t` is averaged over the data-parallel ranks. Under
-    FSDP2 each rank preconditions the rows of :math:`\tilde G` it holds (the update acts on
-    each row alone), so only :math:`A_t` is communicated, never a weight or a gradient.
+    over the :math:`N` rows of every call of the step (micro-batches and data-parallel ranks
+    combine as their concatenation), the inverse refreshed every ``update_every`` optimizer
+    steps; then the SGD momentum update. Other parameters take plain SGD. Under FSDP2 each rank
+    preconditions the rows of :math:`\tilde G` it holds.
 
     State per preconditioned weight: ``input_second_moment`` (:math:`\bar A`), ``input_inverse``
-    (:math:`(\bar A + \lambda I)^{-1}`) and ``statistics_steps``.
+    and ``statistics_steps``.
 
     Args:
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\lambda`, added to the diagonal before inverting (>= 0). It is absolute,
-            so it scales with the inputs' variance; the default suits standardized inputs, and
-            values much smaller let rarely excited directions take very large steps.
+        damping: :math:`\lambda` (>= 0), absolute: it scales with the inputs' variance.
         stat_decay: :math:`\beta`, the decay of the running second moment, in [0, 1).
-        update_every: Refresh the inverse every this many optimizer steps, at the first statistics
-            step that many steps after the last refresh (>= 1).
-        statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
-            them the hooks keep nothing and return at once, and the kept inverses precondition.
+        update_every: Refresh the inverse every this many optimizer steps (>= 1).
+        statistics_every: Collect statistics every this many steps (>= 1); between them the kept
+            inverses precondition.
         max_dim: Leave layers whose factor is larger than this to plain SGD (None: no limit).
-        distributed_inversion: Under data parallelism, invert each layer's factor on one rank
-            and broadcast it (instead of every rank inverting every factor).
-        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition,
-            so a change of ``damping`` applies at the next step without a new decomposition.
+        distributed_inversion: Under data parallelism, invert each factor on one rank and broadcast it.
+        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition, so a
+            change of ``damping`` applies at the next step without a new decomposition.
         inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
         params: Parameters or param groups of ``model`` (default: all that require grad).
-        **sgd_kwargs: Any other ``torch.optim.SGD`` argument (``weight_decay``, ``nesterov``, ...)
-            and ``storage``.
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
+            optimizer class to take the update instead of SGD) and its arguments.
 
     Reference:
         Frederik Benzing, "Gradient Descent on Neurons and its Link to Approximate
@@ -84,6 +75,8 @@ class FOOF(KroneckerRule):
     statistics = InputSecondMoment
     acts_on_rows = True
 
-    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
+    def _precondition(
+        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
+    ) -> Tensor:
         dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
-        return matrix.to(dtype) @ inverses["input"].to(dtype)
+        return (matrix.to(dtype) @ inverses["input"].to(dtype))[rows]

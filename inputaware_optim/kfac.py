@@ -18,8 +18,7 @@ __all__ = ["KFAC"]
 
 
 class KroneckerFactors(FactorSums):
-    """Per call: the input factor's sums in the forward hook, the output-gradient factor's when
-    the call's output gradient arrives in backward.
+    """Per call: the input factor's sums in the forward hook, the output-gradient factor's in backward.
 
     With ``per_position`` (kfac-pytorch's scaling), a convolution's rows are divided by its
     number of output positions ``L`` and the output-gradient sum is over rows, not samples.
@@ -31,6 +30,11 @@ class KroneckerFactors(FactorSums):
         super().__init__(layers)
         self.per_position = per_position
 
+    @staticmethod
+    def side(rows: Tensor) -> Tensor:
+        """A side's sum over ``rows`` (per block if grouped)."""
+        return rows.mT @ rows
+
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         entry = Captured([call])
@@ -40,18 +44,15 @@ class KroneckerFactors(FactorSums):
         positions = rows.shape[-2] / batch if self.per_position and isinstance(layer.kind, ConvKind) else 1.0
         if positions != 1.0:
             rows = rows / positions
-        return (rows.mT @ rows, count), batch, positions  # per block if grouped
+        return (self.side(rows), count), batch, positions
 
     def backward(self, call: Call, kept: Any) -> Any:
-        layer = self.layers[call.module]
         (input_sum, rows), batch, positions = kept
-        grads = layer.kind.output_grad_rows(call.module, Captured([call]))
-        if not self.per_position:
-            return {"input": (input_sum, rows), "output_grad": (grads.mT @ grads, grads.new_tensor(batch))}
-        if positions != 1.0:
+        grads = self.layers[call.module].kind.output_grad_rows(call.module, Captured([call]))
+        if positions != 1.0:  # (only with per_position)
             grads = grads / positions
-        count = grads.new_tensor(float(grads.shape[-2]))
-        return {"input": (input_sum, rows), "output_grad": (grads.mT @ grads, count)}
+        count = float(grads.shape[-2]) if self.per_position else batch
+        return {"input": (input_sum, rows), "output_grad": (self.side(grads), grads.new_tensor(count))}
 
 
 class KFAC(KroneckerRule):
@@ -63,11 +64,10 @@ class KFAC(KroneckerRule):
     **sgd_kwargs)``
 
     For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
-    ``nn.Conv1d/2d/3d`` and their transposes; a grouped convolution one block per group),
-    with :math:`\tilde x` the input rows (a 1 appended when the bias is trained), :math:`g` the
-    gradient that reached the layer's output (one row per sample and position), :math:`B` the
-    batch size and :math:`\tilde G` the weight-and-bias gradient, the library's convention
-    (``convention="inputaware"``) is
+    ``nn.Conv1d/2d/3d`` and their transposes; a grouped convolution one block per group), with
+    :math:`\tilde x` the input rows (a 1 appended when the bias is trained), :math:`g` the
+    gradient that reached the layer's output rows, :math:`B` the batch size and :math:`\tilde G`
+    the weight-and-bias gradient, ``convention="inputaware"`` (the default) is
 
     .. math::
         A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \quad
@@ -76,38 +76,17 @@ class KFAC(KroneckerRule):
             (\bar A + \pi\sqrt\lambda I)^{-1}, \quad
         \pi = \sqrt{m_A / m_G}, \quad m_F = \operatorname{tr}(\bar F) / \dim \bar F
 
-    Martens & Grosse's factored Tikhonov damping (their section 6.3): :math:`\lambda` is split
-    between the factors by their mean eigenvalues :math:`m_F`, so each is damped by the same
-    fraction of its own scale, :math:`\sqrt{\lambda / (m_A m_G)}`, and the output-gradient
-    factor, often orders of magnitude smaller than the input one, is not swamped
-    (:math:`\pi = 1` where a factor is zero). The product of the damped factors is
-    :math:`\bar G \otimes \bar A + \lambda I` plus cross terms, so :math:`\lambda` is in the
-    units of the curvature and bounds the step where the curvature is small.
-    :math:`G` is the second moment of the per-example output derivative :math:`Ds = B g` of a
-    loss averaged over the batch (``loss_reduction="mean"``; for a summed loss, :math:`g` is
-    already per example and :math:`G = \frac1B\sum_r g_r g_r^\top`). Both factors keep running
-    averages (:math:`\bar A, \bar G`, decay ``stat_decay``; the first step takes its own) whose
-    damped inverses are refreshed every ``update_every`` optimizer steps (Cholesky, float64).
-    Then the SGD momentum update runs, with torch's kernel. Micro-batches combine as their
-    concatenation; under data parallelism both factors combine over the ranks. Under FSDP2 the
-    output-side factor mixes the rows of :math:`\tilde G`, so each layer's gradient is gathered
-    (one layer at a time) and each rank keeps its own rows of the preconditioned gradient.
+    Martens & Grosse's factored Tikhonov damping (their section 6.3; :math:`\pi = 1` where a
+    factor is zero). :math:`G` is the second moment of the per-example output derivative
+    :math:`Ds = B g` of a mean loss. :math:`\bar A, \bar G` are running averages (decay
+    ``stat_decay``; the first step takes its own) whose damped inverses are refreshed every
+    ``update_every`` optimizer steps; then the SGD momentum update. Under FSDP2 each layer's
+    gradient is gathered (one layer at a time) and each rank keeps its rows of the result.
 
-    ``convention="kfac-pytorch"`` reproduces kfac-pytorch's (``KFACPreconditioner``)
-    preconditioned gradient: a convolution's rows divided by its number of output positions
-    :math:`L` (1 for other layers), :math:`A = \frac1N\sum_r (\tilde x_r/L)(\tilde x_r/L)^\top`
-    and :math:`G = \frac1N\sum_r (g_r/L)(g_r/L)^\top` over the :math:`N` rows (the gradient as it
-    reached the output: ``loss_reduction`` does not apply), running averages that start from
-    :math:`I` (:math:`\bar A_1 = \beta I + (1-\beta) A_1`), and :math:`\lambda` absolute:
-    ``inverse="cholesky"`` gives its ``compute_method="inverse"``,
-    :math:`(\bar G + \lambda I)^{-1} \tilde G (\bar A + \lambda I)^{-1}`, and ``inverse="eigh"``
-    its default ``compute_method="eigen"``, which damps the Kronecker product,
-    :math:`(\bar G \otimes \bar A + \lambda I)^{-1} \operatorname{vec} \tilde G`. kfac-pytorch
-    also scales the result by its KL clip (``kl_clip=0.001`` there by default;
-    ``kl_clip=lambda step: None`` turns it off to compare with this class); its
-    ``inv_update_steps`` is ``update_every`` here, both counted in optimizer steps.
+    ``convention="kfac-pytorch"`` reproduces kfac-pytorch's preconditioned gradient (its scaling,
+    running averages from :math:`I`, absolute :math:`\lambda`; ``inverse="cholesky"`` its
+    ``compute_method="inverse"``, ``inverse="eigh"`` its ``"eigen"``): see docs/rules/kfac.md.
 
-    Output gradients are captured for the supported layers (``grad_outputs``).
     State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
     ``output_grad_second_moment``, ``output_grad_inverse`` and ``statistics_steps``.
 
@@ -115,30 +94,20 @@ class KFAC(KroneckerRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\lambda` (>= 0), split between the factors as above, or under
-            ``convention="kfac-pytorch"`` as there.
+        damping: :math:`\lambda` (>= 0), split between the factors as above.
         stat_decay: Decay of the running factors, in [0, 1).
-        update_every: Refresh the inverses every this many optimizer steps, at the first statistics
-            step that many steps after the last refresh (>= 1).
-        statistics_every: Collect statistics every this many steps (>= 1, keyword-only); between
-            them the hooks keep nothing and return at once, and the kept inverses precondition.
-        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first
-            dimension) or ``"sum"``, as for DP (keyword-only).
-        convention: ``"inputaware"`` (default) or ``"kfac-pytorch"``: the factors' scaling and
-            damping, as above (keyword-only).
-        max_dim: Leave layers with a factor larger than this to the stock update (None: no limit;
-            keyword-only).
-        distributed_inversion: Under data parallelism, invert each factor on one rank and
-            broadcast it (instead of every rank inverting every factor; keyword-only).
-        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition,
-            so a change of ``damping`` applies at the next step without a new decomposition
-            (keyword-only).
-        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or
-            ``torch.float32`` (keyword-only). The inverses are kept in the statistics' dtype
-            (float32, float64 for float64 parameters) and the gradients preconditioned in the
-            parameters' dtype.
-        params: Parameters or param groups of ``model`` (default: all that require grad;
-            keyword-only).
+        update_every: Refresh the inverses every this many optimizer steps (>= 1).
+        statistics_every: Collect statistics every this many steps (>= 1); between them the kept
+            inverses precondition.
+        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first dimension)
+            or ``"sum"`` (:math:`g` is already per example: :math:`G = \frac1B\sum_r g_r g_r^\top`).
+        convention: ``"inputaware"`` (default) or ``"kfac-pytorch"``: the factors' scaling and damping.
+        max_dim: Leave layers with a factor larger than this to the stock update (None: no limit).
+        distributed_inversion: Under data parallelism, invert each factor on one rank and broadcast it.
+        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition, so a
+            change of ``damping`` applies at the next step without a new decomposition.
+        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
+        params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
             optimizer class to take the update instead of SGD) and its arguments.
 
@@ -210,9 +179,6 @@ class KFAC(KroneckerRule):
             grads = grads * (batch * batch)
         return {**sums, "output_grad": (grads, batch)}
 
-    def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
-        return layer.kind.matrix_shape(layer.module, layer.homogeneous)  # both sides
-
     def _damping(self, group: dict[str, Any], factor: str, means: dict[str, Tensor]) -> float | Tensor:
         damping = float(group["damping"])
         if self._kfac_pytorch:
@@ -226,16 +192,12 @@ class KFAC(KroneckerRule):
             return None
         return torch.eye(moment.shape[-1], dtype=moment.dtype, device=moment.device).expand_as(moment)
 
-    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
-        if self._kfac_pytorch and self._inverse == "eigh":
-            return self._kronecker_damped(layer, matrix)
-        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
-        return inverses["output_grad"].to(dtype) @ matrix.to(dtype) @ inverses["input"].to(dtype)
-
-    def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
+    def _precondition(
+        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
+    ) -> Tensor:
         if self._kfac_pytorch and self._inverse == "eigh":
             return self._kronecker_damped(layer, matrix)[rows]
-        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)
+        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
         return inverses["output_grad"][rows].to(dtype) @ matrix.to(dtype) @ inverses["input"].to(dtype)
 
     def _kronecker_damped(self, layer: Layer, matrix: Tensor) -> Tensor:

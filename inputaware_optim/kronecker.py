@@ -1,15 +1,7 @@
-"""The machinery FOOF and K-FAC share: Kronecker factors from captured calls, kept and inverted.
+"""The machinery FOOF, K-FAC and Eva share: Kronecker factors from captured calls, kept and inverted.
 
-A layer ``y = W̃ x̃`` has a gradient ``G̃`` (bias as its last column). A Kronecker rule
-builds, per layer and step, second-moment factors from the captured calls (the inputs
-for both rules, the output gradients too for K-FAC), keeps their running averages,
-refreshes their damped inverses every ``update_every`` optimizer steps and replaces ``G̃`` by a
-preconditioned one before the stock SGD update. Each factor is a ratio of sums
-(numerator, denominator) so that micro-batches and data-parallel ranks combine exactly.
-
-The sums are a ``Reduction``: computed in the hooks from each call (the input side in the
-forward hook, the output-gradient side when the gradient arrives), so between forward and
-step only the factor sums are held, never an input.
+Each factor is a ratio of sums computed in the hooks (a ``Reduction``), so micro-batches and ranks
+combine exactly and no input is held between forward and step.
 """
 
 from __future__ import annotations
@@ -37,7 +29,7 @@ from .distributed import (
     sharded,
 )
 from .inputs import Inputs
-from .layers import Layer, bias_of, explained, weight_of
+from .layers import ConvKind, Layer, LinearKind, bias_of, explained, layer_kind, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
@@ -60,39 +52,23 @@ class FactorSums(Reduction):
 
 
 class KroneckerRule(InputAwareSGD):
-    """Base of the Kronecker-factored rules; subclasses name their factors and how to apply them.
+    """Base of the Kronecker-factored rules (the inverses, schedule and data parallelism: docs/rules/foof.md).
 
-    Subclasses set ``factors`` (the names of their Kronecker factors) and ``statistics`` (the
-    ``FactorSums`` reduction that computes each call's numerator and denominator per factor
-    in the hooks), implement ``_precondition`` (the new gradient matrix from the old one and the damped inverses),
-    and may override ``_damping`` (the damping added to each factor before inverting). A rule that
-    inverts nothing (Eva) overrides ``_precondition_layers`` instead: the step is the same.
+    Subclasses set ``factors`` and ``statistics`` (the ``FactorSums`` computing each call's sums),
+    implement ``_precondition`` (the new gradient matrix from the old one and the damped inverses)
+    and may override ``_damping``. A rule that inverts nothing (Eva) overrides
+    ``_precondition_layers`` instead.
 
-    State per preconditioned weight: ``<factor>_second_moment`` (running average),
-    ``<factor>_inverse`` (damped inverse) for each factor, and ``statistics_steps``; with
-    ``inverse="eigh"`` also ``<factor>_eigenvalues``, ``<factor>_eigenvectors`` and
-    ``<factor>_inverse_damping`` (the damping the kept inverse was formed with).
-
-    Inverses (``inverse=``): ``"cholesky"`` (the default) factors each damped factor and inverts
-    it; a change of ``damping`` takes effect at the next refresh. ``"eigh"`` keeps each factor's
-    eigendecomposition, so a change of ``damping`` (a schedule, or a trust-region rule setting
-    ``group["damping"]``) takes effect at the next step, by one matrix product per factor, with
-    no new decomposition. ``inverse_dtype`` (float64 by default, or float32) is the precision of
-    the decomposition; the benchmarks measure both precisions' cost and error.
-
-    Data parallelism: the factor sums are summed over the ranks (one all-reduce per step), so
-    every rank holds the same factors. With ``distributed_inversion=True`` each factor due for
-    inversion is inverted on one rank (the costliest first, each to the least loaded rank) and
-    broadcast, so the inversion time per rank falls as ranks are added; the inverses are the
-    bits every rank would have computed. Under FSDP2 (weights sharded on their rows), a rule
-    that preconditions each row of ``G̃`` alone (``acts_on_rows``) updates the rows this rank
-    holds; another gathers one layer's gradient at a time and keeps its own rows of the result.
+    State per preconditioned weight: ``<factor>_second_moment``, ``<factor>_inverse`` and
+    ``statistics_steps``; with ``inverse="eigh"`` also ``<factor>_eigenvalues``,
+    ``<factor>_eigenvectors`` and ``<factor>_inverse_damping`` (the damping the inverse was formed with).
     """
 
-    reads_capability: ClassVar[str] = "input_rows"  # K-FAC and Eva: "output_grad_rows" (and input rows)
+    reads_capability: ClassVar[str] = "input_rows"
     reads_calls = False
     factors: tuple[str, ...] = ()
-    inverts: ClassVar[bool] = True  # Eva: False (closed-form inverses, nothing to decompose)
+    statistics: type[FactorSums] = FactorSums
+    inverts: ClassVar[bool] = True
     # Whether ``_precondition`` maps each row of G̃ by itself (G̃ A⁻¹): then a rank holding some
     # of the rows (FSDP2) preconditions them without the others.
     acts_on_rows: ClassVar[bool] = False
@@ -117,9 +93,8 @@ class KroneckerRule(InputAwareSGD):
     ) -> None:
         if lr is None:
             raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        _check_hyperparameters(damping, stat_decay, update_every)
-        integral = isinstance(max_dim, numbers.Integral) and not isinstance(max_dim, bool)
-        if max_dim is not None and (not integral or max_dim < 1):
+        _check_hyperparameters(damping, stat_decay, update_every, statistics_every)
+        if max_dim is not None and not _positive_integer(max_dim):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
             raise ValueError(f"Invalid distributed_inversion: {distributed_inversion!r} (must be True or False)")
@@ -127,15 +102,9 @@ class KroneckerRule(InputAwareSGD):
             raise ValueError(f"Invalid inverse: {inverse!r} (must be one of {', '.join(map(repr, INVERSES))})")
         if inverse_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"Invalid inverse_dtype: {inverse_dtype!r} (must be torch.float64 or torch.float32)")
-        if not self.inverts and (inverse != "cholesky" or inverse_dtype != torch.float64):
-            raise ValueError(
-                f"{type(self).__name__} inverts no matrix (its inverses are closed-form): inverse= and "
-                "inverse_dtype= do not apply; leave them out"
-            )
         self._max_dim = max_dim
         self._distributed_inversion = distributed_inversion
         self._inverse, self._inverse_dtype = inverse, inverse_dtype
-        _check_schedule(statistics_every)
         self._rule_defaults = {
             "damping": damping,
             "stat_decay": stat_decay,
@@ -156,17 +125,13 @@ class KroneckerRule(InputAwareSGD):
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_statistics": self.statistics(self._layers(self.reads_capability))}
 
-    def _factor_dims(self, layer: Layer) -> tuple[int, ...]:
-        """The sizes of this rule's Kronecker factors for ``layer`` (default: the input side only)."""
-        return (layer.kind.matrix_shape(layer.module, layer.homogeneous)[1],)
-
     def _excluded(self, layer: Layer) -> str | None:
-        if self._max_dim is None:
+        if self._max_dim is None:  # (matrix_shape fails on a layer of width 0)
             return None
-        dims = self._factor_dims(layer)
-        if max(dims) <= self._max_dim:
+        size = max(_sides(layer)[factor] for factor in self.factors)
+        if size <= self._max_dim:
             return None
-        return f"a Kronecker factor of size {max(dims)} exceeds max_dim={self._max_dim} (memory ~ size², time ~ size³)"
+        return f"a Kronecker factor of size {size} exceeds max_dim={self._max_dim} (memory ~ size², time ~ size³)"
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
         layers = self._layers(self.reads_capability)
@@ -178,14 +143,13 @@ class KroneckerRule(InputAwareSGD):
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)
         for group in self.param_groups:
-            _check_hyperparameters(group["damping"], group["stat_decay"], group["update_every"])
-            _check_schedule(group["statistics_every"])
+            _check_hyperparameters(
+                group["damping"], group["stat_decay"], group["update_every"], group["statistics_every"]
+            )
         self._check_sharded_layers()
 
     def _check_sharded_layers(self) -> None:
         """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""
-        from .layers import ConvKind, LinearKind, layer_kind
-
         names = {m: n for n, m in unwrap_model(self._model).named_modules()}
         for module in self._modules_to_capture(self._params()):
             weight, bias = weight_of(module), bias_of(module)
@@ -204,27 +168,23 @@ class KroneckerRule(InputAwareSGD):
                 )
 
     # -- what subclasses provide ----------------------------------------------------------
-    statistics: type[FactorSums] = FactorSums
-
-    def _precondition(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor]) -> Tensor:
+    def _precondition(
+        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
+    ) -> Tensor:
+        """Rows ``rows`` of the preconditioned ``matrix``."""
         raise NotImplementedError
 
-    def _precondition_rows(self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice) -> Tensor:
-        """Rows ``rows`` of the preconditioned ``matrix`` (all of ``G̃``); default: all of it, sliced."""
-        return self._precondition(layer, matrix, inverses)[rows]
-
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
-        """This rank's factor sums of the step, before they are summed over ranks (default: as reduced)."""
+        """This rank's factor sums of the step, before they are summed over ranks."""
         return sums
 
     def _damping(self, group: dict[str, Any], factor: str, means: dict[str, Tensor]) -> float | Tensor:
-        """What is added to the diagonal of ``factor`` before inverting it (default: ``damping``
-        itself); ``means`` holds each of the layer's factors' mean eigenvalue (one per block)."""
+        """What is added to the diagonal of ``factor`` before inverting it; ``means`` holds each
+        factor's mean eigenvalue (one per block)."""
         return float(group["damping"])
 
     def _initial_moment(self, moment: Tensor) -> Tensor | None:
-        """The running average a factor's first moment is averaged with (default: none, the first
-        step takes its own)."""
+        """The running average a factor's first moment is averaged with (``None``: it is taken as is)."""
         return None
 
     # -- the step -------------------------------------------------------------------------------
@@ -234,7 +194,7 @@ class KroneckerRule(InputAwareSGD):
         loss = evaluate_closure(closure)
         assert inputs is not None
         due = [group for group in self.param_groups if _statistics_due(group)]
-        layers, sums = self._seen_statistics(inputs, due)
+        layers, sums = self._step_statistics(inputs, due) if due else ([], [])
         self._precondition_layers(due, layers, sums)
         super().step(inputs=inputs)
         self._advance_schedule()
@@ -243,14 +203,16 @@ class KroneckerRule(InputAwareSGD):
     def _precondition_layers(
         self, due: list[dict[str, Any]], layers: list[Layer], sums: list[dict[str, tuple[Tensor, Tensor]]]
     ) -> None:
-        """Replace each supported layer's gradient by its preconditioned one: the layers that saw
-        rows this step (``layers``, with their factor sums) and those whose group is between
-        statistics steps (with the kept inverses)."""
+        """Precondition the layers that saw rows this step (``layers``, with their factor sums) and
+        those whose group is between statistics steps (with the kept inverses)."""
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
         try:
             updates = [self._refreshed(layer, factor_sums) for layer, factor_sums in zip(layers, sums, strict=True)]
             self._invert_due(layers, updates)
-            kept = self._kept_inverses(due)
+            kept = [
+                (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
+                for layer, inverses in self._between_statistics(due, [f"{f}_inverse" for f in self.factors])
+            ]
         except _NotPositiveDefinite as error:  # a diverged run is said as such before any advice on damping
             self._refuse_not_finite_gradients(error)
             raise
@@ -261,34 +223,8 @@ class KroneckerRule(InputAwareSGD):
                 self._keep_inverses(layer, inverses)
             self._set_preconditioned(layer, inverses)
 
-    def _seen_statistics(
-        self, inputs: Inputs, due: list[dict[str, Any]]
-    ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
-        """The step's factor sums (``_step_statistics``) of the layers that saw a row.
-
-        A layer that saw no row this step (an expert no token was routed to) has no statistics to
-        average: it takes the plain step (its gradient is zero) and keeps its running moments."""
-        if not due:
-            return [], []
-        layers, sums = self._step_statistics(inputs, due)
-        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
-        return (
-            [layer for layer, ok in zip(layers, seen, strict=True) if ok],
-            [s for s, ok in zip(sums, seen, strict=True) if ok],
-        )
-
-    def _kept_inverses(self, due: list[dict[str, Any]]) -> list[tuple[Layer, dict[str, Tensor]]]:
-        """The inverses kept for the layers of the groups with no statistics this step (formed again
-        under ``"eigh"`` if the damping changed)."""
-        keys = [f"{factor}_inverse" for factor in self.factors]
-        return [
-            (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
-            for layer, inverses in self._between_statistics(due, keys)
-        ]
-
     def _commit_statistics(self, layer: Layer, update: Any) -> dict[str, Tensor]:
-        """Keep a statistics step's running moments, decompositions and inverses in the layer's state;
-        the inverses to precondition with."""
+        """Keep a statistics step's moments, decompositions and inverses; return the inverses."""
         state, moments, inverses, due, bases = update
         if due:  # refreshed (kept only now: a step that fails changes no state)
             state["inverse_step"] = layer.group.get("schedule_step", 0)
@@ -313,8 +249,8 @@ class KroneckerRule(InputAwareSGD):
                     ) from error
 
     def _between_statistics(self, due: list[dict[str, Any]], keys: list[str]) -> list[tuple[Layer, list[Tensor]]]:
-        """The layers with a gradient in groups that collect no statistics this step, with the state
-        under ``keys`` they keep (a layer missing any, none kept yet, takes the plain step)."""
+        """The layers with a gradient in groups that collect no statistics this step, with their state
+        under ``keys`` (a layer missing any, none kept yet, takes the plain step)."""
         out = []
         for layer in self._layers(self.reads_capability):
             weight = weight_of(layer.module)
@@ -326,15 +262,13 @@ class KroneckerRule(InputAwareSGD):
         return out
 
     def _advance_schedule(self) -> None:
-        """Count the step in each group, and read statistics at the next step only if one is due:
-        between statistics steps the hooks keep nothing and return at once."""
+        """Count the step in each group; between statistics steps the hooks keep nothing and return at once."""
         for group in self.param_groups:
             group["schedule_step"] = group.get("schedule_step", 0) + 1
-        capture = self.capture
         if any(_statistics_due(group) for group in self.param_groups):
-            capture.add_reduction(self._statistics)
+            self.capture.add_reduction(self._statistics)
         else:
-            capture.remove_reduction(self._statistics, keep_hooks=True)
+            self.capture.remove_reduction(self._statistics, keep_hooks=True)
 
     def _set_preconditioned(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         """Replace the layer's gradient by the preconditioned one (under FSDP2, this rank's rows of it)."""
@@ -347,21 +281,21 @@ class KroneckerRule(InputAwareSGD):
             return
         bias = bias_of(module)
         if self.acts_on_rows:  # this rank's rows need nothing from the others
-            new = self._precondition(layer, local_matrix_rows(weight, bias, layer.homogeneous), inverses)
+            new = self._precondition(layer, local_matrix_rows(weight, bias, homogeneous), inverses)
         else:  # rows mix: gather this layer's gradient, keep this rank's rows of the result
-            full = full_matrix_rows(weight, bias, layer.homogeneous)
-            new = self._precondition_rows(layer, full, inverses, row_range(weight))
-        set_local_matrix_rows(weight, bias, new, layer.homogeneous)
+            full = full_matrix_rows(weight, bias, homogeneous)
+            new = self._precondition(layer, full, inverses, row_range(weight))
+        set_local_matrix_rows(weight, bias, new, homogeneous)
 
     def _step_statistics(
         self, inputs: Inputs, due: list[dict[str, Any]]
     ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
-        """This step's factor sums for every layer of the ``due`` groups with gradients and captured
-        calls, summed over ranks.
+        """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a
+        gradient and a row this step.
 
-        Under data parallelism a layer this rank's batch never reached (a branch, an expert no
-        local token was routed to) joins with zero sums, so that every rank reduces the same
-        list; it is left out (plain step) only if no rank captured a call of it.
+        Under data parallelism a layer this rank's batch never reached joins with zero sums, so
+        that every rank reduces the same list. A layer that saw no row on any rank (an expert no
+        token was routed to) takes the plain step and keeps its running moments.
         """
         layers: list[Layer] = []
         sums: list[dict[str, tuple[Tensor, Tensor]]] = []
@@ -390,29 +324,27 @@ class KroneckerRule(InputAwareSGD):
                 factor_sums = {f: (n.clone(), d.clone()) for f, (n, d) in factor_sums.items()}
             sums.append(self._local_sums(layer, factor_sums))
         all_reduce_sum_([t for factor_sums in sums for pair in factor_sums.values() for t in pair], ranks)
-        for index in absent:  # captured on no rank: the plain step (step() leaves out a layer with no row)
+        for index in absent:  # captured on no rank: the plain step
             if all(float(d) == 0 for _, d in sums[index].values()):
                 inputs.get(weight_of(layers[index].module))  # (Inputs warns)
-        return layers, sums
+        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
+        return (
+            [layer for layer, ok in zip(layers, seen, strict=True) if ok],
+            [s for s, ok in zip(sums, seen, strict=True) if ok],
+        )
 
     def _zero_sums(self, layer: Layer) -> dict[str, tuple[Tensor, Tensor]]:
-        """Zero factor sums of ``layer``, shaped as the hooks compute them: one square matrix per
-        factor (per block if the layer has several), the input side ``in [+1]`` wide, the output
-        side ``out`` (Eva: vectors)."""
+        """Zero factor sums of ``layer``, shaped as the hooks compute them (per block if it has several)."""
         weight = local_tensor(weight_of(layer.module))
         dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
         blocks = layer.kind.blocks(layer.module)
-        outputs, inputs = layer.kind.matrix_shape(layer.module, layer.homogeneous)
-        sizes = {"input": inputs, "output_grad": outputs}
+        sizes = _sides(layer)
         zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+        square = 2 if self.inverts else 1  # (Eva's factors are vectors, with nothing to invert)
         return {
-            factor: (zero(*((blocks,) if blocks > 1 else ()), *self._factor_shape(sizes[factor])), zero(()))
+            factor: (zero(*((blocks,) if blocks > 1 else ()), *(sizes[factor],) * square), zero(()))
             for factor in self.factors
         }
-
-    def _factor_shape(self, size: int) -> tuple[int, ...]:
-        """The shape of a factor's numerator for a side ``size`` wide (a square matrix; Eva: a vector)."""
-        return (size, size)
 
     def _kept_inverse(self, layer: Layer, factor: str, inverse: Tensor) -> Tensor:
         """The kept ``inverse`` of ``factor``; under ``inverse="eigh"``, formed again from the kept
@@ -434,7 +366,7 @@ class KroneckerRule(InputAwareSGD):
             if state.get(f"{factor}_inverse") is inverse:
                 continue  # (kept as it is: no refresh, no change of damping)
             state[f"{factor}_inverse"] = inverse
-            if self._inverse == "eigh":  # (the group's: what is added follows from it and the kept eigenvalues)
+            if self._inverse == "eigh":
                 state[f"{factor}_inverse_damping"] = float(layer.group["damping"])
 
     def _refreshed(
@@ -456,7 +388,7 @@ class KroneckerRule(InputAwareSGD):
                 previous = previous.to(moment.dtype)
             if previous is None:
                 previous = self._initial_moment(moment)
-            if previous is not None:  # beta * previous + (1 - beta) * moment; the first step takes its own
+            if previous is not None:  # beta * previous + (1 - beta) * moment
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             if f"{factor}_inverse" not in state or refresh:
                 due.append(factor)
@@ -466,8 +398,8 @@ class KroneckerRule(InputAwareSGD):
         return state, moments, inverses, due, {}
 
     def _invert_due(self, layers: list[Layer], updates: list[Any]) -> None:
-        """Fill in the inverses due this step (and under ``"eigh"`` the eigendecompositions they
-        come from): each on one rank and broadcast (``distributed_inversion``), or every one here."""
+        """Fill in the inverses due this step (and under ``"eigh"`` their eigendecompositions): each
+        on one rank and broadcast (``distributed_inversion``), or every one here."""
         jobs, likes, costs, slots = [], [], [], []
         dtype = self._inverse_dtype
         for layer, (_, moments, inverses, due, bases) in zip(layers, updates, strict=True):
@@ -475,30 +407,25 @@ class KroneckerRule(InputAwareSGD):
             for factor in due:
                 moment = moments[factor]
                 name = f"{self.capture.name(layer.module)} ({factor})"
+                damping, given = self._damping(layer.group, factor, means), layer.group["damping"]
                 if self._inverse == "eigh":  # the decomposition travels, packed as (n + 1) x n
                     jobs.append(functools.partial(eigenbasis, moment, name, dtype))
                     likes.append(
                         moment.new_empty((*moment.shape[:-2], moment.shape[-1] + 1, moment.shape[-1]), dtype=dtype)
                     )
                 else:
-                    damping = self._damping(layer.group, factor, means)
-                    given = layer.group["damping"]
                     jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype, given=given))
                     likes.append(moment)
                 costs.append(float(moment.numel() * moment.shape[-1]))  # ~ n³ per block either way
-                slots.append((layer.group, means, inverses, bases, factor, name, moment.dtype))
+                slots.append((inverses, bases, factor, name, damping, given, moment.dtype))
         group = self.data_parallel_group if self._distributed_inversion else None
-        for (param_group, means, inverses, bases, factor, name, like), result in zip(
-            slots, computed_once(jobs, likes, costs, group), strict=True
-        ):
+        results = computed_once(jobs, likes, costs, group)
+        for (inverses, bases, factor, name, damping, given, like), result in zip(slots, results, strict=True):
             if self._inverse == "eigh":
                 values, vectors = result[..., -1, :].clone(), result[..., :-1, :].clone()
                 bases[factor] = (values, vectors)
-                damping = self._damping(param_group, factor, means)
-                given = param_group["damping"]
-                inverses[factor] = inverse_from_eigenbasis(values, vectors, damping, name, like, given)
-            else:
-                inverses[factor] = result
+                result = inverse_from_eigenbasis(values, vectors, damping, name, like, given)
+            inverses[factor] = result
 
 
 def damped_inverse(
@@ -512,11 +439,9 @@ def damped_inverse(
     """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major.
 
     ``damping`` is a number, or one per block of a stack of matrices; ``given`` is the damping
-    hyperparameter it was derived from, if it differs (an error names both).
-
-    Row-major (``contiguous()``; ``cholesky_inverse`` returns column-major): a product with it
-    takes the same kernel, so the same bits, whether it was computed here or received from
-    another rank (``distributed_inversion``).
+    hyperparameter it was derived from, if it differs (an error names both). Row-major, so a
+    product with it takes the same kernel (the same bits) wherever it was computed
+    (``distributed_inversion``).
 
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).
@@ -525,7 +450,7 @@ def damped_inverse(
     damped = matrix.to(dtype, copy=True)
     damped.diagonal(dim1=-2, dim2=-1).add_(diagonal[..., 0])  # (one pass: no identity formed)
     factor, info = torch.linalg.cholesky_ex(damped)
-    if bool(info.any()):  # one matrix, or one per block (a grouped convolution)
+    if bool(info.any()):
         _refuse_not_finite(matrix, name)
         said = _said(damping, given)
         largest = float(matrix.abs().max())
@@ -550,28 +475,34 @@ INVERSES = ("cholesky", "eigh")  # how a Kronecker rule inverts its damped facto
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:
-    """Whether the group's layers collect statistics at its coming step."""
     return group.get("schedule_step", 0) % group["statistics_every"] == 0
 
 
-def _check_schedule(statistics_every: int) -> None:
-    if isinstance(statistics_every, bool) or not isinstance(statistics_every, numbers.Integral) or statistics_every < 1:
-        raise ValueError(f"Invalid statistics_every: {statistics_every!r} (must be an integer >= 1)")
+def _sides(layer: Layer) -> dict[str, int]:
+    """The width of each side of the layer's gradient matrix, by the factor it gives."""
+    outputs, inputs = layer.kind.matrix_shape(layer.module, layer.homogeneous)
+    return {"input": inputs, "output_grad": outputs}
 
 
-def _check_hyperparameters(damping: float, stat_decay: float, update_every: int) -> None:
+def _positive_integer(value: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _check_hyperparameters(damping: float, stat_decay: float, update_every: int, statistics_every: int) -> None:
     if not 0.0 <= damping < math.inf:
         raise ValueError(f"Invalid damping: {damping} (must be finite and >= 0)")
     if not 0.0 <= stat_decay < 1.0:
         raise ValueError(f"Invalid stat_decay: {stat_decay} (must be in [0, 1))")
-    if isinstance(update_every, bool) or not isinstance(update_every, numbers.Integral) or update_every < 1:
+    if not _positive_integer(update_every):
         raise ValueError(f"Invalid update_every: {update_every!r} (must be an integer >= 1)")
+    if not _positive_integer(statistics_every):
+        raise ValueError(f"Invalid statistics_every: {statistics_every!r} (must be an integer >= 1)")
 
 
 def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
-    """The eigendecomposition of a symmetric ``matrix`` (or of each block) in ``dtype``, packed
-    as one tensor: the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues
-    as row ``n``. Eigenvalues below zero (rounding: the statistics are second moments) are 0.
+    """The eigendecomposition of a symmetric ``matrix`` (or of each block) in ``dtype``, packed as
+    the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues as row ``n``.
+    Eigenvalues below zero (rounding: the statistics are second moments) are 0.
 
     Raises:
         RuntimeError: If the statistics are not finite, or the decomposition does not converge.

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -48,13 +47,9 @@ class TouchedRows(Reduction):
             return b if a is None else a
         return torch.unique(torch.cat([a, b]))
 
-    # -- the audit: rows with gradient from somewhere other than the captured calls ------------------
-    # A table's weight may also be used without calling its module (a tied output head written as
-    # ``F.linear(h, embed.weight)``); those uses put gradient in rows no captured call read, and
-    # those rows must move too. Proving there was no such use is cheap in the common case: when one
-    # call is the table's only contribution in a backward pass, the gradient reaching the weight is
-    # the very tensor that call's backward produced (same storage, same version). Otherwise the
-    # pass's incoming gradient is read once to find its nonzero rows.
+    # -- the audit: rows with gradient from elsewhere (a tied head ``F.linear(h, embed.weight)``) --------
+    # Free when one call is the table's only contribution in a backward pass (the gradient reaching
+    # the weight is that call's own: same storage, same version); else the gradient is read once.
 
     def receives(self, module: nn.Module, param: Tensor) -> bool:
         return param is weight_of(module) and getattr(param, "device_mesh", None) is None  # (FSDP2: not reached)
@@ -98,26 +93,12 @@ class LazyAdamW(InputAwareAdamW):
         \theta_r &\leftarrow \theta_r - \frac{\gamma}{1-\beta_1^t}\,
             \frac{m_r}{\sqrt{v_r / (1-\beta_2^t)} + \epsilon}
 
-    (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum). A row that got
-    gradient without being read by a captured call (the table also used as
-    ``F.linear(h, embed.weight)``) moves too, and is warned about once. The touched rows
-    are gathered and updated by torch's fused AdamW kernel, so each moves exactly as
-    ``AdamW(fused=True)`` would move it, and written back bit for bit. Every other row, and
-    its moments, stays bitwise unchanged. The step costs in proportion to the rows touched,
-    not the table size, and skips the stock update when no other parameter has a gradient.
-    Every other parameter gets the stock AdamW update, bitwise.
-
-    Dense gradients (the default ``nn.Embedding``) work, but their backward writes a zero-filled
-    gradient the size of the table at every step, which costs more than the whole lazy step.
-    ``sparse=True`` embeddings are the recommended path: their gradient lists its own rows, which
-    this step coalesces (duplicate rows summed) and updates, with no forward-hook work for the
-    table; unlike ``torch.optim.SparseAdam``, other parameters need no second optimizer.
-
-    The rows follow AdamW's formula, so :math:`\epsilon` is added after bias correction;
-    ``SparseAdam`` adds it before, which differs only while :math:`\epsilon` is not negligible.
-
-    The state has AdamW's keys (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``), so a
-    state dict moves between this class and ``torch.optim.AdamW``.
+    (with ``amsgrad``, :math:`v_r` in the denominator is its running maximum), by torch's fused
+    AdamW kernel on the gathered rows, so each moves bitwise as ``AdamW(fused=True)`` would move
+    it. Rows with gradient that no captured call read move too (warned about once). Every other
+    row and its moments stay bitwise unchanged; every other parameter gets stock AdamW, bitwise.
+    ``sparse=True`` embeddings are the fast path (see docs/rules/lazy-adamw.md). The state has
+    AdamW's keys, so a state dict moves between this class and ``torch.optim.AdamW``.
 
     Args:
         model: The model (``torch.compile``\ d and ``DistributedDataParallel`` wrappers too).
@@ -129,8 +110,7 @@ class LazyAdamW(InputAwareAdamW):
         params: Parameters or param groups of ``model`` (default: all that require grad).
         maximize: Maximize the objective.
         foreach: ``torch.optim.AdamW``'s flag, for the parameters that get the stock update.
-        fused: ``torch.optim.AdamW``'s flag, for the parameters that get the stock update (the rows
-            always use the fused kernel).
+        fused: ``torch.optim.AdamW``'s flag, for the parameters that get the stock update.
         capturable: Not supported (the rows a step updates are data-dependent); must be False.
         differentiable: Not supported; must be False.
         storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
@@ -226,35 +206,28 @@ class LazyAdamW(InputAwareAdamW):
         return "stock AdamW", None, False
 
     def _lazy_modules(self) -> list[nn.Module]:
-        """Captured embeddings whose weight is trained here and used by no other module (kept while
-        the param groups stay the same: walking a large model every step would not cost "rows touched")."""
-        return self._kept("lazy_modules", self._find_lazy_modules)  # type: ignore[no-any-return]
+        return [module for module, _, _ in self._lazy_tables()]
 
-    def _find_lazy_modules(self) -> list[nn.Module]:
+    def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
+        """The captured embeddings whose weight is trained here and used by no other module, with their
+        weight and its param group (kept: walking a large model every step would not cost "rows touched")."""
+        return self._kept("lazy_tables", self._find_lazy_tables)  # type: ignore[no-any-return]
+
+    def _find_lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
         groups = self._param_groups_by_param()
         owners: dict[Tensor, int] = {}
         for module in unwrap_model(self.model).modules():
             for param in module._parameters.values():
                 if param is not None:
                     owners[param] = owners.get(param, 0) + 1
-        lazy = [
-            m
+        return [
+            (m, weight_of(m), groups[weight_of(m)])
             for m in self.capture.modules
             if (kind := layer_kind(m)) is not None
             and kind.provides("touched_rows")
             and weight_of(m) in groups
             and owners[weight_of(m)] == 1  # a tied weight (say, an output head) gets gradients on every row
         ]
-        return lazy
-
-    def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
-        """Each lazy module with its weight and that weight's param group (kept as ``_lazy_modules``)."""
-
-        def find() -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
-            by_param = self._param_groups_by_param()
-            return [(m, weight_of(m), by_param[weight_of(m)]) for m in self._lazy_modules()]
-
-        return self._kept("lazy_tables", find)  # type: ignore[no-any-return]
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
@@ -263,10 +236,16 @@ class LazyAdamW(InputAwareAdamW):
         assert inputs is not None
         updates = self._row_updates(inputs)  # every check first: a step that raises changes nothing
         lazy = [update.weight for update in updates]
-        if self._others_have_gradients(lazy):
-            with _hidden_grads(lazy):
+        hidden = {id(weight) for weight in lazy}
+        if any(p.grad is not None and id(p) not in hidden for group in self.param_groups for p in group["params"]):
+            grads = [weight.grad for weight in lazy]
+            for weight in lazy:  # hidden from the stock kernel, which skips a parameter whose grad is None
+                weight.grad = None
+            try:
                 super().step(inputs=inputs)
-        # else no other parameter has a gradient: the stock step would change nothing.
+            finally:
+                for weight, grad in zip(lazy, grads, strict=True):
+                    weight.grad = grad
         for update in updates:
             self._update_rows(update)
         return loss
@@ -289,7 +268,10 @@ class LazyAdamW(InputAwareAdamW):
         ranks = self.data_parallel_group if from_inputs else None
         if ranks is not None:  # (a sparse gradient's rows are already every rank's: DDP sums it)
             for update in from_inputs:
-                update.rows = _union_over_ranks(update.rows, update.weight.shape[0], ranks)
+                touched_here = torch.zeros(update.weight.shape[0], dtype=torch.int32, device=update.rows.device)
+                touched_here[update.rows] = 1
+                torch.distributed.all_reduce(touched_here, group=ranks)
+                update.rows = touched_here.nonzero().squeeze(1)
         updates += from_inputs
         for update in updates:
             self._gather_weight_rows(update)
@@ -332,10 +314,6 @@ class LazyAdamW(InputAwareAdamW):
                 "rows; check the inputs handed to step(inputs=...). No parameter was changed"
             ) from None
 
-    def _others_have_gradients(self, lazy: list[Tensor]) -> bool:
-        hidden = {id(weight) for weight in lazy}
-        return any(p.grad is not None and id(p) not in hidden for group in self.param_groups for p in group["params"])
-
     def _warn_extra_rows(self, module: nn.Module, extra: Tensor) -> None:
         if id(module) in self._warned_extra:
             return
@@ -353,29 +331,24 @@ class LazyAdamW(InputAwareAdamW):
     def _update_rows(self, update: _RowUpdate) -> None:
         weight, rows, group, theta = update.weight, update.rows, update.group, update.theta
         state = self.state[weight]
+        keys = ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if group["amsgrad"] else ()))
         if not state:
             on_device = group.get("fused") or group.get("capturable")
             state["step"] = torch.zeros((), dtype=torch.float32, device=weight.device if on_device else "cpu")
-            for key in ("exp_avg", "exp_avg_sq", *(("max_exp_avg_sq",) if group["amsgrad"] else ())):
+            for key in keys:
                 state[key] = torch.zeros_like(weight, memory_format=torch.preserve_format)
         step = state["step"]
-        step.add_(_one(step))  # a tensor one: adding a Python number costs a scalar tensor every step
+        step.add_(_one(step.device, step.dtype))  # a tensor one: adding a Python number costs a scalar tensor
         if rows.numel() == 0:
             return
-        # Gather the rows, update them with torch's fused AdamW kernel (so a touched row moves
-        # exactly as fused AdamW would move it), and write them back.
-        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
         tables = [local_tensor(state[key]) for key in keys]
         moments = [table.index_select(0, rows) for table in tables]
         grad = weight.grad
         assert grad is not None and theta is not None
-        grad_rows = _gradient_rows(local_tensor(grad), rows)
-        if grad_rows.dtype != theta.dtype:
-            grad_rows = grad_rows.to(theta.dtype)
-        if not grad_rows.is_contiguous():  # a sparse gradient's values may be strided; the kernel reads them flat
-            grad_rows = grad_rows.contiguous()
-        if step.device != theta.device:
-            step = step.to(theta.device)
+        grad = local_tensor(grad)
+        grad_rows = grad.values() if grad.is_sparse else grad.index_select(0, rows)  # (sparse: coalesced, its rows)
+        grad_rows = grad_rows.to(theta.dtype).contiguous()  # a sparse gradient's values may be strided
+        step = step.to(theta.device)
         beta1, beta2 = group["betas"]
         fused_adamw_(
             [theta],
@@ -407,31 +380,16 @@ class _RowUpdate:
         self.theta: Tensor | None = None
 
 
-def _union_over_ranks(rows: Tensor, num_rows: int, group: Any) -> Tensor:
-    touched = torch.zeros(num_rows, dtype=torch.int32, device=rows.device)
-    touched[rows] = 1
-    torch.distributed.all_reduce(touched, group=group)
-    return touched.nonzero().squeeze(1)
-
-
-_ONES: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-
-
-def _one(like: Tensor) -> Tensor:
-    """A 0-d one of ``like``'s device and dtype (kept: made once per device and dtype)."""
-    key = (like.device, like.dtype)
-    one = _ONES.get(key)
-    if one is None:
-        one = _ONES[key] = torch.ones((), dtype=like.dtype, device=like.device)
-    return one
+@functools.cache
+def _one(device: torch.device, dtype: torch.dtype) -> Tensor:
+    return torch.ones((), dtype=dtype, device=device)
 
 
 _COPY_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _write_rows(table: Tensor, rows: Tensor, values: Tensor) -> None:
-    """``table[rows] = values`` (``rows`` unique), bit for bit: a copy moves the bits unchanged,
-    whatever element type it moves them as (see ``_copy_dtype``)."""
+    """``table[rows] = values`` (``rows`` unique), bit for bit (a copy moves bits, whatever the element type)."""
     if not table.is_cpu:
         table.index_copy_(0, rows, values)
         return
@@ -445,13 +403,11 @@ def _write_rows(table: Tensor, rows: Tensor, values: Tensor) -> None:
 
 
 def _copy_dtype(table: Tensor) -> torch.dtype:
-    """The element type to write rows of ``table`` as: the widest (at most 16 bytes) that tiles its
-    rows. A row write on CPU moves one element at a time, so it costs per element more than per
-    byte: a float32 row of 128 moves as 32 complex128, in under half the time of 64 int64."""
+    """The widest element type (at most 16 bytes) that tiles the rows of ``table``: a row write on
+    CPU costs per element more than per byte (a float32 row of 128 moves as 32 complex128)."""
     if table.dim() != 2 or table.stride(1) != 1:
         return table.dtype
     itemsize = table.element_size()
-    # The widest power of two (at most 16 bytes) that divides the rows' width and position.
     size = math.gcd(16, table.shape[1] * itemsize, table.stride(0) * itemsize, table.storage_offset() * itemsize)
     return table.dtype if size <= itemsize else _COPY_DTYPES[size]
 
@@ -468,21 +424,3 @@ def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:
     start = mesh.get_local_rank() * chunk
     held = local_tensor(weight).shape[0]
     return rows[(rows >= start) & (rows < start + held)] - start
-
-
-def _gradient_rows(grad: Tensor, rows: Tensor) -> Tensor:
-    # A sparse gradient arrives coalesced, and its indices are the rows.
-    return grad.values() if grad.is_sparse else grad.index_select(0, rows)
-
-
-@contextmanager
-def _hidden_grads(params: list[Tensor]) -> Iterator[None]:
-    """Hide gradients from the stock kernel (which skips parameters whose grad is None)."""
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    finally:
-        for p, g in zip(params, grads, strict=True):
-            p.grad = g

@@ -1,24 +1,5 @@
-r"""Auxiliary-loss-free load balancing of mixture-of-experts routers (DeepSeek-V3).
-
-Written on the public API only (a ``Reduction`` and ``register_inputs_hook``), as the worked
-example of how a rule reads what it needs: see CONTRIBUTING.md.
-
-Each router adds a bias :math:`b_i` to its expert scores when it selects the top-k experts
-(the bias steers routing only; the gate weights come from the unbiased scores). After each
-optimizer step, with :math:`c_i` the tokens expert :math:`i` received in that step,
-
-.. math::
-    b_i \leftarrow b_i + u \cdot \operatorname{sign}(\bar c - c_i), \qquad \bar c = \tfrac1E \textstyle\sum_j c_j
-
-(DeepSeek-V3 technical report, section 2.1.2, "Auxiliary-Loss-Free Load Balancing").
-torchtitan also subtracts the mean of the update; this follows the paper.
-
-The counts follow the gradient: a router call counts exactly when its output's gradient is in
-the router's ``.grad`` at the step. So they are exact where counting in the forward is not:
-under activation checkpointing of either kind (a re-run forward is not a second call), over
-gradient accumulation (every micro-batch since ``zero_grad``), with an evaluation forward in
-between (never reaches a backward), and under data parallelism (summed over the ranks).
-"""
+"""Auxiliary-loss-free load balancing of mixture-of-experts routers (DeepSeek-V3), written on the
+public API only (a ``Reduction`` and ``register_inputs_hook``): the worked example in CONTRIBUTING.md."""
 
 from __future__ import annotations
 
@@ -68,10 +49,16 @@ class ExpertLoads(Reduction):
 
 
 class LoadBalancing:
-    """DeepSeek-V3's auxiliary-loss-free balancing of MoE routers, as a hook of an input-aware optimizer.
+    r"""DeepSeek-V3's auxiliary-loss-free balancing of MoE routers, as a hook of an input-aware optimizer.
 
-    ``LoadBalancing(routers).attach(optimizer)`` moves each router's bias at every step by
-    ``update_rate * sign(mean load - load)``, from the tokens each expert received in the step.
+    ``LoadBalancing(routers).attach(optimizer)`` moves each router's expert bias after every step,
+
+    .. math::
+        b_i \leftarrow b_i + u \cdot \operatorname{sign}(\bar c - c_i), \qquad \bar c = \tfrac1E \textstyle\sum_j c_j
+
+    with :math:`c_i` the tokens expert :math:`i` received in the step, counted from the router
+    calls whose gradient the step applies (exact under activation checkpointing, gradient
+    accumulation and evaluation forwards; summed over data-parallel ranks).
 
     Args:
         routers: The router modules. Each holds its bias (a buffer or a parameter the optimizer

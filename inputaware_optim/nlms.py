@@ -40,19 +40,16 @@ class InputPower(Reduction):
 class NLMS(InputAwareSGD):
     r"""Normalized least mean squares: each layer's step divided by its input power.
 
-    With :math:`\tilde x` the input with a constant 1 appended when the layer's bias is
-    trained, and :math:`N` the samples of the step (every row of every call):
+    For the weight and bias gradients of each layer with input rows (``nn.Linear``, Hugging Face's
+    ``Conv1D``, convolutions through their patches; a grouped convolution per group), with
+    :math:`\tilde x` the input with a 1 appended when the bias is trained, and :math:`N` the rows
+    of every call of the step (and of every data-parallel rank):
 
     .. math::
         g \leftarrow \frac{g}{\varepsilon + \frac{1}{N}\sum_{n=1}^{N} \lVert \tilde x_n \rVert^2}
 
-    for the weight and bias gradients of each layer with input rows (``nn.Linear``, Hugging Face's
-    ``Conv1D``, and convolutions through their input patches; a grouped convolution's filters by
-    the power of their own group's inputs), then the SGD update (torch's kernel). For a
-    single sample and loss :math:`\tfrac12 e^2` this is the textbook recursion
-    :math:`w \leftarrow w + \mu\, e\, x / (\varepsilon + \lVert x\rVert^2)`: the step no
-    longer depends on the scale of the inputs. Parameters of other modules take plain SGD.
-    Under data parallelism the input power is averaged over the data-parallel ranks.
+    then the SGD update. For one sample and loss :math:`\tfrac12 e^2` this is the textbook
+    :math:`w \leftarrow w + \mu\, e\, x / (\varepsilon + \lVert x\rVert^2)`. Other parameters take plain SGD.
 
     Args:
         model: The model.
@@ -81,17 +78,13 @@ class NLMS(InputAwareSGD):
         super().__init__(model, params, lr=lr, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)")
 
-    def _nlms_layers(self) -> list[Layer]:
-        return self._layers("input_rows")
-
     def _treatment(self, param: torch.Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        what, reason, fallback = self._layer_treatment(
-            param, module, self._nlms_layers(), "input_rows", "NLMS: input-normalized"
-        )
+        layers = self._layers("input_rows")
+        what, reason, fallback = self._layer_treatment(param, module, layers, "input_rows", "NLMS: input-normalized")
         return what, explained(module, reason), fallback
 
     def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_power": InputPower(self._nlms_layers())}
+        return {"_power": InputPower(self._layers("input_rows"))}
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(eps=self._eps)
@@ -108,13 +101,13 @@ class NLMS(InputAwareSGD):
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
-        """Normalize the gradients of every ``nn.Linear`` by its input power, then take the SGD step."""
+        """Normalize the gradients of every layer with input rows by its input power, then take the SGD step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
         layers, powers, counts = [], [], []
         totals = inputs.reduced(self._power)
         ranks = self.data_parallel_group
-        for layer in self._nlms_layers():
+        for layer in self._layers("input_rows"):
             weight = weight_of(layer.module)
             if weight.grad is None:
                 continue

@@ -10,6 +10,7 @@ rule runs, and a skipped step's captures are dropped.
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 import weakref
 from collections import defaultdict
@@ -45,7 +46,7 @@ _EXPIRED = (
 )
 
 
-def _entry(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
+def _entry(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` with torch's hook wrapper around the outermost call; ``super().step(...)`` gets the same inputs."""
 
     def outermost(self: InputAwareOptimizer, *args: Any, **kwargs: Any) -> Any:
@@ -404,9 +405,10 @@ class InputAwareOptimizer(Optimizer):
         cache = self.__dict__.setdefault("_kept_cache", {})
         kept = cache.get(key)
         watched = len(self.capture._modules)
-        if kept is None or kept[0] != watched or not _same_groups(kept[1], self.param_groups):
-            # The group dicts themselves are kept, so an object compared later is never a reused id.
-            kept = cache[key] = (watched, [(g, tuple(g["params"])) for g in self.param_groups], compute())
+        # The group dicts and parameters themselves (kept, so an object compared later is never a reused id).
+        now = [x for group in self.param_groups for x in (group, *group["params"])]
+        if kept is None or kept[0] != watched or len(kept[1]) != len(now) or not all(map(operator.is_, kept[1], now)):
+            kept = cache[key] = (watched, now, compute())
         return kept[2]
 
     def _find_layers(self, capability: str, with_excluded: bool) -> list[Layer]:
@@ -563,7 +565,7 @@ class InputAwareOptimizer(Optimizer):
             cls.__signature__ = _drop_in_signature(cls._stock)  # type: ignore[attr-defined]
         step = cls.__dict__.get("step")
         if step is not None and not hasattr(step, "inputaware_entry"):
-            cls.step = _entry(cls.__qualname__, step)  # type: ignore[method-assign]
+            cls.step = _entry(step)  # type: ignore[method-assign]
 
     def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The outermost step, once torch's wrapper ran the step pre-hooks (``args`` are theirs)."""
@@ -640,16 +642,13 @@ class InputAwareOptimizer(Optimizer):
     def register_inputs_hook(
         self, hook: InputsHook, *, when: When = "pre", every: int = 1, reads: Reads = "calls"
     ) -> InputsHookHandle:
-        """Run ``hook`` once per step (every ``every`` steps) with the step's ``Inputs``.
+        """Run ``hook`` once per step (every ``every`` steps) with the step's ``Inputs``, from the next step.
 
         ``when="pre"``: ``hook(optimizer, inputs)`` before the update (after the closure ran);
-        ``when="post"``: ``hook(optimizer, inputs, updates)`` after it, with ``updates`` the change
-        of each parameter that had a gradient where ``reads`` includes ``"updates"`` (else ``None``).
-        ``reads`` declares what the hook reads, so the capture keeps only that, and only for the
-        steps the hook runs at: ``"calls"`` (raw calls), ``Reduction`` instances (``inputs.reduced``),
-        ``"updates"``, a list of these, or ``None``. It first runs at the next step (registered
-        between a backward and its step, it sees what is read from then on; a raw-calls reader
-        then starts at the step after).
+        ``when="post"``: ``hook(optimizer, inputs, updates)`` after it, ``updates`` being each parameter's
+        change if ``reads`` includes ``"updates"`` (else ``None``). ``reads`` is what the hook reads, the
+        capture keeping only that, at its steps: ``"calls"``, ``Reduction`` instances (``inputs.reduced``),
+        ``"updates"``, a list of these, or ``None`` (raw calls are read from the step after a backward).
 
         Returns:
             A handle whose ``remove()`` takes the hook off and whose ``step`` counts its steps.
@@ -695,15 +694,16 @@ class InputAwareOptimizer(Optimizer):
         hide_scaler_handoff(self)  # from the stock kernels (GradScaler deletes it after the step)
         return False
 
+    def _grads(self) -> list[Tensor]:
+        return [p.grad._values() if p.grad.is_sparse else p.grad for p in self._params() if p.grad is not None]
+
     @torch.no_grad()
     def _undo_unscaling(self) -> None:
         """After a step that raised: scale the gradients back and clear what GradScaler set."""
         scale = self.__dict__.get("_unscaled_by")
         if scale is not None:
-            for param in self._params():
-                if param.grad is not None:
-                    grad = param.grad._values() if param.grad.is_sparse else param.grad
-                    grad.mul_(scale.to(grad.device, grad.dtype))
+            for grad in self._grads():
+                grad.mul_(scale.to(grad.device, grad.dtype))
             self.capture._gradients_rescaled()
         drop_scaler_handoff(self)
 
@@ -712,12 +712,9 @@ class InputAwareOptimizer(Optimizer):
         # GradScaler.unscale_'s kernel and grouping, so the result is bitwise the stock path's.
         inv_scale = grad_scale.double().reciprocal().float()
         grouped: defaultdict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-        for param in self._params():
-            if param.grad is None:
-                continue
-            if param.grad.dtype == torch.float16:
+        for grad in self._grads():
+            if grad.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            grad = param.grad._values() if param.grad.is_sparse else param.grad
             grouped[(grad.device, grad.dtype)].append(grad)
         for (device, _), grads in grouped.items():
             found_inf = torch.zeros(1, device=device)
@@ -757,14 +754,4 @@ def _split_base_state(optimizer: Optimizer) -> None:
             del optimizer.state[param]
 
 
-InputAwareOptimizer.step = _entry("InputAwareOptimizer", InputAwareOptimizer.step)  # type: ignore[method-assign]
-
-
-def _same_groups(kept: list[tuple[dict[str, Any], tuple[Any, ...]]], groups: list[dict[str, Any]]) -> bool:
-    """Whether ``groups`` are the very group dicts ``kept`` holds, each with the very same parameters, in order."""
-    return len(kept) == len(groups) and all(
-        group is kept_group
-        and len(params) == len(group["params"])
-        and all(p is q for p, q in zip(params, group["params"], strict=True))
-        for (kept_group, params), group in zip(kept, groups, strict=True)
-    )
+InputAwareOptimizer.step = _entry(InputAwareOptimizer.step)  # type: ignore[method-assign]

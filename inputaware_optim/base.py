@@ -131,10 +131,9 @@ class InputAwareOptimizer(Optimizer):
     ``class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD)``. A rule overrides
     ``step(self, closure=None, inputs=None)`` and reads ``inputs.get(p)``.
 
-    What is captured is what is read. With no rule, nothing is: no hook is attached and the
-    optimizer is the stock one. A subclass that overrides ``step`` reads raw calls, so they
-    are kept (from each call's forward until the step that reads them); a rule that needs
-    only statistics sets ``reads_calls = False`` and adds ``Reduction``\ s to its capture.
+    What is captured is what is read: with no rule, nothing (no hook; the stock optimizer). A rule
+    that overrides ``step`` keeps raw calls until the step that reads them, unless it sets
+    ``reads_calls = False`` to read only the ``Reduction``\ s it adds to its capture.
 
     Class attributes a rule may set:
         captured_module_types: Capture only modules of these types (default: every module

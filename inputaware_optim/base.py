@@ -352,8 +352,8 @@ class InputAwareOptimizer(Optimizer):
         """The ``Capture`` that records the model's forward calls for this optimizer."""
         if self._capture is None:
             raise RuntimeError(
-                f"this {type(self).__name__} was copied or unpickled without its model and captures "
-                "nothing; construct it anew with the model"
+                f"{type(self).__name__}.capture is built at the end of InputAwareOptimizer.__init__; "
+                "read it after that (not in _check_param_groups)"
             )
         return self._capture
 

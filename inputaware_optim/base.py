@@ -1,25 +1,16 @@
 """InputAwareOptimizer: joins a Capture on the model to a stock torch.optim optimizer.
 
-The step machinery, in one place:
-
-* ``torch.optim.Optimizer`` wraps ``step`` once per class so step hooks run around it.
-  A subclass whose ``step`` calls ``super().step()`` would then run the hooks twice (and
-  re-send an injected ``inputs=`` to a parent that rejects it). Here each ``step`` of the
-  input-aware classes is exposed through ``_torch.entry_step``: the outermost call runs
-  under torch's own hook wrapper (``Optimizer.profile_hook_step``), gets its ``Inputs`` and
-  releases the captures at the end; nested ``super().step(...)`` calls pass straight
-  through, and the stock update is reached unwrapped. So hooks run exactly once, whatever
-  else exists.
-* With ``torch.amp.GradScaler``, the optimizer declares that it unscales itself
-  (``_torch.unscales_itself``) so the scaler always calls ``step``; unscaling (with the
-  scaler's own kernel) and skipping on inf/NaN happen here, before the rule runs, so a rule
-  sees unscaled gradients and a skipped step's captures are dropped rather than delivered to
-  the next step.
+Each input-aware ``step`` is exposed through ``_torch.entry_step``: the outermost call runs under
+torch's hook wrapper, gets its ``Inputs`` and releases the captures at the end; ``super().step(...)``
+passes straight through, so step hooks run exactly once. Under ``torch.amp.GradScaler`` the optimizer
+unscales itself (``_torch.unscales_itself``): unscaling and skipping on inf/NaN happen here, before the
+rule runs, and a skipped step's captures are dropped.
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 import weakref
 from collections import defaultdict
@@ -55,19 +46,8 @@ _EXPIRED = (
 )
 
 
-def _check_step_signature(owner: str, step: Callable[..., Any]) -> None:
-    parameters = inspect.signature(step).parameters.values()
-    if not any(p.name == "inputs" or p.kind is p.VAR_KEYWORD for p in parameters):
-        raise TypeError(
-            f"{owner}.step must accept the captured inputs: define it as "
-            "`def step(self, closure=None, inputs=None)` and pass inputs=inputs to super().step()"
-        )
-
-
-def _entry(owner: str, step: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` as an input-aware class exposes it: torch's own hook wrapper around the outermost
-    call (which hands the override its ``Inputs`` and releases the captures at the end), and
-    ``super().step(...)`` from an override straight through, with the same inputs."""
+def _entry(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` with torch's hook wrapper around the outermost call; ``super().step(...)`` gets the same inputs."""
 
     def outermost(self: InputAwareOptimizer, *args: Any, **kwargs: Any) -> Any:
         return self._run_step(step, args, kwargs)
@@ -106,8 +86,13 @@ def _check_arguments(
     name = cls.__name__
     for owner in cls.__mro__:  # an override that cannot take its inputs
         raw = getattr(owner.__dict__.get("step"), "inputaware_entry", None)
-        if raw is not None:
-            _check_step_signature(owner.__qualname__, raw)
+        if raw is not None and not any(
+            p.name == "inputs" or p.kind is p.VAR_KEYWORD for p in inspect.signature(raw).parameters.values()
+        ):
+            raise TypeError(
+                f"{owner.__qualname__}.step must accept the captured inputs: define it as "
+                "`def step(self, closure=None, inputs=None)` and pass inputs=inputs to super().step()"
+            )
     if not isinstance(model, nn.Module):
         hint = ""
         if isinstance(model, Iterable) and not isinstance(model, (str, bytes)):
@@ -139,25 +124,6 @@ def evaluate_closure(closure: Callable[[], Any] | None) -> Any:
         return closure()
 
 
-def _param_name(module: nn.Module, param: Tensor) -> str:
-    return next((n for n, p in module._parameters.items() if p is param), "?")
-
-
-def _reads_output_gradients(capture: Capture) -> bool:
-    return (capture.keep_calls and capture.grad_outputs) or any(r.grad_outputs for r in capture.reductions)
-
-
-def _split_step_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
-    kwargs = dict(kwargs)
-    if len(args) > 2:
-        raise TypeError(f"step() takes at most 2 positional arguments (closure, inputs), got {len(args)}")
-    closure = args[0] if args else kwargs.pop("closure", None)
-    inputs = args[1] if len(args) > 1 else kwargs.pop("inputs", None)
-    if closure is not None and not callable(closure):
-        raise TypeError(f"step(closure) expects a callable that returns the loss, got {type(closure).__name__}")
-    return closure, inputs, kwargs
-
-
 class InputAwareOptimizer(Optimizer):
     r"""Base of the optimizers that see the inputs each module received in the forward pass.
 
@@ -165,10 +131,9 @@ class InputAwareOptimizer(Optimizer):
     ``class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD)``. A rule overrides
     ``step(self, closure=None, inputs=None)`` and reads ``inputs.get(p)``.
 
-    What is captured is what is read. With no rule, nothing is: no hook is attached and the
-    optimizer is the stock one. A subclass that overrides ``step`` reads raw calls, so they
-    are kept (from each call's forward until the step that reads them); a rule that needs
-    only statistics sets ``reads_calls = False`` and adds ``Reduction``\ s to its capture.
+    What is captured is what is read: with no rule, nothing (no hook; the stock optimizer). A rule
+    that overrides ``step`` keeps raw calls until the step that reads them, unless it sets
+    ``reads_calls = False`` to read only the ``Reduction``\ s it adds to its capture.
 
     Class attributes a rule may set:
         captured_module_types: Capture only modules of these types (default: every module
@@ -208,32 +173,27 @@ class InputAwareOptimizer(Optimizer):
         self._step_depth = 0
         self._step_inputs: Inputs | None = None
         self._model = model
-        root = unwrap_model(model)
-        self._model_params: dict[Tensor, None] = dict.fromkeys(root.parameters())
+        self._model_params: dict[Tensor, None] = dict.fromkeys(unwrap_model(model).parameters())
         if params is None:
             params = [p for p in self._model_params if p.requires_grad]
         self._construct_stock(base, params, args, kwargs)
-        self._check_param_groups()  # a rule's validation: before any hook is attached, so failing leaves none
-        wanted_grad_outputs = type(self).grad_outputs if grad_outputs is None else grad_outputs
-        reads_calls = self._has_rule() if type(self).reads_calls is None else bool(type(self).reads_calls)
+        self._check_param_groups()  # before any hook is attached, so failing leaves none
         self._capture = Capture(
             model,
             self._modules_to_capture(self._params()),
             storage=storage,
-            grad_outputs=wanted_grad_outputs,
-            keep_calls=reads_calls,
+            grad_outputs=type(self).grad_outputs if grad_outputs is None else grad_outputs,
+            keep_calls=self._has_rule() if type(self).reads_calls is None else bool(type(self).reads_calls),
         )
         self._capture.grad_scaler = grad_scaler
-        # The capture lives and dies with its optimizer, even if someone still holds the capture.
-        weakref.finalize(self, self._capture.remove)
+        weakref.finalize(self, self._capture.remove)  # the capture dies with its optimizer, even if still held
         self._install_reductions()
         unscales_itself(self)  # GradScaler calls step() even on inf/NaN and leaves unscaling to us
 
     def _construct_stock(
         self, base: type[Optimizer] | None, params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        """The stock optimizer's (or ``base``'s) construction, which validates its hyperparameters;
-        its refusals name this class."""
+        """The stock optimizer's (or ``base``'s) construction, which validates its hyperparameters."""
         name = type(self).__name__
         try:
             if base is None:
@@ -267,54 +227,27 @@ class InputAwareOptimizer(Optimizer):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> InputAwareOptimizer:
         self = super().__new__(cls)
-        # What a copy is rebuilt from (see __reduce_ex__): the arguments, with the param groups
-        # taken again when it is copied (an iterator of parameters is spent by then).
-        self.__dict__["_arguments"] = (args, kwargs)
+        self.__dict__["_arguments"] = (args, kwargs)  # what a copy is rebuilt from (see __reduce_ex__)
         return self
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        """Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) are rebuilt as a resumed run is:
-        constructed anew on the copied model with the same arguments and param groups, then
-        ``load_state_dict`` of this one's whole state (the base optimizer's included). A model
-        copied alone, without its optimizer, carries no capture (its hooks remove themselves)."""
+        """Copies (``copy.deepcopy``, ``pickle``, ``torch.save``) are constructed anew on the copied
+        model with the same arguments and param groups (an iterator of them is spent by then), then
+        loaded with this one's ``state_dict()``."""
         args, kwargs = self.__dict__.get("_arguments", ((), {}))
         bound = inspect.signature(type(self).__init__).bind(self, *args, **kwargs)
-        arguments = dict(bound.arguments)
-        arguments.pop("self")
+        names = bound.signature.parameters
         groups = [{"params": list(group["params"])} for group in self.param_groups]
-        names = inspect.signature(type(self).__init__).parameters
         if "params" in names:
-            arguments["params"] = groups
+            bound.arguments["params"] = groups
         else:  # a rule that forwards params through **kwargs
             var_keyword = next(n for n, p in names.items() if p.kind is p.VAR_KEYWORD)
-            arguments[var_keyword] = {**arguments.get(var_keyword, {}), "params": groups}
-        # Everything up to a non-empty *args goes by position (as it came), the rest by keyword.
-        extra = next((arguments.get(n, ()) for n, p in names.items() if p.kind is p.VAR_POSITIONAL), ())
-        positional: list[Any] = []
-        keywords: dict[str, Any] = {}
-        for name, parameter in names.items():
-            if name == "self" or name not in arguments:
-                continue
-            if parameter.kind is parameter.VAR_POSITIONAL:
-                positional.extend(arguments[name])
-            elif parameter.kind is parameter.VAR_KEYWORD:
-                keywords.update(arguments[name])
-            elif parameter.kind is parameter.POSITIONAL_ONLY or (
-                extra and parameter.kind is parameter.POSITIONAL_OR_KEYWORD
-            ):
-                positional.append(arguments[name])
-            else:
-                keywords[name] = arguments[name]
-        return (_rebuilt, (type(self), tuple(positional), keywords, self.state_dict()))
+            bound.arguments[var_keyword] = {**bound.arguments.get(var_keyword, {}), "params": groups}
+        return (_rebuilt, (type(self), bound.args[1:], bound.kwargs, self.state_dict()))
 
     def _compose(self, base: type[Optimizer], params: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Take ``base``'s update instead of this class's stock one: a stock ``base`` instance
-        (which validates its hyperparameters) shares this optimizer's param groups, and its own
-        ``step`` applies the update to the gradients this rule leaves. So the result is bitwise
-        what ``base`` does with those gradients. Per-parameter state stays apart (``base`` keeps
-        its own, the rule ``self.state``); ``state_dict()`` holds both, the rule's under
-        ``"rule_state"`` in each parameter's entry, so the state-dict hooks a user registers (which
-        run after these) see one whole state."""
+        """``base=``: a ``base`` instance shares the param groups and its ``step`` applies the update; it keeps
+        its own per-parameter state, ``state_dict()`` holds both (the rule's under ``"rule_state"``)."""
         if self._has_rule() and inspect.signature(base.step).parameters["closure"].default is inspect.Parameter.empty:
             raise ValueError(
                 f"{type(self).__name__} changes the gradients before the update, but {base.__name__} is driven by "
@@ -330,8 +263,8 @@ class InputAwareOptimizer(Optimizer):
         self.register_load_state_dict_post_hook(_split_base_state, prepend=True)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # torch's load_state_dict ends here. With base=, the base's own __setstate__ fills in its
-        # group defaults (not this class's stock's: an SGD key has no place in AdamW's groups).
+        # load_state_dict ends here. With base=, the base's __setstate__ fills in its group defaults
+        # (not this class's stock's: an SGD key has no place in AdamW's groups).
         inner = self.__dict__.get("_base_optimizer")
         if inner is None:
             super().__setstate__(state)
@@ -356,20 +289,18 @@ class InputAwareOptimizer(Optimizer):
             params = list(params)
         param_group["params"] = params  # the caller's dict is the group, as in torch
         tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # (name, tensor) pairs
-        if self._model is not None:  # None when copied or unpickled without the model
-            root = unwrap_model(self._model)
-            if any(isinstance(t, Tensor) and t not in self._model_params for t in tensors):
-                self._model_params = dict.fromkeys(root.parameters())  # modules added since construction
-            for index, param in enumerate(tensors):
-                if isinstance(param, Tensor) and param not in self._model_params:
-                    raise ValueError(
-                        f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) "
-                        f"is not a parameter of the model given to {type(self).__name__}. Every parameter must "
-                        "belong to the model so that the inputs of its module can be captured; give other "
-                        "tensors to a separate optimizer"
-                    )
+        if any(isinstance(t, Tensor) and t not in self._model_params for t in tensors):
+            self._model_params = dict.fromkeys(unwrap_model(self._model).parameters())  # modules added since
+        for index, param in enumerate(tensors):
+            if isinstance(param, Tensor) and param not in self._model_params:
+                raise ValueError(
+                    f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) "
+                    f"is not a parameter of the model given to {type(self).__name__}. Every parameter must "
+                    "belong to the model so that the inputs of its module can be captured; give other "
+                    "tensors to a separate optimizer"
+                )
         super().add_param_group(param_group)
-        if self._capture is None:  # copied or unpickled: no capture, the stock optimizer
+        if self._capture is None:  # in __init__: the capture is built once all groups are
             return
         try:
             self._check_param_groups()  # the rule's own validation of the new group
@@ -381,16 +312,14 @@ class InputAwareOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, as torch does; groups saved by another optimizer (say, a stock
-        ``torch.optim.SGD``) get this rule's hyperparameters from its defaults, and a 0.2 group's
-        ``batch_averaged`` becomes ``loss_reduction``."""
+        ``torch.optim.SGD``) get this rule's hyperparameters from its defaults."""
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             if "batch_averaged" in group:  # a 0.2 checkpoint of K-FAC or Eva: the key is loss_reduction now
                 group["loss_reduction"] = "mean" if group.pop("batch_averaged") else "sum"
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
-        if self._capture is not None:
-            self._check_param_groups()
+        self._check_param_groups()
 
     def _build_reductions(self) -> dict[str, Reduction]:
         """The reductions a rule reads, by the attribute it keeps each under (default: none)."""
@@ -423,8 +352,8 @@ class InputAwareOptimizer(Optimizer):
         """The ``Capture`` that records the model's forward calls for this optimizer."""
         if self._capture is None:
             raise RuntimeError(
-                f"this {type(self).__name__} was copied or unpickled without its model and captures "
-                "nothing; construct it anew with the model"
+                f"{type(self).__name__}.capture is built at the end of InputAwareOptimizer.__init__; "
+                "read it after that (not in _check_param_groups)"
             )
         return self._capture
 
@@ -437,12 +366,12 @@ class InputAwareOptimizer(Optimizer):
     def data_parallel_group(self) -> Any:
         """The process group that rules average input statistics over (``None`` in one process).
 
-        The ``process_group`` given at construction (``None``: statistics stay per rank), or
-        inferred from the model when it is read (so ``fully_shard`` applied after construction
-        counts): a ``DistributedDataParallel`` wrapper's group, or the mesh an FSDP2-sharded model
-        is sharded over. With ``torch.distributed`` running several ranks and nothing to infer it
-        from (the optimizer was built on the model before it was wrapped in DDP), reading it
-        raises: per-rank statistics would make the replicas drift apart silently.
+        The ``process_group`` given at construction, or inferred from the model when read: a
+        ``DistributedDataParallel`` wrapper's group, or the mesh an FSDP2-sharded model is sharded over.
+
+        Raises:
+            RuntimeError: Under several ranks with nothing to infer it from (per-rank statistics
+                would make the replicas drift apart).
         """
         if not (isinstance(self._process_group, str) and self._process_group == "infer"):
             return self._process_group
@@ -464,25 +393,21 @@ class InputAwareOptimizer(Optimizer):
 
     def _layers(self, capability: str, *, with_excluded: bool = False) -> list[Layer]:
         """The captured layers whose weight this optimizer trains and whose kind provides ``capability``
-        (without those the rule excludes, unless ``with_excluded``).
-
-        Found once and kept while the watched modules and the param groups (each group dict and the
-        parameters in it) stay the same: every step reads them, and finding them walks the model.
-        """
+        (without those the rule excludes, unless ``with_excluded``), kept as ``_kept`` keeps them."""
         return list(
             self._kept(("layers", capability, with_excluded), lambda: self._find_layers(capability, with_excluded))
         )
 
     def _kept(self, key: Any, compute: Callable[[], Any]) -> Any:
         """``compute()``, kept under ``key`` while the watched modules and the param groups (each group
-        dict and the parameters in it, ``load_state_dict`` replacing the dicts) stay the same: what a
-        rule derives from the model's structure, read every step but found by walking the model."""
+        dict and the parameters in it) stay the same: what is read every step but found by walking the model."""
         cache = self.__dict__.setdefault("_kept_cache", {})
         kept = cache.get(key)
         watched = len(self.capture._modules)
-        if kept is None or kept[0] != watched or not _same_groups(kept[1], self.param_groups):
-            # The group dicts themselves are kept, so an object compared later is never a reused id.
-            kept = cache[key] = (watched, [(g, tuple(g["params"])) for g in self.param_groups], compute())
+        # The group dicts and parameters themselves (kept, so an object compared later is never a reused id).
+        now = [x for group in self.param_groups for x in (group, *group["params"])]
+        if kept is None or kept[0] != watched or len(kept[1]) != len(now) or not all(map(operator.is_, kept[1], now)):
+            kept = cache[key] = (watched, now, compute())
         return kept[2]
 
     def _find_layers(self, capability: str, with_excluded: bool) -> list[Layer]:
@@ -495,24 +420,20 @@ class InputAwareOptimizer(Optimizer):
                 owners.setdefault(weight, []).append(module)
         layers = []
         for weight, modules in owners.items():  # one layer per weight, however many modules share it
-            if len(self._owners_in_model(weight)) != len(modules):
-                continue  # shared with a module whose calls give no statistics: see _layer_treatment
-            kinds = {type(layer_kind(m)) for m in modules}
-            biases = {id(bias_of(m)) for m in modules}
+            # Not one shared with a module whose calls give no statistics (see _uncovered), or by several kinds.
+            if len(self._owners_in_model(weight)) != len(modules) or len({type(layer_kind(m)) for m in modules}) > 1:
+                continue
+            kind = layer_kind(modules[0])
+            assert kind is not None
             bias = bias_of(modules[0])
-            homogeneous = isinstance(bias, Tensor) and bias in groups and len(biases) == 1
-            if len(kinds) == 1:
-                kind = layer_kind(modules[0])
-                assert kind is not None
-                layer = Layer(modules[0], kind, homogeneous, groups[weight], tuple(modules))
-                if with_excluded or self._excluded(layer) is None:
-                    layers.append(layer)
+            homogeneous = isinstance(bias, Tensor) and bias in groups and len({id(bias_of(m)) for m in modules}) == 1
+            layer = Layer(modules[0], kind, homogeneous, groups[weight], tuple(modules))
+            if with_excluded or self._excluded(layer) is None:
+                layers.append(layer)
         return layers
 
     def _owners_in_model(self, param: Tensor) -> list[nn.Module]:
         """Every module of the model that owns ``param`` directly (tied weights: several)."""
-        if self._model is None:
-            return []
         return [m for m in unwrap_model(self._model).modules() if any(p is param for p in m._parameters.values())]
 
     def _excluded(self, layer: Layer) -> str | None:
@@ -526,52 +447,38 @@ class InputAwareOptimizer(Optimizer):
         ``print(opt.coverage())`` shows it as a table; ``.fallbacks()`` lists the weight matrices
         the rule could be expected to cover but leaves to the stock update.
         """
-        root = unwrap_model(self._model) if self._model is not None else None
         names: dict[Tensor, str] = {}
         owners: dict[Tensor, nn.Module] = {}
-        if root is not None:
-            for module_name, module in root.named_modules():
-                for param_name, param in module._parameters.items():
-                    if param is not None and param not in names:
-                        names[param] = f"{module_name}.{param_name}" if module_name else param_name
-                        owners[param] = module
+        for module_name, module in unwrap_model(self._model).named_modules():
+            for param_name, param in module._parameters.items():
+                if param is not None and param not in names:
+                    names[param] = f"{module_name}.{param_name}" if module_name else param_name
+                    owners[param] = module
         rows = Coverage()
         for param in self._params():
-            if not param.requires_grad:
-                continue
-            module = owners.get(param)
-            treatment, reason, fallback = self._treatment(param, module)
-            rows.append(
-                Treatment(
-                    names.get(param, f"<unnamed {tuple(param.shape)}>"),
-                    tuple(param.shape),
-                    type(module).__name__ if module is not None else "",
-                    treatment,
-                    reason,
-                    fallback,
-                )
-            )
+            if param.requires_grad:
+                module = owners.get(param)
+                name = names.get(param, f"<unnamed {tuple(param.shape)}>")
+                kind = type(module).__name__ if module is not None else ""
+                rows.append(Treatment(name, tuple(param.shape), kind, *self._treatment(param, module)))
         return rows
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
         """``(what is done, why stock or None, whether that is a fallback)`` for one parameter."""
-        stock = f"stock {self._stock.__name__}"
         if self._has_rule() and module is not None and module in self.capture.modules:
             return f"{type(self).__name__} (reads the calls of {type(module).__name__})", None, False
-        return stock, None, False
+        return f"stock {self._stock.__name__}", None, False
 
     def _layer_treatment(
         self, param: Tensor, module: nn.Module | None, layers: list[Layer], capability: str, what: str
     ) -> tuple[str, str | None, bool]:
         """The treatment by a rule that acts on the layers it was given (``what`` names the action)."""
-        stock = f"stock {self._stock.__name__}"
         for layer in layers:
             if weight_of(layer.module) is param:
                 return f"{what} ({type(layer.module).__name__})", None, False
             if layer.homogeneous and bias_of(layer.module) is param:
                 return f"{what} (bias column of {type(layer.module).__name__})", None, False
-        reason, fallback = self._uncovered(param, module, capability)
-        return stock, reason, fallback
+        return f"stock {self._stock.__name__}", *self._uncovered(param, module, capability)
 
     def _uncovered(self, param: Tensor, module: nn.Module | None, capability: str) -> tuple[str, bool]:
         """Why a rule acting on layers with ``capability`` leaves ``param`` to the stock update, and
@@ -582,7 +489,8 @@ class InputAwareOptimizer(Optimizer):
         if param is not weight_or_none(module):
             if param is bias_of(module) and layer_kind(module) is not None:
                 return "its layer is not covered, or the bias is trained apart from the weight", False
-            return f"{type(module).__name__}.{_param_name(module, param)} is not a weight matrix", matrix
+            name = next((n for n, p in module._parameters.items() if p is param), "?")
+            return f"{type(module).__name__}.{name} is not a weight matrix", matrix
         kind = layer_kind(module)
         if kind is None:
             return why_no_kind(module), matrix
@@ -615,7 +523,7 @@ class InputAwareOptimizer(Optimizer):
         if self._strict:
             self._coverage_checked = False
             raise RuntimeError(f"{message}. strict=True refuses this; no parameter was changed")
-        warnings.warn(message, CoverageWarning, stacklevel=7)  # the caller of step()
+        warnings.warn(message, CoverageWarning, stacklevel=6)  # the caller of step()
 
     def _warn_if_no_layers(self, capability: str, wanted: str) -> None:
         if self._layers(capability):
@@ -636,8 +544,7 @@ class InputAwareOptimizer(Optimizer):
             )
 
     def _check_param_groups(self) -> None:
-        """Called once the param groups exist and before any hook is attached; rules add their
-        hyperparameters to the groups and validate them here."""
+        """A rule's place to add its hyperparameters to the groups and validate them (before any hook is attached)."""
 
     def _set_group_defaults(self, **hyperparameters: Any) -> None:
         """Add a rule's hyperparameters to ``defaults`` and to every group that lacks them."""
@@ -657,69 +564,62 @@ class InputAwareOptimizer(Optimizer):
             cls.__signature__ = _drop_in_signature(cls._stock)  # type: ignore[attr-defined]
         step = cls.__dict__.get("step")
         if step is not None and not hasattr(step, "inputaware_entry"):
-            cls.step = _entry(cls.__qualname__, step)  # type: ignore[method-assign]
+            cls.step = _entry(step)  # type: ignore[method-assign]
 
     def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The outermost step, once torch's wrapper ran the step pre-hooks (``args`` are theirs)."""
         try:
-            return self._run_step_unscaled(step, args, kwargs)
+            if not self._coverage_checked:
+                self._check_coverage()
+            if self._amp_skips_step():
+                return None
+            if len(args) > 2:
+                raise TypeError(f"step() takes at most 2 positional arguments (closure, inputs), got {len(args)}")
+            closure = args[0] if args else kwargs.pop("closure", None)
+            inputs = args[1] if len(args) > 1 else kwargs.pop("inputs", None)
+            if closure is not None and not callable(closure):
+                raise TypeError(f"step(closure) expects a callable that returns the loss, got {type(closure).__name__}")
+            view = self._resolve_inputs(inputs)
+            hooks = self.__dict__.get("_inputs_hooks")
+            if hooks is not None and hooks.due():
+                closure = hooks.evaluate_closure(closure)  # pre-step hooks see the closure's calls
+                hooks.before_step(self, view)
+            self._step_depth += 1
+            self._step_inputs = view
+            try:
+                out = step(self, closure, inputs=view, **kwargs)
+                if hooks is not None and hooks.due():
+                    hooks.after_step(self, view)
+            finally:
+                self._step_depth -= 1
+                self._step_inputs = None
+                if inputs is None:
+                    view._expire(_EXPIRED)
+            # Released only once the step succeeded: a step that raised (and changed nothing)
+            # keeps its captures, so a retry (say, with more damping) reads the same ones.
+            self.capture.clear()
+            if hooks is not None:
+                hooks.advance()
+            return out
         except BaseException:
             self._undo_unscaling()  # nothing is lost: the gradients are as GradScaler left them
             raise
         finally:
             self._unscaled_by = None
 
-    def _run_step_unscaled(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self._coverage_checked and self._capture is not None:
-            self._check_coverage()
-        if self._amp_skips_step():
-            return None
-        closure, inputs, rest = _split_step_arguments(args, kwargs)
-        view = self._resolve_inputs(inputs)
-        hooks = self.__dict__.get("_inputs_hooks")
-        if hooks is not None and hooks.due():
-            closure = hooks.evaluate_closure(closure)  # pre-step hooks see the closure's calls
-            hooks.before_step(self, view)
-        self._step_depth += 1
-        self._step_inputs = view
-        try:
-            out = step(self, closure, inputs=view, **rest)
-            if hooks is not None and hooks.due():
-                hooks.after_step(self, view)
-        finally:
-            self._step_depth -= 1
-            self._step_inputs = None
-            if inputs is None:
-                view._expire(_EXPIRED)
-        # Released only once the step succeeded: a step that raised (and changed nothing)
-        # keeps its captures, so a retry (say, with more damping) reads the same ones.
-        self._release_captures()
-        if hooks is not None:
-            hooks.advance()
-        return out
-
     def _resolve_inputs(self, inputs: Any) -> Inputs:
         if inputs is None:
-            if self._capture is None:
-                return Inputs([])
-            return self._capture._live_inputs()
+            return self.capture._live_inputs()
         if isinstance(inputs, Inputs):
             if inputs._expired:
                 raise RuntimeError(inputs._expired)
             return inputs
         if isinstance(inputs, Mapping):
-            capture = self._capture
-            owners = capture._owners if capture is not None else None
-            names = capture._watched if capture is not None else None
-            return Inputs.from_mapping(inputs, owners, names)
+            return Inputs.from_mapping(inputs, self.capture._owners, self.capture._watched)
         raise TypeError(
             "step(inputs=...) expects an inputaware_optim.Inputs (for example Capture.inputs()) or a "
             f"mapping from modules or parameters to Captured calls, got {type(inputs).__name__}"
         )
-
-    def _release_captures(self) -> None:
-        if self._capture is not None:
-            self._capture.clear()
 
     def step(self, closure: Callable[[], Any] | None = None, inputs: Inputs | None = None) -> Any:  # type: ignore[override]
         """Perform one optimization step.
@@ -741,16 +641,13 @@ class InputAwareOptimizer(Optimizer):
     def register_inputs_hook(
         self, hook: InputsHook, *, when: When = "pre", every: int = 1, reads: Reads = "calls"
     ) -> InputsHookHandle:
-        """Run ``hook`` once per step (every ``every`` steps) with the step's ``Inputs``.
+        """Run ``hook`` once per step (every ``every`` steps) with the step's ``Inputs``, from the next step.
 
         ``when="pre"``: ``hook(optimizer, inputs)`` before the update (after the closure ran);
-        ``when="post"``: ``hook(optimizer, inputs, updates)`` after it, with ``updates`` the change
-        of each parameter that had a gradient where ``reads`` includes ``"updates"`` (else ``None``).
-        ``reads`` declares what the hook reads, so the capture keeps only that, and only for the
-        steps the hook runs at: ``"calls"`` (raw calls), ``Reduction`` instances (``inputs.reduced``),
-        ``"updates"``, a list of these, or ``None``. It first runs at the next step (registered
-        between a backward and its step, it sees what is read from then on; a raw-calls reader
-        then starts at the step after).
+        ``when="post"``: ``hook(optimizer, inputs, updates)`` after it, ``updates`` being each parameter's
+        change if ``reads`` includes ``"updates"`` (else ``None``). ``reads`` is what the hook reads, the
+        capture keeping only that, at its steps: ``"calls"``, ``Reduction`` instances (``inputs.reduced``),
+        ``"updates"``, a list of these, or ``None`` (raw calls are read from the step after a backward).
 
         Returns:
             A handle whose ``remove()`` takes the hook off and whose ``step`` counts its steps.
@@ -763,7 +660,7 @@ class InputAwareOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as the stock optimizer does, and drop the captured calls."""
         super().zero_grad(set_to_none)
-        self._release_captures()
+        self.capture.clear()
 
     # -- AMP ------------------------------------------------------------------------------
     def _has_rule(self) -> bool:
@@ -774,15 +671,16 @@ class InputAwareOptimizer(Optimizer):
         grad_scale, found_inf = scaler_handoff(self)
         if found_inf is None:
             return False
-        if self._capture is not None:
-            self._capture.refresh()  # before the unscaling below changes the gradients in place
+        capture = self.capture
+        capture.refresh()  # before the unscaling below changes the gradients in place
         if not self._has_rule() and any(group.get("fused") for group in self.param_groups):
             return False  # the stock fused kernel unscales and skips by itself
         if found_inf.item():
-            self._release_captures()  # GradScaler skips the step: so do the captures
+            capture.clear()  # GradScaler skips the step: so do the captures
             return True
-        capture = self._capture
-        if capture is not None and capture.grad_scaler is None and _reads_output_gradients(capture):
+        if capture.grad_scaler is None and (
+            (capture.keep_calls and capture.grad_outputs) or any(r.grad_outputs for r in capture.reductions)
+        ):
             raise RuntimeError(
                 f"{type(self).__name__} reads the output gradients of its layers, and under a GradScaler they "
                 "carry the loss scale. Construct it with grad_scaler=scaler (the GradScaler you step with) so "
@@ -791,37 +689,31 @@ class InputAwareOptimizer(Optimizer):
         if grad_scale is not None:
             self._unscale_grads(grad_scale)
             self._unscaled_by = grad_scale
-            if capture is not None:
-                capture._gradients_rescaled()
+            capture._gradients_rescaled()
         hide_scaler_handoff(self)  # from the stock kernels (GradScaler deletes it after the step)
         return False
 
+    def _grads(self) -> list[Tensor]:
+        return [p.grad._values() if p.grad.is_sparse else p.grad for p in self._params() if p.grad is not None]
+
     @torch.no_grad()
     def _undo_unscaling(self) -> None:
-        """After a step that raised: scale the gradients back and clear what GradScaler set, so
-        the gradients are as before and the next ``scaler.step`` starts afresh."""
+        """After a step that raised: scale the gradients back and clear what GradScaler set."""
         scale = self.__dict__.get("_unscaled_by")
         if scale is not None:
-            for param in self._params():
-                if param.grad is not None:
-                    grad = param.grad._values() if param.grad.is_sparse else param.grad
-                    grad.mul_(scale.to(grad.device, grad.dtype))
-            if self._capture is not None:
-                self._capture._gradients_rescaled()
+            for grad in self._grads():
+                grad.mul_(scale.to(grad.device, grad.dtype))
+            self.capture._gradients_rescaled()
         drop_scaler_handoff(self)
 
     @torch.no_grad()
     def _unscale_grads(self, grad_scale: Tensor) -> None:
-        # The same kernel and grouping as GradScaler.unscale_, so unscaled gradients are
-        # bitwise what the stock path produces.
+        # GradScaler.unscale_'s kernel and grouping, so the result is bitwise the stock path's.
         inv_scale = grad_scale.double().reciprocal().float()
         grouped: defaultdict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-        for param in self._params():
-            if param.grad is None:
-                continue
-            if param.grad.dtype == torch.float16:
+        for grad in self._grads():
+            if grad.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
-            grad = param.grad._values() if param.grad.is_sparse else param.grad
             grouped[(grad.device, grad.dtype)].append(grad)
         for (device, _), grads in grouped.items():
             found_inf = torch.zeros(1, device=device)
@@ -837,8 +729,7 @@ def _rebuilt(
 
 
 def _with_base_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
-    """State-dict post-hook of a ``base=`` composition: the base optimizer's state, the rule's under
-    ``"rule_state"``."""
+    """State-dict post-hook of ``base=``: the base optimizer's state, the rule's under ``"rule_state"``."""
     combined = optimizer.__dict__["_base_optimizer"].state_dict()
     for index, rule_state in state_dict["state"].items():
         if rule_state:
@@ -847,9 +738,8 @@ def _with_base_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[s
 
 
 def _split_base_state(optimizer: Optimizer) -> None:
-    """Load-state-dict post-hook of a ``base=`` composition: torch loaded the whole state here (cast
-    to each parameter as the base would); the base optimizer's part goes to it, and the groups
-    are one list again."""
+    """Load-state-dict post-hook of ``base=``: torch loaded the whole state here; the base's part goes
+    to it, and the groups are one list again."""
     inner = optimizer.__dict__["_base_optimizer"]
     inner.param_groups = optimizer.param_groups
     inner.state = defaultdict(dict)
@@ -863,14 +753,4 @@ def _split_base_state(optimizer: Optimizer) -> None:
             del optimizer.state[param]
 
 
-InputAwareOptimizer.step = _entry("InputAwareOptimizer", InputAwareOptimizer.step)  # type: ignore[method-assign]
-
-
-def _same_groups(kept: list[tuple[dict[str, Any], tuple[Any, ...]]], groups: list[dict[str, Any]]) -> bool:
-    """Whether ``groups`` are the very group dicts ``kept`` holds, each with the very same parameters, in order."""
-    return len(kept) == len(groups) and all(
-        group is kept_group
-        and len(params) == len(group["params"])
-        and all(p is q for p, q in zip(params, group["params"], strict=True))
-        for (kept_group, params), group in zip(kept, groups, strict=True)
-    )
+InputAwareOptimizer.step = _entry(InputAwareOptimizer.step)  # type: ignore[method-assign]

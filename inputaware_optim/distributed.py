@@ -1,18 +1,11 @@
 """Data-parallel synchronization of the statistics rules build from inputs.
 
-Under data parallelism each rank captures its own local batch. A rule whose update
-depends on input statistics (FOOF's second moment, NLMS's input power, LazyAdamW's
-touched rows) must combine them across ranks, or replicas would apply different updates
-and drift apart. The ranks to combine over are those that average gradients: the
-``DistributedDataParallel`` wrapper's process group, or FSDP2's data-parallel mesh.
-
-Under FSDP2 a parameter is a DTensor sharded on its rows (dim 0) over a 1-D mesh: row ``i``
-of a weight and entry ``i`` of its bias are on the same rank, so a layer's matrix
-``W̃ = [W | b]`` is sharded by rows too, and a rule acting on each row alone (FOOF's
-``G̃ A⁻¹``) needs only this rank's rows. The helpers here read and write those rows.
-
-Work that every rank would repeat (K-FAC's and FOOF's factor inversions) can instead be
-done once: ``computed_once`` runs each job on one rank and broadcasts the results.
+Each rank captures its own batch, so a rule whose update depends on input statistics must combine
+them over the ranks that average gradients (a ``DistributedDataParallel`` wrapper's group, or
+FSDP2's mesh), or the replicas would drift apart. Under FSDP2 a parameter is a DTensor sharded on
+its rows (dim 0) over a 1-D mesh, so a layer's ``W̃ = [W | b]`` is too, and a rule acting on each row
+alone (FOOF's ``G̃ A⁻¹``) needs only this rank's rows: the helpers here read and write them.
+``computed_once`` runs work every rank would repeat (factor inversions) once and broadcasts it.
 """
 
 from __future__ import annotations
@@ -39,11 +32,8 @@ __all__ = [
 
 
 def data_parallel_group(model: nn.Module) -> Any:
-    """The process group over which ``model``'s gradients are averaged, or ``None`` (one process).
-
-    ``DistributedDataParallel``: its ``process_group``. FSDP2 (``fully_shard``): the group of
-    the mesh its parameters are sharded over. Otherwise ``None``: statistics stay local.
-    """
+    """The process group over which ``model``'s gradients are averaged: a ``DistributedDataParallel``
+    wrapper's, or that of the mesh FSDP2 shards its parameters over; else ``None``."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     from torch.nn.parallel import DistributedDataParallel
@@ -66,21 +56,15 @@ def all_reduce_sum_(tensors: Sequence[Tensor], group: Any) -> None:
         return
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
     torch.distributed.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(part.view(t.shape))
 
 
 def all_ranks_sum(
     values: Sequence[Tensor | None], shapes: Sequence[tuple[int, ...]], group: Any, device: torch.device
 ) -> list[Tensor | None]:
-    """``values`` summed over ``group``, where a rank that saw nothing for an entry (``None``) joins with zeros.
-
-    Every rank must call it with the same ``shapes`` (one collective, whatever each saw). Without
-    a group the values come back as they are, ``None`` included; with one, every entry is a
-    ``float64`` tensor of its shape.
-    """
+    """``values`` summed over ``group`` as ``float64`` (a ``None`` joins as zeros of its entry in ``shapes``,
+    the same on every rank); without a group, ``values`` as they are."""
     if group is None:
         return list(values)
     joined = [
@@ -103,11 +87,8 @@ def sharded(t: Tensor) -> bool:
 
 
 def row_sharding_problem(weight: Tensor, bias: Tensor | None) -> str | None:
-    """Why the rows of ``[weight | bias]`` are not held whole by the ranks (``None``: they are).
-
-    Held whole means: both sharded on dim 0 over the same 1-D mesh (FSDP2's default), so that
-    this rank's rows of the weight and its entries of the bias are the same rows.
-    """
+    """Why the rows of ``[weight | bias]`` are not held whole by the ranks (both sharded on dim 0 over the
+    same 1-D mesh, FSDP2's default), or ``None`` if they are."""
     tensors = [weight] if bias is None else [weight, bias]
     if not any(sharded(t) for t in tensors):
         return None
@@ -124,13 +105,9 @@ def row_sharding_problem(weight: Tensor, bias: Tensor | None) -> str | None:
 
 
 def row_range(t: Tensor) -> slice:
-    """The global rows that this rank's shard of ``t`` holds (``t`` sharded on dim 0 over a 1-D mesh).
-
-    FSDP2 shards like ``torch.chunk``: ``ceil(rows / ranks)`` rows per rank, the last ranks
-    holding fewer (or none).
-    """
+    """The global rows that this rank's shard of ``t`` holds (``t`` sharded on dim 0 over a 1-D mesh)."""
     mesh = t.device_mesh  # type: ignore[attr-defined]
-    chunk = -(-t.shape[0] // mesh.size())
+    chunk = -(-t.shape[0] // mesh.size())  # FSDP2 shards like torch.chunk: the last ranks hold fewer rows, or none
     start = min(mesh.get_local_rank() * chunk, t.shape[0])
     held = local_tensor(t).shape[0]
     if start + held > t.shape[0] or held > chunk:
@@ -171,10 +148,7 @@ def set_local_matrix_rows(weight: Tensor, bias: Tensor | None, matrix: Tensor, h
 
 
 def reduce_scatter_like(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's shard, placed as ``like`` (a DTensor), of the sum of ``full`` over ``like``'s mesh.
-
-    One reduce-scatter: each rank receives only its shard of the sum.
-    """
+    """This rank's shard, placed as the DTensor ``like``, of ``full`` summed over its mesh (one reduce-scatter)."""
     from torch.distributed.tensor import DTensor, Partial
 
     mesh = like.device_mesh  # type: ignore[attr-defined]
@@ -183,10 +157,7 @@ def reduce_scatter_like(full: Tensor, like: Tensor) -> Tensor:
 
 
 def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:
-    """The rank each job runs on: the costliest first, each to the least loaded rank (ties: the lowest).
-
-    The same on every rank, given the same costs.
-    """
+    """The rank each job runs on: the costliest first, each to the least loaded rank (ties: the lowest)."""
     loads = [0.0] * world
     owners = [0] * len(costs)
     for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
@@ -199,13 +170,10 @@ def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:
 def computed_once(
     jobs: Sequence[Callable[[], Tensor]], likes: Sequence[Tensor], costs: Sequence[float], group: Any
 ) -> list[Tensor]:
-    """Every job's result on every rank of ``group``, each job computed on one rank only.
-
-    Jobs are assigned by ``owners_by_cost``; each rank then broadcasts its results (one
-    broadcast per rank and dtype). Job ``j`` returns a tensor shaped and typed like ``likes[j]``;
-    every rank must pass the same jobs in the same order. If a job raises on its rank, every
-    rank runs it again itself and so raises the same error (after the collectives, so no rank
-    is left waiting). Without a group, every job runs here.
+    """Every job's result on every rank of ``group``, each job computed on one rank (``owners_by_cost``)
+    and broadcast (once per rank and dtype). Job ``j`` returns a tensor like ``likes[j]``; every rank
+    passes the same jobs. A job that raises on its rank is run again by every rank, so all raise its
+    error (after the collectives, so no rank is left waiting). Without a group, every job runs here.
     """
     dist = torch.distributed
     if group is None or not jobs or dist.get_world_size(group) == 1:
@@ -226,20 +194,17 @@ def computed_once(
             jobs[j]()  # raises here too, with the message its owner got
         raise RuntimeError(f"jobs {failed.nonzero().flatten().tolist()} failed on their ranks but not here")
     for rank in range(world):
-        mine = [j for j in range(len(jobs)) if owners[j] == rank]
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for j in mine:
-            by_dtype.setdefault(likes[j].dtype, []).append(j)
+        for j in range(len(jobs)):
+            if owners[j] == rank:
+                by_dtype.setdefault(likes[j].dtype, []).append(j)
         for dtype, members in by_dtype.items():
             if rank == me:
                 flat = torch.cat([results[j].reshape(-1) for j in members])  # type: ignore[union-attr]
             else:
                 flat = torch.empty(sum(likes[j].numel() for j in members), dtype=dtype, device=likes[members[0]].device)
             dist.broadcast(flat, src=dist.get_global_rank(group, rank), group=group)
-            offset = 0
-            for j in members:
-                size = likes[j].numel()
-                results[j] = flat[offset : offset + size].view(likes[j].shape).clone()  # not a view of them all
-                offset += size
+            for j, part in zip(members, flat.split([likes[j].numel() for j in members]), strict=True):
+                results[j] = part.view(likes[j].shape).clone()  # not a view of them all
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]

@@ -14,7 +14,7 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -101,9 +101,7 @@ class _Key:
         return bool(self.calls or self.totals)
 
     def drop(self) -> None:
-        self.calls = []
-        self.totals = {}
-        self.grad = None
+        self.calls, self.totals, self.grad = [], {}, None
 
     def status(self) -> str:
         """Since the last commit: ``"same"``, ``"replaced"`` (cleared), ``"scaled"`` (changed in place,
@@ -162,17 +160,14 @@ class _Task:
         self.accumulates = False
 
 
-class _Returned:
+class _Returned(NamedTuple):
     """The calls and statistics of a gradient ``autograd.grad`` returned, until it is assigned to ``.grad`` or dies."""
 
-    __slots__ = ("calls", "grad", "key", "totals", "version")
-
-    def __init__(
-        self, grad: weakref.ref[Tensor], key: _Key, calls: list[_Record], totals: dict[Reduction, Any]
-    ) -> None:
-        self.grad, self.key, self.calls, self.totals = grad, key, calls, totals
-        tensor = grad()
-        self.version = tensor._version if tensor is not None else 0
+    grad: weakref.ref[Tensor]
+    key: _Key
+    calls: list[_Record]
+    totals: dict[Reduction, Any]
+    version: int
 
 
 def _inert_log(storage: Storage) -> _Log:
@@ -245,14 +240,11 @@ class _Log:
             any(type(r).backward is not Reduction.backward for r in readers),
         )
 
-    def refresh_keys(self, keys: Iterable[_Key]) -> bool:
-        """Drop what cleared gradients held; a returned gradient assigned to ``.grad`` gets its calls.
-        True if what some key holds changed."""
+    def refresh_keys(self) -> None:
+        """Drop what cleared gradients held; a returned gradient assigned to ``.grad`` gets its calls."""
         changed = False
         zeroed: list[_Key] = []
-        for key in keys:
-            if key.param is None:  # (held until read and released)
-                continue
+        for key in self.keys.values():
             if self.returned and self._adopt(key):
                 changed = True
             if not key.holds():
@@ -278,7 +270,8 @@ class _Log:
                 else:
                     key.drop()
                     changed = True
-        return changed
+        if changed:
+            self.generation += 1
 
     def _adopt(self, key: _Key) -> bool:
         """If ``key``'s gradient is a tensor ``autograd.grad`` returned, give it that pass's calls."""
@@ -301,7 +294,7 @@ class _Log:
             if entry is not None and entry.grad() is None:
                 del returned[ident]
 
-        returned[ident] = _Returned(weakref.ref(grad, forget), key, calls, totals)
+        returned[ident] = _Returned(weakref.ref(grad, forget), key, calls, totals, grad._version)
 
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.inert:
@@ -313,9 +306,7 @@ class _Log:
         if not torch.compiler.is_compiling():
             self.forwards += 1
             if self.input_shapes is not None and _grad_enabled():
-                leaves = (
-                    args if not kwargs and all(type(a) is Tensor for a in args) else tree_flatten((args, kwargs))[0]
-                )
+                leaves = tree_flatten((args, kwargs))[0]
                 self.input_shapes[self.forwards] = [t.shape for t in leaves if isinstance(t, Tensor)]
                 if len(self.input_shapes) > _INPUT_SHAPES_KEPT:
                     del self.input_shapes[next(iter(self.input_shapes))]
@@ -334,16 +325,21 @@ class _Log:
             return self._record_compiled(module, args, kwargs, output)
         if not self.keep_calls and module not in self.readers:
             return None  # nothing reads this module now (a reader paused, say between statistics steps)
-        if _functorch_level() is not None:
-            return None  # inside vmap/grad: not a call of the training step
-        if _graph_task_id() != -1 and _recomputing_checkpointed_forward():
-            return None
+        if _functorch_level() is not None or (_graph_task_id() != -1 and _recomputing_checkpointed_forward()):
+            return None  # inside vmap/grad, or checkpointing's re-run in backward: not a call of the step
         outputs = _differentiable_outputs(output)
         if outputs is None:
             return None  # no gradient can come back through this call
         record = _Record(module, next(self.counter), self.forwards)
-        if self.keep_calls:
-            self._keep_arguments(record, args, kwargs)
+        if self.keep_calls and self.storage == "reference":
+            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+                record.check = None if args[0].is_inference() else args[0]._version
+            else:
+                record.check = _versions(args, kwargs)
+            record.args, record.kwargs = args, kwargs or None
+        elif self.keep_calls:
+            copied_args, copied_kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
+            record.args, record.kwargs = copied_args, copied_kwargs or None
         readers = self.readers.get(module)
         wants_grads, keeps_inputs, forward, _ = self.needs.get(module, (False, False, False, False))
         if self.grad_outputs or wants_grads:
@@ -360,11 +356,7 @@ class _Log:
             record.kept = self.reduce(
                 lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
             )
-        self._await_gradients(record, outputs)
-        return None
-
-    def _await_gradients(self, record: _Record, outputs: list[Tensor]) -> None:
-        for position, t in enumerate(outputs):
+        for position, t in enumerate(outputs):  # hooks that see the gradients reach its outputs
             if not t.requires_grad:
                 continue
             record.waiting += 1
@@ -376,6 +368,7 @@ class _Log:
                 node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
                 if position == 0 and record.module in self.producers:
                     node.register_hook(functools.partial(self._produced, record.module))
+        return None
 
     def _produced(self, module: nn.Module, grad_inputs: Any, grad_outputs: Any) -> None:
         """A call's first output node computed the gradients it sends back (``Reduction.produced``)."""
@@ -410,24 +403,16 @@ class _Log:
         if record.waiting == 0 and record.task is not None:  # its output gradients arrived first
             self._reduce_backward(record, self.tasks[record.task].scale if record.task in self.tasks else None)
 
-    def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.storage == "reference":
-            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-                record.check = None if args[0].is_inference() else args[0]._version
-            else:
-                record.check = _versions(args, kwargs)
-        else:
-            args, kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
-        record.args, record.kwargs = args, kwargs or None
-
     def _node_gradient(self, record: _Record, position: int, output_nr: int, grads: Sequence[Any]) -> None:
         self.arrive(record, position, grads[output_nr])
 
     def arrive(self, record: _Record, position: int, grad: Tensor | None) -> None:
         task_id = _graph_task_id()
         task = self.tasks.get(task_id)
-        if task is None:
-            task = self._begin_task(task_id)
+        if task is None:  # the pass's first gradient to reach a recorded call
+            task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
+            _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
+            self.refresh_keys()  # before the pass accumulates into any gradient (a later look: a rescaling)
         if record.task is None:
             self._join(record, task, task_id)
         elif record.task != task_id:
@@ -442,14 +427,6 @@ class _Log:
         record.waiting -= 1
         if record.waiting == 0 and not record.deferred:  # (a deferred one is reduced once recomputed)
             self._reduce_backward(record, task.scale)
-
-    def _begin_task(self, task_id: int) -> _Task:
-        task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
-        _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
-        # All gradients now, before the pass accumulates into any (a later look would see a rescaling).
-        if self.refresh_keys(self.keys.values()):
-            self.generation += 1
-        return task
 
     def _join(self, record: _Record, task: _Task, task_id: int) -> None:
         record.task = task_id
@@ -474,14 +451,12 @@ class _Log:
             record.slot = [None if g is None else g / scale for g in record.slot]
         readers = self.readers.get(record.module)
         if readers and record.kept is not None:
-            if not self.needs[record.module][3]:  # no reader's backward does anything
-                record.waiting = -1
-                return
-            call = Call(record.module, (), {}, record.slot, record.forward)
-            kept = record.kept
-            if record.rearm:
-                record.forward_kept = kept
-            record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
+            if self.needs[record.module][3]:  # some reader's backward does something
+                call = Call(record.module, (), {}, record.slot, record.forward)
+                kept = record.kept
+                if record.rearm:
+                    record.forward_kept = kept
+                record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
             record.waiting = -1  # reduced
 
     def end_backward(self, task_id: int, deferred: bool) -> None:
@@ -1166,8 +1141,7 @@ class Capture:
         if error is not None:
             self.clear()
             raise RuntimeError(f"{error}. The captures of this step were dropped")
-        if log.refresh_keys(log.keys.values()):
-            log.generation += 1
+        log.refresh_keys()
 
     def _gradients_rescaled(self) -> None:
         """The optimizer rescaled the gradients in place (unscaling): they still hold the same calls."""

@@ -9,6 +9,7 @@ hook is attached.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import warnings
@@ -492,7 +493,17 @@ class _Log:
                 totals = {r: t[key.param] for r, t in finished if key.param in t}
                 self.keep_returned(grad, key, [snapshots.get(id(r), r) for r in kept], totals)
         task.returned.clear()
-        self._commit(task, changed, finished)
+        for key in changed:  # the gradients the pass changed now hold its calls and their statistics
+            key.commit()
+            if self.keep_calls:
+                new = [r for r in task.records if key in self.keys_of.get(r.module, ())]
+                key.calls = sorted([*key.calls, *new], key=lambda r: r.index)
+            for reduction, by_param in finished:
+                if key.param is not None and key.param in by_param:
+                    key.totals[reduction] = reduction.combine(key.totals.get(reduction), by_param[key.param])
+        if changed:
+            self.generation += 1
+            self.rescaled = False
 
     def _settle_records(self, task: _Task) -> None:
         """A checkpointed call never recomputed is an error; one with outputs that got no gradient is reduced."""
@@ -538,20 +549,6 @@ class _Log:
                 record.slot = None
                 record.args, record.kwargs = (), None
             self.compiled.pop(record.index, None)
-
-    def _commit(self, task: _Task, changed: set[_Key], finished: list[tuple[Reduction, dict[Tensor, Any]]]) -> None:
-        """The gradients the pass changed now hold its calls and their statistics."""
-        for key in changed:
-            key.commit()
-            if self.keep_calls:
-                new = [r for r in task.records if key in self.keys_of.get(r.module, ())]
-                key.calls = sorted([*key.calls, *new], key=lambda r: r.index)
-            for reduction, totals in finished:
-                if key.param is not None and key.param in totals:
-                    key.totals[reduction] = reduction.combine(key.totals.get(reduction), totals[key.param])
-        if changed:
-            self.generation += 1
-            self.rescaled = False
 
     def reduce(self, compute: Any) -> Any:
         """Run reductions' code from a hook; an error is kept, raised at the next read (not mid-backward)."""
@@ -624,9 +621,8 @@ class _Log:
         for key in self.keys.values():
             key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
             key.drop()
-        for key_set in self.keys_of.values():
-            for key in key_set:
-                key.drop()
+        for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
+            key.drop()
         self.head = None
         self.compiled.clear()
         self.awaiting.clear()
@@ -805,9 +801,7 @@ def _drop_code_compiled_without_hooks(model: nn.Module, root: nn.Module) -> None
         for m in [*_wrapper_chain(model), *root.modules()]
         if isinstance(getattr(m, "_orig_mod", None), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
     ]
-    if not compiled:
-        return
-    if not drop_compiled_code(compiled):
+    if compiled and not drop_compiled_code(compiled):
         raise RuntimeError(
             "the model was compiled with torch.compile before this capture was built, and this "
             "release of torch offers no way to retrace it with hooks. Build the optimizer (or "
@@ -825,21 +819,17 @@ def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+@dataclasses.dataclass(eq=False)
 class _Watching:
     """A ``Capture.watch``: its modules and callbacks; ``remove()`` ends it."""
 
-    def __init__(
-        self,
-        capture: Capture,
-        modules: list[nn.Module],
-        on_call: Callable[..., Any],
-        on_forward: Callable[..., Any] | None,
-    ) -> None:
-        self._capture = weakref.ref(capture)
-        self.modules, self.on_call, self.on_forward = modules, on_call, on_forward
+    capture: weakref.ref[Capture]
+    modules: list[nn.Module]
+    on_call: Callable[..., Any]
+    on_forward: Callable[..., Any] | None
 
     def remove(self) -> None:
-        capture = self._capture()
+        capture = self.capture()
         if capture is not None:
             capture._end_watch(self)
 
@@ -904,11 +894,7 @@ class Capture:
         self.keep_calls = keep_calls
 
     def add_modules(self, modules: Iterable[nn.Module]) -> None:
-        """Watch more modules of the model (each at most once).
-
-        Raises:
-            ValueError: If a module is not part of the model.
-        """
+        """Watch more modules of the model (each at most once); one not in the model raises ``ValueError``."""
         modules = self._part_of_model(modules)
         log = self._log
         for module in modules:
@@ -1086,12 +1072,9 @@ class Capture:
         and ``on_forward(root, args, kwargs)`` before every forward, through the capture's own hooks.
 
         The callbacks must not hold the tool that registered them, so its finalizer can run.
-        ``remove()`` on the returned handle ends the watch.
-
-        Raises:
-            ValueError: If a module is not part of the model.
+        ``remove()`` on the returned handle ends the watch. A module not in the model raises ``ValueError``.
         """
-        watching = _Watching(self, self._part_of_model(modules), on_call, on_forward)
+        watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward)
         self._watches.append(watching)
         self._rebuild_watchers()
         self._sync_hooks()
@@ -1126,10 +1109,11 @@ class Capture:
             RuntimeError: If the gradient could not be followed (for example backward ran
                 twice through one call); the captures are then dropped.
         """
-        log = self._log
-        error = log.error
-        if isinstance(error, Exception):
+        error = self._log.error
+        if error is not None:
             self.clear()
+            if not isinstance(error, Exception):
+                raise RuntimeError(f"{error}. The captures of this step were dropped")
             message = (
                 f"{error} (raised by a reader's code in the capture's hooks; the captures of this step were dropped)"
             )
@@ -1138,10 +1122,7 @@ class Capture:
             except Exception:  # an exception type that takes other arguments
                 again = RuntimeError(f"{type(error).__name__}: {message}")
             raise again from error
-        if error is not None:
-            self.clear()
-            raise RuntimeError(f"{error}. The captures of this step were dropped")
-        log.refresh_keys()
+        self._log.refresh_keys()
 
     def _gradients_rescaled(self) -> None:
         """The optimizer rescaled the gradients in place (unscaling): they still hold the same calls."""
@@ -1210,26 +1191,20 @@ class Capture:
         names = ", ".join(f"{self.name(m)} ({type(m).__name__})" for m in modules)
         key = self._log.keys.get(param)
         if key is not None and key.released is not None and key.released() is param.grad:
-            warnings.warn(
-                f"a rule asked for the inputs of {names}, but its gradient was already stepped with: the "
-                "previous step() released its calls, and no backward ran since. Step once per backward "
-                "(or run the forward and backward again); the rule gets None and treats the parameter "
-                "as it treats uncaptured ones",
-                UncapturedInputsWarning,
-                stacklevel=4,
+            message = (
+                f"a rule asked for the inputs of {names}, but its gradient was already stepped with: the previous "
+                "step() released its calls and no backward ran since. Step once per backward; the rule gets None "
+                "and treats the parameter as uncaptured"
             )
-            return
-        warnings.warn(
-            f"a rule asked for the inputs of {names}, whose parameter has a gradient, but that gradient "
-            "holds no captured call; the rule gets None and treats it as it treats uncaptured "
-            "parameters. Typical causes: the weight is used without calling the module (as "
-            "nn.MultiheadAttention does with out_proj), the forward ran under no_grad(), compiled "
-            "code (torch.compile of a function that calls the model before the optimizer existed) "
-            "runs without the hooks, or the gradient was set by hand to a tensor other than the one "
-            "torch.autograd.grad returned (a copy, a sum). Capture.uncaptured() lists them all.",
-            UncapturedInputsWarning,
-            stacklevel=4,
-        )
+        else:
+            message = (
+                f"a rule asked for the inputs of {names}, whose gradient holds no captured call; the rule gets None "
+                "and treats it as uncaptured. Typical causes: the weight is used without calling the module (as "
+                "nn.MultiheadAttention does with out_proj), the forward ran under no_grad(), compiled code built "
+                "before the optimizer runs without the hooks, or the gradient was set by hand to a tensor other "
+                "than the one torch.autograd.grad returned. Capture.uncaptured() lists them all."
+            )
+        warnings.warn(message, UncapturedInputsWarning, stacklevel=4)
 
     def clear(self) -> None:
         """Forget what the gradients hold (not what a gradient ``autograd.grad`` returned holds: in no ``.grad``)."""

@@ -66,11 +66,7 @@ class _Entry:
 
 
 def parse_reads(reads: Reads) -> tuple[bool, bool, tuple[Reduction, ...]]:
-    """``(calls, updates, reductions)`` from a ``reads`` declaration.
-
-    Raises:
-        TypeError: If an item is neither ``"calls"``, ``"updates"`` nor a ``Reduction``.
-    """
+    """``(calls, updates, reductions)`` from a ``reads`` declaration (``TypeError`` on anything else)."""
     items: list[Any] = [] if reads is None else [reads] if isinstance(reads, (str, Reduction)) else list(reads)
     reductions: list[Reduction] = []
     for item in items:

@@ -188,11 +188,8 @@ class Inputs(Mapping[nn.Module, Captured]):
         owners: Mapping[Tensor, tuple[nn.Module, ...]] | None = None,
         names: Mapping[nn.Module, str] | None = None,
     ) -> Inputs:
-        """Build ``Inputs`` from a mapping of modules or parameters to ``Captured`` (or lists of ``Call``).
-
-        Raises:
-            TypeError: If a key is not a module or tensor, or a value is not calls.
-        """
+        """Build ``Inputs`` from a mapping of modules or parameters to ``Captured`` (or lists of ``Call``); other
+        keys or values raise ``TypeError``."""
         calls: list[Call] = []
         direct: dict[Tensor, Captured] = {}
         for key, value in mapping.items():

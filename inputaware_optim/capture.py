@@ -564,12 +564,20 @@ class _Log:
         # and each output passes through _GradTap, whose backward files the gradient.
         if self.storage != "reference":
             args, kwargs, _ = _copy_arguments(args, kwargs, self.storage, True)
-        leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-        if not leaves:
+        leaves, spec = tree_flatten(output)
+        tensors = [t for t in leaves if isinstance(t, Tensor)]
+        if not tensors:
             return None
-        key = torch.ops.inputaware_optim.open_call(leaves[0], id(self), len(leaves))
+        key = torch.ops.inputaware_optim.open_call(tensors[0], id(self), len(tensors))
         self.head = (module, args, kwargs, key, self.head)
-        return _tap_compiled_outputs(output, key, id(self))
+        tapped, index = [], 0
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                if leaf.requires_grad:
+                    leaf = _GradTap.apply(leaf, key, id(self), index)
+                index += 1
+            tapped.append(leaf)
+        return tree_unflatten(tapped, spec)
 
     def open_compiled(self, outputs: int) -> int:
         if not (self.keep_calls or self.readers):
@@ -581,7 +589,14 @@ class _Log:
         return key
 
     def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
-        self._bind_compiled()
+        node, self.head = self.head, None  # first, give the records compiled code opened their module and arguments
+        while node is not None:
+            module, args, kwargs, opened, node = node
+            bound = self.compiled.get(int(opened))
+            if bound is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
+                bound.module, bound.args, bound.kwargs = module, args, kwargs or None
+                if self.storage == "reference" and self.keep_calls:  # later reads check these versions
+                    bound.check = _versions(args, kwargs or {})
         if key < 0:
             return  # opened while nothing read
         record = self.compiled.get(key)
@@ -605,17 +620,6 @@ class _Log:
         if record.slot is not None and position >= len(record.slot):
             record.slot.extend([None] * (position + 1 - len(record.slot)))
         self.arrive(record, position, grad)
-
-    def _bind_compiled(self) -> None:
-        """Give the records compiled code opened their module and arguments."""
-        node, self.head = self.head, None
-        while node is not None:
-            module, args, kwargs, key, node = node
-            record = self.compiled.get(int(key))
-            if record is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
-                record.module, record.args, record.kwargs = module, args, kwargs or None
-                if self.storage == "reference" and self.keep_calls:  # later reads check these versions
-                    record.check = _versions(args, kwargs or {})
 
     def clear(self) -> None:
         for key in self.keys.values():
@@ -761,18 +765,6 @@ class _GradTap(torch.autograd.Function):
         (key,) = ctx.saved_tensors
         torch.ops.inputaware_optim.store_grad(grad, key, ctx.log_id, ctx.index)
         return grad, None, None, None
-
-
-def _tap_compiled_outputs(output: Any, key: Tensor, log_id: int) -> Any:
-    leaves, spec = tree_flatten(output)
-    tapped, index = [], 0
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            if leaf.requires_grad:
-                leaf = _GradTap.apply(leaf, key, log_id, index)
-            index += 1
-        tapped.append(leaf)
-    return tree_unflatten(tapped, spec)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -119,13 +119,10 @@ class _Key:
 
     def reach(self) -> str:
         """What the current pass does with this gradient: accumulates it, returns it (``autograd.grad``) or skips it."""
-        param = self.param
-        if param is None:
-            return _ACCUMULATES  # a module that owns no parameter: its calls count from their backward
-        if not param.requires_grad:
+        if self.param is not None and not self.param.requires_grad:
             return _SKIPS
         if self.accumulator is None and not self.find_accumulator():
-            return _ACCUMULATES  # (none to ask, as in compiled code's backward: followed as a plain backward)
+            return _ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
         return _pass_reaches(self.accumulator)
 
     def find_accumulator(self) -> bool:
@@ -861,9 +858,7 @@ class Capture:
                     "of the model, whose calls cannot be told apart from the model's own; use "
                     "DistributedDataParallel (one process per device), as torch recommends"
                 )
-        root = unwrap_model(model)
-        self._model = model
-        self._root = root
+        self._model, self._root = model, unwrap_model(model)
         self._names: dict[nn.Module, str] = {}
         self._name_modules()
         self._log = _Log(storage, grad_outputs)
@@ -880,7 +875,7 @@ class Capture:
         self._prehooked: set[int] = set()
         self._param_hooked: set[int] = set()
         if modules is None:
-            modules = [m for m in root.modules() if any(p is not None for p in m._parameters.values())]
+            modules = [m for m in self._root.modules() if any(p is not None for p in m._parameters.values())]
         self.add_modules(modules)
         self._finalizer = weakref.finalize(self, _shutdown, self._log, self._handles)
         self.keep_calls = keep_calls

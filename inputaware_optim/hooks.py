@@ -20,7 +20,6 @@ __all__ = ["InputsHook", "InputsHookHandle", "Reads", "When"]
 When = Literal["pre", "post"]
 Reads = str | Reduction | Iterable[str | Reduction] | None
 InputsHook = Callable[..., None]
-_WORDS = ("calls", "updates")
 
 
 class InputsHookHandle:
@@ -32,8 +31,7 @@ class InputsHookHandle:
     """
 
     def __init__(self, registry: StepHooks, entry: _Entry) -> None:
-        self._registry = registry
-        self._entry = entry
+        self._registry, self._entry = registry, entry
 
     @property
     def step(self) -> int:
@@ -65,18 +63,6 @@ class _Entry:
         return step >= self.start and (step - self.start) % self.every == 0
 
 
-def parse_reads(reads: Reads) -> tuple[bool, bool, tuple[Reduction, ...]]:
-    """``(calls, updates, reductions)`` from a ``reads`` declaration (``TypeError`` on anything else)."""
-    items: list[Any] = [] if reads is None else [reads] if isinstance(reads, (str, Reduction)) else list(reads)
-    reductions: list[Reduction] = []
-    for item in items:
-        if isinstance(item, Reduction):
-            reductions.append(item)
-        elif item not in _WORDS:
-            raise TypeError(f"reads= takes 'calls', 'updates', Reduction instances or a list of them, got {item!r}")
-    return "calls" in items, "updates" in items, tuple(dict.fromkeys(reductions))
-
-
 class StepHooks:
     """The input-aware step hooks of one optimizer and their step counter. The owner calls ``before_step``
     once the inputs are known, ``after_step`` after the update, ``advance`` once the captures are released."""
@@ -102,7 +88,12 @@ class StepHooks:
             raise ValueError(f"Invalid when: {when!r}; choose 'pre' (before the update) or 'post' (after it)")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer")
-        calls, updates, reductions = parse_reads(reads)
+        items: list[Any] = [] if reads is None else [reads] if isinstance(reads, (str, Reduction)) else list(reads)
+        for item in items:
+            if not isinstance(item, Reduction) and item not in ("calls", "updates"):
+                raise TypeError(f"reads= takes 'calls', 'updates', Reduction instances or a list of them, got {item!r}")
+        calls, updates = "calls" in items, "updates" in items
+        reductions = tuple(dict.fromkeys(r for r in items if isinstance(r, Reduction)))
         if updates and when == "pre":
             raise ValueError("reads='updates' is for a hook with when='post': before the update nothing changed yet")
         entry = _Entry(hook, when, every, calls, updates, reductions)

@@ -1,69 +1,21 @@
 """Capture: records the forward calls of chosen modules and follows their gradient.
 
-The rule: what a capture hands over for a parameter comes from exactly the forward calls
-whose gradient is in that parameter's ``.grad``. A call arrives when a backward pass
-carries a gradient through it into the parameter; it is dropped when that gradient is
-cleared (``zero_grad`` of any optimizer or module, ``set_to_none`` or not, ``p.grad =
-None``); a call whose output never reaches a backward (an evaluation forward, a forward
-that raised) never arrives. Order of the user's calls does not matter: Lightning's
-closure (forward, ``zero_grad``, backward) and the tutorial order work as the plain one.
-
-What is kept is what readers declared, and nothing when nothing reads:
-
-* ``keep_calls``: the raw calls (arguments by reference or copy), for a custom ``step``
-  or a user who reads ``capture.inputs()``.
-* ``Reduction``\\ s: statistics computed in the hooks (see ``reduction.py``); between
-  forward and ``step()`` only their results are held, summed per parameter.
-
-With neither, no hook is attached at all. ``Capture(model)`` on its own keeps calls::
-
-    with Capture(model) as capture:
-        model(x).sum().backward()
-    inputs = capture.inputs()          # Inputs: inputs[model.fc].cat() is x as fc saw it
-
-Mechanism: the forward hook registers a pre-hook on the autograd node of each output
-(a tensor hook on a leaf output); it fires in backward with the output's gradient. At the
-first such call in a backward pass, a final callback is queued on that pass; it runs once
-the pass is complete (after DDP's and FSDP's own callbacks) and commits the pass's calls
-to each parameter whose ``.grad`` changed during the pass. A parameter's gradient is
-watched by identity and version: ``None`` or another tensor means it was cleared, and what it
-held is dropped. An in-place change is a clear if it left the gradient all zeros and is a
-rescaling (``clip_grad_norm_``, unscaling) otherwise; a gradient that was all zeros already (a
-layer behind dead ReLUs) stays all zeros under both, so there the other gradients tell: a clear
-(``zero_grad(set_to_none=False)`` of an optimizer or a module) leaves every gradient it reached
-all zeros, a rescaling leaves the others as they were, nonzero.
-
-Passes that do not accumulate into ``.grad``:
-    * ``torch.autograd.grad(loss, params)`` returns the gradient instead: its calls are
-      kept with the returned tensor, and arrive if that very tensor is assigned to ``.grad``
-      (``p.grad = g``, a custom training loop); they are dropped with it. A gradient assigned
-      by hand otherwise (a copy, a sum) holds no known call.
-    * A pass that reaches no gradient of a call's parameters (``torch.autograd.grad(loss, x)``
-      for an input gradient, ``backward(inputs=...)``) delivers nothing; if its graph is
-      kept (``create_graph=True``, as gradient penalties do), the calls wait for the pass that
-      carries their gradient into ``.grad`` (the penalty's ``backward()``).
-
-Other semantics:
-    * Calls under ``torch.no_grad()``, ``inference_mode()`` or a ``torch.func`` transform
-      are not recorded; nor are calls whose outputs cannot carry a gradient.
-    * Activation checkpointing: each real call arrives once. Non-reentrant checkpointing
-      re-runs forwards during backward; those re-runs are skipped. Reentrant checkpointing
-      runs the first forward under ``no_grad``; its re-run in backward is the one recorded.
-    * ``storage="reference"`` keeps a reference to each argument (no copy: for an
-      ``nn.Linear`` autograd already holds it) and its version counter; every read checks it
-      and raises if the tensor was modified in place since. ``"clone"`` stores a private copy,
-      ``"cpu"`` a copy in CPU memory (pinned and asynchronous from CUDA).
+What a capture hands over for a parameter comes from exactly the forward calls whose gradient is
+in that parameter's ``.grad``; docs/capture.md states the semantics and the mechanism. What is kept
+is what readers declared: raw calls (``keep_calls``) and ``Reduction`` statistics; with neither, no
+hook is attached.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -101,9 +53,7 @@ class _Record:
     )
 
     def __init__(self, module: nn.Module, index: int, forward: int) -> None:
-        self.module = module
-        self.index = index  # capture order
-        self.forward = forward  # which root forward
+        self.module, self.index, self.forward = module, index, forward  # forward: which root forward
         self.args: tuple[Any, ...] = ()
         self.kwargs: dict[str, Any] | None = None
         self.check: Any = None  # version counters (reference storage) or copy events (cpu)
@@ -114,8 +64,7 @@ class _Record:
         self.outputs = 0  # outputs that can carry a gradient
         self.deferred = False  # some reader's forward waits for checkpointing's recomputation
         # Reached by a pass that accumulates into none of its parameters' gradients (an input
-        # gradient, torch.autograd.grad): it waits for the next pass, with its readers' forward
-        # results (``forward_kept``) kept for it.
+        # gradient): it waits for the next pass, its readers' forward results kept in forward_kept.
         self.rearm = False
         self.forward_kept: list[Any] | None = None
 
@@ -123,7 +72,7 @@ class _Record:
         return Call(self.module, _detached(self.args), _detached(self.kwargs or {}), self.slot, self.forward)
 
     def snapshot(self) -> _Record:
-        """A copy of what a reader of raw calls sees, that a later pass through this call leaves as it is."""
+        """What a reader of raw calls sees, as a copy a later pass through this call leaves alone."""
         copy = _Record(self.module, self.index, self.forward)
         copy.args, copy.kwargs, copy.check = self.args, self.kwargs, self.check
         copy.slot = None if self.slot is None else list(self.slot)
@@ -131,10 +80,8 @@ class _Record:
 
 
 class _Key:
-    """What one parameter's gradient holds: the calls (and reduced statistics) it came from.
-
-    ``param`` is ``None`` for a watched module that owns no parameter: its calls count
-    from their backward until the capture is read and released."""
+    """What one parameter's gradient holds: its calls and reduced statistics (``param`` ``None``: a
+    watched module that owns no parameter, whose calls count from their backward until released)."""
 
     __slots__ = ("accumulator", "calls", "grad", "param", "released", "totals", "version")
 
@@ -155,14 +102,11 @@ class _Key:
         return bool(self.calls or self.totals)
 
     def drop(self) -> None:
-        self.calls = []
-        self.totals = {}
-        self.grad = None
+        self.calls, self.totals, self.grad = [], {}, None
 
     def status(self) -> str:
-        """How the gradient changed since the last commit: ``"same"``, ``"replaced"`` (``None`` or
-        another tensor: cleared), ``"scaled"`` (changed in place, not all zeros) or ``"zeroed"``
-        (changed in place and all zeros: cleared, or a zero gradient rescaled)."""
+        """Since the last commit: ``"same"``, ``"replaced"`` (cleared), ``"scaled"`` (changed in place,
+        not all zeros) or ``"zeroed"`` (in place, all zeros: cleared, or a zero gradient rescaled)."""
         grad = self.param.grad if self.param is not None else None
         if grad is None or self.grad is None or self.grad() is not grad:
             return "replaced"
@@ -174,21 +118,15 @@ class _Key:
         return "scaled" if bool(values.any()) else "zeroed"
 
     def reach(self) -> str:
-        """What the current backward pass does with this parameter's gradient: ``"accumulates"``
-        into ``.grad``, ``"returns"`` it (``torch.autograd.grad`` with the parameter among its
-        inputs), or ``"skips"`` it (the pass computes no gradient of it)."""
-        param = self.param
-        if param is None:
-            return _ACCUMULATES  # a module that owns no parameter: its calls count from their backward
-        if not param.requires_grad:
+        """What the current pass does with this gradient: accumulates it, returns it (``autograd.grad``) or skips it."""
+        if self.param is not None and not self.param.requires_grad:
             return _SKIPS
         if self.accumulator is None and not self.find_accumulator():
-            return _ACCUMULATES  # (none to ask, as in compiled code's backward: followed as a plain backward)
+            return _ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
         return _pass_reaches(self.accumulator)
 
     def find_accumulator(self) -> bool:
-        """Look up the parameter's ``AccumulateGrad`` node (kept: the one the engine runs while it
-        lives). Done where autograd runs, when the key is made: compiled code's backward cannot."""
+        """Look up (and keep) the parameter's ``AccumulateGrad`` node, outside compiled code's backward."""
         param = self.param
         if param is None or not param.requires_grad:
             return False
@@ -205,8 +143,7 @@ class _Key:
 
 
 class _Task:
-    """The calls one backward pass reached, each parameter's gradient before it, and the loss
-    scale its output gradients carry (``GradScaler``; ``None`` when unscaled)."""
+    """One backward pass: the calls it reached, each gradient before it, and its loss scale (or ``None``)."""
 
     __slots__ = ("accumulates", "before", "handles", "kinds", "records", "returned", "scale")
 
@@ -217,23 +154,18 @@ class _Task:
         self.kinds: dict[_Key, str] = {}  # what the pass does with each reached key's gradient (_Key.reach)
         self.returned: dict[_Key, Tensor] = {}  # the gradient torch.autograd.grad returns, per key
         self.handles: list[RemovableHandle] = []  # the tensor hooks that see those gradients
-        # The pass accumulated into some .grad (a backward(), never torch.autograd.grad): the others
-        # it reaches it accumulates into too (or, under backward(inputs=...), may skip; not asked).
+        # The pass accumulated into some .grad: it does into the others it reaches (not asked again).
         self.accumulates = False
 
 
-class _Returned:
-    """The calls (and statistics) of a gradient ``torch.autograd.grad`` returned, until that tensor
-    is assigned to its parameter's ``.grad`` or dies."""
+class _Returned(NamedTuple):
+    """The calls and statistics of a gradient ``autograd.grad`` returned, until it is assigned to ``.grad`` or dies."""
 
-    __slots__ = ("calls", "grad", "key", "totals", "version")
-
-    def __init__(
-        self, grad: weakref.ref[Tensor], key: _Key, calls: list[_Record], totals: dict[Reduction, Any]
-    ) -> None:
-        self.grad, self.key, self.calls, self.totals = grad, key, calls, totals
-        tensor = grad()
-        self.version = tensor._version if tensor is not None else 0
+    grad: weakref.ref[Tensor]
+    key: _Key
+    calls: list[_Record]
+    totals: dict[Reduction, Any]
+    version: int
 
 
 def _inert_log(storage: Storage) -> _Log:
@@ -243,8 +175,7 @@ def _inert_log(storage: Storage) -> _Log:
 
 
 class _Log:
-    """The state the hooks write into. Hooks hold this, never the Capture, so dropping
-    the Capture (or the optimizer that owns it) can always run its finalizer."""
+    """The state the hooks write into (they hold this, never the Capture, so its finalizer can run)."""
 
     def __init__(self, storage: Storage, grad_outputs: bool) -> None:
         self.enabled = True
@@ -253,46 +184,39 @@ class _Log:
         self.grad_outputs = grad_outputs  # raw output gradients (Call.grad_outputs)
         self.keep_calls = False
         self.reductions: list[Reduction] = []
-        self.readers: dict[nn.Module, tuple[Reduction, ...]] = {}  # module -> reductions that read it
+        self.readers: dict[nn.Module, tuple[Reduction, ...]] = {}
         # module -> what its readers need: (output gradients, inputs kept, a forward, a backward)
         self.needs: dict[nn.Module, tuple[bool, bool, bool, bool]] = {}
         self.own_keys: dict[nn.Module, tuple[_Key, ...]] = {}  # module -> its own parameters' keys
-        self.producers: dict[nn.Module, tuple[Reduction, ...]] = {}  # readers of what a call's node produced
-        self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}  # ... and those its readers name
+        self.producers: dict[nn.Module, tuple[Reduction, ...]] = {}  # readers with Reduction.produced
+        self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}  # own keys and those its readers name
         self.keys: dict[Tensor, _Key] = {}
         self.tasks: dict[int, _Task] = {}
         self.counter = itertools.count()
         self.forwards = 0
-        # The shapes of the model's tensor arguments by forward, once a reader asked (None: not kept).
-        self.input_shapes: dict[int, list[torch.Size]] | None = None
+        self.input_shapes: dict[int, list[torch.Size]] | None = None  # by forward, once a reader asked
         self.generation = 0  # bumped whenever what the keys hold changes
         self.error: str | Exception | None = None
-        self.grad_scaler: Any = None  # a GradScaler whose scale the output gradients carry
-        # Calls recorded by compiled code: (module, args, kwargs, key, previous) as a linked list
-        # grown by rebinding one attribute (a Python list would make Dynamo guard on its length
-        # and recompile for every number of calls per step), and their records by key.
+        self.grad_scaler: Any = None
+        # Calls recorded by compiled code, (module, args, kwargs, key, previous): a linked list grown by
+        # rebinding one attribute, as Dynamo would guard on a list's length (a recompile per call count).
         self.head: Any = None
         self.compiled: dict[int, _Record] = {}
         # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
         self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
-        # Gradients torch.autograd.grad returned, by id, with their calls (see _Returned).
-        self.returned: dict[int, _Returned] = {}
-        # Some gradient was seen rescaled in place (changed, not all zeros) since the last commit.
-        self.rescaled = False
-        # Capture.watch: what sees every call of a module (module -> callbacks) and every forward.
-        self.watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}
+        self.returned: dict[int, _Returned] = {}  # by id of the tensor
+        self.rescaled = False  # some gradient was rescaled in place since the last commit
+        self.watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}  # Capture.watch
         self.openers: tuple[Callable[..., Any], ...] = ()
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # The model was copied (deepcopy, pickle, torch.save) with this capture's hooks on it: the
-        # copy has no capture, so its hooks record nothing and come off at its next forward.
+        # A copy of the model (deepcopy, pickle, torch.save) carries our hooks but no capture: they
+        # record nothing and come off at its next forward.
         return (_inert_log, (self.storage,))
 
     def set_readers(self, module: nn.Module, readers: tuple[Reduction, ...]) -> None:
-        """Who reads ``module`` now (none: forget it), and what they need of each call.
-
-        A call's statistics are kept under the parameters its readers name (``Reduction.keys``),
-        which may be a child's (a router's gate): those gradients then hold the module's calls."""
+        """Who reads ``module`` now, and what they need of each call. The parameters readers name
+        (``Reduction.keys``) may be a child's (a router's gate): those gradients then hold its calls."""
         own = self.own_keys.get(module, ())
         below = {id(p) for p in module.parameters()}  # a child's parameters, not another module's
         named = [p for r in readers for p in r.keys(module) if id(p) in below and not any(k.param is p for k in own)]
@@ -314,15 +238,11 @@ class _Log:
             any(type(r).backward is not Reduction.backward for r in readers),
         )
 
-    # -- following the gradient --------------------------------------------------------------
-    def refresh_keys(self, keys: Iterable[_Key]) -> bool:
-        """Drop what cleared gradients no longer hold, and give a gradient ``torch.autograd.grad``
-        returned, now assigned to ``.grad``, its calls. True if what some key holds changed."""
+    def refresh_keys(self) -> None:
+        """Drop what cleared gradients held; a returned gradient assigned to ``.grad`` gets its calls."""
         changed = False
         zeroed: list[_Key] = []
-        for key in keys:
-            if key.param is None:  # (a module that owns no parameter: held until read and released)
-                continue
+        for key in self.keys.values():
             if self.returned and self._adopt(key):
                 changed = True
             if not key.holds():
@@ -337,8 +257,7 @@ class _Log:
             elif status == "zeroed":
                 zeroed.append(key)
         if zeroed:
-            # All zeros after an in-place change: a clear, or a rescaling of a gradient that was all
-            # zeros already. A clear zeroes every gradient it reaches; a rescaling leaves the others
+            # A clear zeroes every gradient it reaches; a rescaling of a zero gradient leaves the others
             # nonzero: a rescaling if another gradient committed since was rescaled too.
             if not self.rescaled:
                 others = (k for k in self.keys.values() if k.grad is not None and k not in zeroed)
@@ -349,10 +268,11 @@ class _Log:
                 else:
                     key.drop()
                     changed = True
-        return changed
+        if changed:
+            self.generation += 1
 
     def _adopt(self, key: _Key) -> bool:
-        """If ``key``'s gradient is a tensor ``torch.autograd.grad`` returned, give it that pass's calls."""
+        """If ``key``'s gradient is a tensor ``autograd.grad`` returned, give it that pass's calls."""
         grad = key.param.grad if key.param is not None else None
         if grad is None or (key.grad is not None and key.grad() is grad):
             return False
@@ -365,7 +285,6 @@ class _Log:
         return True
 
     def keep_returned(self, grad: Tensor, key: _Key, calls: list[_Record], totals: dict[Reduction, Any]) -> None:
-        """Keep the calls of a gradient ``torch.autograd.grad`` returned for as long as the tensor lives."""
         returned, ident = self.returned, id(grad)
 
         def forget(_: Any) -> None:  # the tensor died (its id may be reused after this)
@@ -373,9 +292,8 @@ class _Log:
             if entry is not None and entry.grad() is None:
                 del returned[ident]
 
-        returned[ident] = _Returned(weakref.ref(grad, forget), key, calls, totals)
+        returned[ident] = _Returned(weakref.ref(grad, forget), key, calls, totals, grad._version)
 
-    # -- forward --------------------------------------------------------------------------
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.inert:
             for submodule in module.modules():
@@ -386,16 +304,13 @@ class _Log:
         if not torch.compiler.is_compiling():
             self.forwards += 1
             if self.input_shapes is not None and _grad_enabled():
-                leaves = (
-                    args if not kwargs and all(type(a) is Tensor for a in args) else tree_flatten((args, kwargs))[0]
-                )
+                leaves = tree_flatten((args, kwargs))[0]
                 self.input_shapes[self.forwards] = [t.shape for t in leaves if isinstance(t, Tensor)]
                 if len(self.input_shapes) > _INPUT_SHAPES_KEPT:
                     del self.input_shapes[next(iter(self.input_shapes))]
 
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        # The hot path: every call of every watched module runs this.
-        if not _grad_enabled():
+        if not _grad_enabled():  # (the hot path: every call of every watched module)
             return None
         watchers = self.watchers.get(module)
         if watchers is not None:
@@ -404,73 +319,57 @@ class _Log:
         if not self.enabled or module not in self.keys_of:
             return None  # (a module only a watcher sees)
         if _compiling():
-            # Who reads is decided at run time (open_compiled, _bind_compiled): read here, it
-            # would be a guard, and a reader pausing between statistics steps would recompile.
+            # Who reads is decided at run time: read here, it would be a guard (a recompile per pause).
             return self._record_compiled(module, args, kwargs, output)
         if not self.keep_calls and module not in self.readers:
             return None  # nothing reads this module now (a reader paused, say between statistics steps)
-        if _functorch_level() is not None:
-            return None  # inside vmap/grad: not a call of the training step
-        if _graph_task_id() != -1 and _recomputing_checkpointed_forward():
-            return None
+        if _functorch_level() is not None or (_graph_task_id() != -1 and _recomputing_checkpointed_forward()):
+            return None  # inside vmap/grad, or checkpointing's re-run in backward: not a call of the step
         outputs = _differentiable_outputs(output)
         if outputs is None:
             return None  # no gradient can come back through this call
         record = _Record(module, next(self.counter), self.forwards)
-        if self.keep_calls:
-            self._keep_arguments(record, args, kwargs)
+        if self.keep_calls and self.storage == "reference":
+            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+                record.check = None if args[0].is_inference() else args[0]._version
+            else:
+                record.check = _versions(args, kwargs)
+            record.args, record.kwargs = args, kwargs or None
+        elif self.keep_calls:
+            copied_args, copied_kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
+            record.args, record.kwargs = copied_args, copied_kwargs or None
         readers = self.readers.get(module)
-        if readers:
-            self._read_forward(record, readers, args, kwargs, output, len(outputs))
-        elif self.grad_outputs:
-            record.slot = [None] * len(outputs)
-        self._await_gradients(record, outputs)
-        return None
-
-    def _read_forward(
-        self,
-        record: _Record,
-        readers: Sequence[Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        output: Any,
-        count: int,
-    ) -> None:
-        """The readers' forward parts on a call, now or (inputs kept under checkpointing) when recomputed."""
-        module = record.module
-        wants_grads, keeps_inputs, forward, _ = self.needs[module]
+        wants_grads, keeps_inputs, forward, _ = self.needs.get(module, (False, False, False, False))
         if self.grad_outputs or wants_grads:
-            record.slot = [None] * count
-        if not forward:  # no reader computes anything from the inputs
+            record.slot = [None] * len(outputs)
+        if readers and not forward:  # no reader computes anything from the inputs
             record.kept = [None] * len(readers)
-            return
-        frame = _checkpoint_frame() if keeps_inputs else None
-        if frame is not None:  # activation checkpointing: the inputs come back when recomputed
-            record.deferred = True
-            self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
-        detached = output.detach() if type(output) is Tensor else _detached(output)
-        call = Call(module, _detached(args), _detached(kwargs), None, record.forward, detached)
-        record.kept = self.reduce(
-            lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
-        )
-
-    def _await_gradients(self, record: _Record, outputs: list[Tensor]) -> None:
-        """Hooks on the call's differentiable outputs, so its gradients reach ``arrive``."""
-        for position, t in enumerate(outputs):
+        elif readers:
+            frame = _checkpoint_frame() if keeps_inputs else None
+            if frame is not None:  # activation checkpointing: the inputs come back when recomputed
+                record.deferred = True
+                self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
+            detached = output.detach() if type(output) is Tensor else _detached(output)
+            call = Call(module, _detached(args), _detached(kwargs), None, record.forward, detached)
+            record.kept = self.reduce(
+                lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
+            )
+        for position, t in enumerate(outputs):  # hooks that see the gradients reach its outputs
             if not t.requires_grad:
                 continue
             record.waiting += 1
             record.outputs += 1
             node = t.grad_fn
             if node is None:  # a leaf returned as output
-                t.register_hook(functools.partial(self._leaf_gradient, record, position))
+                t.register_hook(functools.partial(self.arrive, record, position))
             else:
                 node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
                 if position == 0 and record.module in self.producers:
                     node.register_hook(functools.partial(self._produced, record.module))
+        return None
 
     def _produced(self, module: nn.Module, grad_inputs: Any, grad_outputs: Any) -> None:
-        """A call's first output node has computed the gradients it sends back (``Reduction.produced``)."""
+        """A call's first output node computed the gradients it sends back (``Reduction.produced``)."""
         for reader in self.producers.get(module, ()):
             self.reduce(functools.partial(reader.produced, module, grad_inputs))
 
@@ -480,9 +379,7 @@ class _Log:
             self.reduce(functools.partial(reader.arrived, param, grad))
 
     def recomputed(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Forward pre-hook: non-reentrant checkpointing re-runs a forward in backward. A call whose
-        readers keep inputs (``Reduction.keeps_inputs``) gets them now, from the re-run, so that
-        between forward and backward nothing outlives what checkpointing frees."""
+        """Forward pre-hook: checkpointing's re-run in backward hands its inputs to readers that keep inputs."""
         if not self.awaiting or _graph_task_id() == -1 or not _recomputing_checkpointed_forward():
             return
         frame = _checkpoint_frame()
@@ -504,29 +401,16 @@ class _Log:
         if record.waiting == 0 and record.task is not None:  # its output gradients arrived first
             self._reduce_backward(record, self.tasks[record.task].scale if record.task in self.tasks else None)
 
-    def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.storage == "reference":
-            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-                record.check = None if args[0].is_inference() else args[0]._version
-            else:
-                record.check = _versions(args, kwargs)
-        else:
-            args, kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
-        record.args, record.kwargs = args, kwargs or None
-
-    # -- backward -------------------------------------------------------------------------
     def _node_gradient(self, record: _Record, position: int, output_nr: int, grads: Sequence[Any]) -> None:
         self.arrive(record, position, grads[output_nr])
 
-    def _leaf_gradient(self, record: _Record, position: int, grad: Tensor) -> None:
-        self.arrive(record, position, grad)
-
     def arrive(self, record: _Record, position: int, grad: Tensor | None) -> None:
-        """A gradient reached output ``position`` of a recorded call, in the current backward pass."""
         task_id = _graph_task_id()
         task = self.tasks.get(task_id)
-        if task is None:
-            task = self._begin_task(task_id)
+        if task is None:  # the pass's first gradient to reach a recorded call
+            task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
+            _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
+            self.refresh_keys()  # before the pass accumulates into any gradient (a later look: a rescaling)
         if record.task is None:
             self._join(record, task, task_id)
         elif record.task != task_id:
@@ -542,18 +426,7 @@ class _Log:
         if record.waiting == 0 and not record.deferred:  # (a deferred one is reduced once recomputed)
             self._reduce_backward(record, task.scale)
 
-    def _begin_task(self, task_id: int) -> _Task:
-        """The first gradient of a backward pass reached a recorded call: the pass's bookkeeping."""
-        task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
-        _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
-        # What the gradients hold, as the pass finds them: all of them now, before the pass
-        # accumulates into any (which would look like a rescaling to a later look).
-        if self.refresh_keys(self.keys.values()):
-            self.generation += 1
-        return task
-
     def _join(self, record: _Record, task: _Task, task_id: int) -> None:
-        """A recorded call's first gradient in this pass: how each of its parameters receives gradients."""
         record.task = task_id
         task.records.append(record)
         keys = self.keys_of.get(record.module, ())
@@ -576,14 +449,12 @@ class _Log:
             record.slot = [None if g is None else g / scale for g in record.slot]
         readers = self.readers.get(record.module)
         if readers and record.kept is not None:
-            if not self.needs[record.module][3]:  # no reader's backward does anything
-                record.waiting = -1
-                return
-            call = Call(record.module, (), {}, record.slot, record.forward)
-            kept = record.kept
-            if record.rearm:
-                record.forward_kept = kept
-            record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
+            if self.needs[record.module][3]:  # some reader's backward does something
+                call = Call(record.module, (), {}, record.slot, record.forward)
+                kept = record.kept
+                if record.rearm:
+                    record.forward_kept = kept
+                record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
             record.waiting = -1  # reduced
 
     def end_backward(self, task_id: int, deferred: bool) -> None:
@@ -596,55 +467,43 @@ class _Log:
         for handle in task.handles:
             handle.remove()
         changed = {key for key, before in task.before.items() if key.param is None or _changed(key.state(), before)}
-        waiting = self._waiting_for_next_pass(task, changed)
+        # Calls whose gradient went into no .grad wait for the next pass through them (a gradient penalty's
+        # backward after its autograd.grad(create_graph=True)); if none comes, they go with their graph.
+        waiting = {
+            id(r)
+            for r in task.records
+            if r.rearm and not r.deferred and not any(key in changed for key in self.keys_of.get(r.module, ()))
+        }
         self._settle_records(task)
         returned = set(task.returned)
         counted = [
-            record
-            for record in task.records
-            if id(record) not in waiting or any(key in returned for key in self.keys_of.get(record.module, ()))
+            r
+            for r in task.records
+            if id(r) not in waiting or any(key in returned for key in self.keys_of.get(r.module, ()))
         ]
         finished = self._finish_reductions(counted)
         snapshots = {id(r): r.snapshot() for r in task.records if self.keep_calls and id(r) in waiting and returned}
         self._release_records(task, waiting)
-        self._keep_with_returned(task, changed, snapshots, finished)
-        self._commit(task, changed, finished)
-
-    def _keep_with_returned(
-        self,
-        task: _Task,
-        changed: set[_Key],
-        snapshots: dict[int, _Record],
-        finished: list[tuple[Reduction, dict[Tensor, Any]]],
-    ) -> None:
-        """The calls of the gradients ``torch.autograd.grad`` returned go with those tensors."""
-        for key, grad in task.returned.items():
-            if key in changed or key.param is None:
-                continue
-            calls = [
-                snapshots.get(id(r), r)
-                for r in task.records
-                if self.keep_calls and key in self.keys_of.get(r.module, ())
-            ]
-            totals = {r: t[key.param] for r, t in finished if key.param in t}
-            self.keep_returned(grad, key, calls, totals)
+        for key, grad in task.returned.items():  # the calls of a gradient autograd.grad returned go with it
+            if key not in changed and key.param is not None:
+                kept = [r for r in task.records if key in self.keys_of.get(r.module, ())] if self.keep_calls else []
+                totals = {r: t[key.param] for r, t in finished if key.param in t}
+                self.keep_returned(grad, key, [snapshots.get(id(r), r) for r in kept], totals)
         task.returned.clear()
-
-    def _waiting_for_next_pass(self, task: _Task, changed: set[_Key]) -> set[int]:
-        """Calls whose gradient went into no ``.grad`` wait for the next pass through them (a gradient
-        penalty's backward after its ``torch.autograd.grad(create_graph=True)``); if none comes, they
-        go with the graph that holds them."""
-        return {
-            id(record)
-            for record in task.records
-            if record.rearm
-            and not record.deferred
-            and not any(key in changed for key in self.keys_of.get(record.module, ()))
-        }
+        for key in changed:  # the gradients the pass changed now hold its calls and their statistics
+            key.commit()
+            if self.keep_calls:
+                new = [r for r in task.records if key in self.keys_of.get(r.module, ())]
+                key.calls = sorted([*key.calls, *new], key=lambda r: r.index)
+            for reduction, by_param in finished:
+                if key.param is not None and key.param in by_param:
+                    key.totals[reduction] = reduction.combine(key.totals.get(reduction), by_param[key.param])
+        if changed:
+            self.generation += 1
+            self.rescaled = False
 
     def _settle_records(self, task: _Task) -> None:
-        """A checkpointed call never recomputed is an error; one with outputs that got no gradient
-        is reduced with what came."""
+        """A checkpointed call never recomputed is an error; one with outputs that got no gradient is reduced."""
         for record in task.records:
             if record.deferred:
                 self.error = self.error or (
@@ -658,7 +517,7 @@ class _Log:
                 self._reduce_backward(record, task.scale)
 
     def _finish_reductions(self, records: list[_Record]) -> list[tuple[Reduction, dict[Tensor, Any]]]:
-        """Each reduction's ``finish`` over the calls of the pass it read: ``{parameter: statistics}``."""
+        """Each reduction's ``finish`` over the pass's calls it read: ``{parameter: statistics}``."""
         finished: list[tuple[Reduction, dict[Tensor, Any]]] = []
         for reduction in self.reductions:
             entries = []
@@ -688,23 +547,8 @@ class _Log:
                 record.args, record.kwargs = (), None
             self.compiled.pop(record.index, None)
 
-    def _commit(self, task: _Task, changed: set[_Key], finished: list[tuple[Reduction, dict[Tensor, Any]]]) -> None:
-        """The gradients the pass changed now hold its calls and their statistics."""
-        for key in changed:
-            key.commit()
-            if self.keep_calls:
-                new = [r for r in task.records if key in self.keys_of.get(r.module, ())]
-                key.calls = sorted([*key.calls, *new], key=lambda r: r.index)
-            for reduction, totals in finished:
-                if key.param is not None and key.param in totals:
-                    key.totals[reduction] = reduction.combine(key.totals.get(reduction), totals[key.param])
-        if changed:
-            self.generation += 1
-            self.rescaled = False
-
     def reduce(self, compute: Any) -> Any:
-        """Run reductions' code from a hook. An error there is kept and raised at the next read
-        (the step), not in the middle of the user's forward or backward; ``None`` is returned."""
+        """Run reductions' code from a hook; an error is kept, raised at the next read (not mid-backward)."""
         try:
             return _plain_math(compute)
         except Exception as error:
@@ -712,19 +556,25 @@ class _Log:
                 self.error = error  # raised at the read, as its own type, from this one
             return None
 
-    # -- compiled code ----------------------------------------------------------------------
     def _record_compiled(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        # Traced by Dynamo: a custom op opens a record at run time, the arguments are kept by
-        # rebinding ``head``, and each output passes through _GradTap, whose backward files the
-        # gradient (so reductions run at backward time, from the kept arguments).
+        # Traced by Dynamo: a custom op opens a record at run time, the arguments are kept in ``head``,
+        # and each output passes through _GradTap, whose backward files the gradient.
         if self.storage != "reference":
             args, kwargs, _ = _copy_arguments(args, kwargs, self.storage, True)
-        leaves = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor)]
-        if not leaves:
+        leaves, spec = tree_flatten(output)
+        tensors = [t for t in leaves if isinstance(t, Tensor)]
+        if not tensors:
             return None
-        key = torch.ops.inputaware_optim.open_call(leaves[0], id(self), len(leaves))
+        key = torch.ops.inputaware_optim.open_call(tensors[0], id(self), len(tensors))
         self.head = (module, args, kwargs, key, self.head)
-        return _tap_compiled_outputs(output, key, id(self))
+        tapped, index = [], 0
+        for leaf in leaves:
+            if isinstance(leaf, Tensor):
+                if leaf.requires_grad:
+                    leaf = _GradTap.apply(leaf, key, id(self), index)
+                index += 1
+            tapped.append(leaf)
+        return tree_unflatten(tapped, spec)
 
     def open_compiled(self, outputs: int) -> int:
         if not (self.keep_calls or self.readers):
@@ -736,7 +586,14 @@ class _Log:
         return key
 
     def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
-        self._bind_compiled()
+        node, self.head = self.head, None  # first, give the records compiled code opened their module and arguments
+        while node is not None:
+            module, args, kwargs, opened, node = node
+            bound = self.compiled.get(int(opened))
+            if bound is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
+                bound.module, bound.args, bound.kwargs = module, args, kwargs or None
+                if self.storage == "reference" and self.keep_calls:  # later reads check these versions
+                    bound.check = _versions(args, kwargs or {})
         if key < 0:
             return  # opened while nothing read
         record = self.compiled.get(key)
@@ -749,7 +606,7 @@ class _Log:
         if record.module is _PENDING:
             return
         if record.task is None and record.kept is None and self.readers.get(record.module):
-            # First gradient of the call: the reductions' forward side, from the kept arguments.
+            # First gradient of the call: the readers' forward, from the kept arguments.
             call = Call(record.module, _detached(record.args), _detached(record.kwargs or {}), None, record.forward)
             readers = self.readers[record.module]
             if self.grad_outputs or any(r.grad_outputs for r in readers):
@@ -761,24 +618,12 @@ class _Log:
             record.slot.extend([None] * (position + 1 - len(record.slot)))
         self.arrive(record, position, grad)
 
-    def _bind_compiled(self) -> None:
-        """Give the records opened by compiled code their module and arguments (the linked list)."""
-        node, self.head = self.head, None
-        while node is not None:
-            module, args, kwargs, key, node = node
-            record = self.compiled.get(int(key))
-            if record is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
-                record.module, record.args, record.kwargs = module, args, kwargs or None
-                if self.storage == "reference" and self.keep_calls:  # later reads check these versions
-                    record.check = _versions(args, kwargs or {})
-
     def clear(self) -> None:
         for key in self.keys.values():
             key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
             key.drop()
-        for key_set in self.keys_of.values():
-            for key in key_set:
-                key.drop()
+        for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
+            key.drop()
         self.head = None
         self.compiled.clear()
         self.awaiting.clear()
@@ -786,24 +631,10 @@ class _Log:
         self.rescaled = False
         self.generation += 1
 
-    # A model copied (copy.deepcopy) or pickled with its hooks must not carry the captured
-    # tensors along, nor keep recording into a log no optimizer reads: the copy is inert.
-    def __getstate__(self) -> dict[str, Any]:
-        return {"storage": self.storage, "grad_outputs": self.grad_outputs}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["storage"], state["grad_outputs"])  # type: ignore[misc]
-        self.enabled = False
-
 
 _DEFERRED = object()  # a reader's forward result still to come (checkpointing's re-run)
 
-
-class _Pending(nn.Module):
-    """Stands for the module of a compiled call until its arguments are bound."""
-
-
-_PENDING = _Pending()
+_PENDING = nn.Module()  # the module of a compiled call until its arguments are bound
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
 # Reached through _torch.py, where each is tested (hot path: bound once here).
@@ -835,12 +666,11 @@ _pass_reaches = _torch.pass_reaches
 
 
 def _note_returned(task: _Task, key: _Key, grad: Tensor) -> None:
-    """Tensor hook on a parameter, for one pass of ``torch.autograd.grad``: the gradient it returns."""
+    """Tensor hook for one pass of ``autograd.grad``: the gradient it returns."""
     task.returned[key] = grad
 
 
 def _loss_scale(scaler: Any) -> float | None:
-    """The factor a ``GradScaler`` multiplies the loss by now (``None`` when there is none)."""
     if scaler is None or not scaler.is_enabled():
         return None
     scale = float(scaler.get_scale())
@@ -853,13 +683,12 @@ def _changed(now: Any, before: Any) -> bool:
     return now[0] is not before[0] or now[1] != before[1]
 
 
-def _versions(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    leaves = tree_flatten((args, kwargs))[0]
-    return tuple(_version(t) for t in leaves)
+def _versions(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return tuple(_version(t) for t in tree_flatten((args, kwargs))[0])
 
 
 def _version(t: Any) -> int | None:
-    """A tensor's version counter (inference tensors have none: they cannot change outside inference mode)."""
+    """A tensor's version counter (inference tensors, which cannot change outside inference mode, have none)."""
     return t._version if isinstance(t, Tensor) and not t.is_inference() else None
 
 
@@ -886,11 +715,10 @@ def _copy_arguments(
     return args, kwargs, tuple(events) or None
 
 
-# Gradients under torch.compile. A tensor hook's body is traced into the backward graph,
-# where Python side effects are not allowed, and Dynamo (2.13) drops side effects traced
-# after a ``register_hook`` in the same frame. So compiled code instead routes each output
-# through ``_GradTap``, whose backward calls a custom op (``store_grad``) that runs at run
-# time and files the gradient under a key made by another (``open_call``).
+# Gradients under torch.compile: a tensor hook's body is traced into the backward graph (no Python side
+# effects), and Dynamo (2.13) drops side effects traced after a ``register_hook``. So each output passes
+# through ``_GradTap``, whose backward calls a custom op (``store_grad``) that files the gradient at run
+# time under a key made by another (``open_call``).
 _LOGS: weakref.WeakValueDictionary[int, _Log] = weakref.WeakValueDictionary()
 
 
@@ -906,8 +734,8 @@ def _(like: Tensor, log_id: int, outputs: int) -> Tensor:
     return torch.empty((), dtype=torch.int64)
 
 
-# Declared as mutating ``grad`` (it does not) so that the compiler keeps it; it stores a
-# copy, since the compiler may reuse the gradient's buffer once the graph is done with it.
+# Declared as mutating ``grad`` (it does not) so the compiler keeps it; it stores a copy, as the
+# compiler may reuse the gradient's buffer.
 @torch.library.custom_op("inputaware_optim::store_grad", mutates_args=("grad",))
 def _store_grad_op(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
     log = _LOGS.get(log_id)
@@ -936,18 +764,6 @@ class _GradTap(torch.autograd.Function):
         return grad, None, None, None
 
 
-def _tap_compiled_outputs(output: Any, key: Tensor, log_id: int) -> Any:
-    leaves, spec = tree_flatten(output)
-    tapped, index = [], 0
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            if leaf.requires_grad:
-                leaf = _GradTap.apply(leaf, key, log_id, index)
-            index += 1
-        tapped.append(leaf)
-    return tree_unflatten(tapped, spec)
-
-
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module that holds the layers: ``model`` without ``torch.compile`` and data-parallel wrappers."""
     return _wrapper_chain(model)[-1]
@@ -966,33 +782,15 @@ def _wrapper_chain(model: nn.Module) -> list[nn.Module]:
         chain.append(inner)
 
 
-def _refuse_replicating_wrappers(model: nn.Module) -> None:
-    """``nn.DataParallel`` over several devices runs each forward on fresh replicas of the model,
-    so hooks fire on modules nobody owns: refuse it by name (it is fine on one device)."""
-    for wrapper in _wrapper_chain(model):
-        if isinstance(wrapper, nn.DataParallel) and len(wrapper.device_ids or ()) > 1:
-            raise ValueError(
-                f"nn.DataParallel over {len(wrapper.device_ids)} devices runs every forward on new replicas "
-                "of the model, whose calls cannot be told apart from the model's own; use "
-                "DistributedDataParallel (one process per device), as torch recommends"
-            )
-
-
 def _drop_code_compiled_without_hooks(model: nn.Module, root: nn.Module) -> None:
-    """Make ``torch.compile`` retrace modules that were compiled and run before our hooks.
-
-    Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``): code compiled
-    before a hook was added never calls it. Dropping that code makes the next call
-    recompile with the hooks in place, so captures arrive instead of silently not.
-    """
+    """Make ``torch.compile`` retrace modules compiled before our hooks: Dynamo does not guard on
+    module hooks (``skip_nnmodule_hook_guards``), so code compiled before them never calls them."""
     compiled = [
         m
         for m in [*_wrapper_chain(model), *root.modules()]
         if isinstance(getattr(m, "_orig_mod", None), nn.Module) or getattr(m, "_compiled_call_impl", None) is not None
     ]
-    if not compiled:
-        return
-    if not drop_compiled_code(compiled):
+    if compiled and not drop_compiled_code(compiled):
         raise RuntimeError(
             "the model was compiled with torch.compile before this capture was built, and this "
             "release of torch offers no way to retrace it with hooks. Build the optimizer (or "
@@ -1001,8 +799,7 @@ def _drop_code_compiled_without_hooks(model: nn.Module, root: nn.Module) -> None
 
 
 def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
-    # `enabled` is read by the hooks, so compiled code that inlined them sees the change
-    # (Dynamo guards on it) and stops recording into a log nobody reads.
+    # Compiled code that inlined the hooks guards on `enabled`: it stops recording into a log nobody reads.
     log.enabled = False
     log.clear()
     log.returned.clear()
@@ -1011,21 +808,17 @@ def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
     handles.clear()
 
 
+@dataclasses.dataclass(eq=False)
 class _Watching:
     """A ``Capture.watch``: its modules and callbacks; ``remove()`` ends it."""
 
-    def __init__(
-        self,
-        capture: Capture,
-        modules: list[nn.Module],
-        on_call: Callable[..., Any],
-        on_forward: Callable[..., Any] | None,
-    ) -> None:
-        self._capture = weakref.ref(capture)
-        self.modules, self.on_call, self.on_forward = modules, on_call, on_forward
+    capture: weakref.ref[Capture]
+    modules: list[nn.Module]
+    on_call: Callable[..., Any]
+    on_forward: Callable[..., Any] | None
 
     def remove(self) -> None:
-        capture = self._capture()
+        capture = self.capture()
         if capture is not None:
             capture._end_watch(self)
 
@@ -1037,10 +830,8 @@ class Capture:
         model: The model (``torch.compile`` and data-parallel wrappers are unwrapped).
         modules: The modules to watch. Default: every module that directly owns a parameter.
         storage: ``"reference"`` (default, zero-copy), ``"clone"`` or ``"cpu"``.
-        grad_outputs: Also record, on each call, the gradient that reached its outputs in
-            backward (``Call.grad_outputs``).
-        keep_calls: Keep the raw calls for ``inputs()`` / ``calls()`` (default ``True``; an
-            optimizer turns it on only when its rule reads raw calls).
+        grad_outputs: Also record each call's output gradients (``Call.grad_outputs``).
+        keep_calls: Keep the raw calls for ``inputs()`` / ``calls()`` (an optimizer: only if its rule reads them).
 
     Raises:
         TypeError: If ``model`` is not an ``nn.Module``.
@@ -1060,10 +851,14 @@ class Capture:
             raise TypeError(f"Capture watches an nn.Module, got {type(model).__name__}")
         if storage not in _STORAGES:
             raise ValueError(f"Invalid storage: {storage!r}; choose one of {', '.join(map(repr, _STORAGES))}")
-        _refuse_replicating_wrappers(model)
-        root = unwrap_model(model)
-        self._model = model
-        self._root = root
+        for wrapper in _wrapper_chain(model):  # (hooks would fire on replicas nobody owns)
+            if isinstance(wrapper, nn.DataParallel) and len(wrapper.device_ids or ()) > 1:
+                raise ValueError(
+                    f"nn.DataParallel over {len(wrapper.device_ids)} devices runs every forward on new replicas "
+                    "of the model, whose calls cannot be told apart from the model's own; use "
+                    "DistributedDataParallel (one process per device), as torch recommends"
+                )
+        self._model, self._root = model, unwrap_model(model)
         self._names: dict[nn.Module, str] = {}
         self._name_modules()
         self._log = _Log(storage, grad_outputs)
@@ -1074,32 +869,20 @@ class Capture:
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
         self._removed = False
-        self._hooked: dict[int, RemovableHandle] = {}  # ids of the modules that carry our forward hook
-        self._watches: list[_Watching] = []  # Capture.watch
-        self._prehooked: set[int] = set()  # ... and our pre-hook for checkpointing's re-run
-        self._param_hooked: set[int] = set()  # ids of the parameters that carry our tensor hook
+        self._watches: list[_Watching] = []
+        # ids of the modules with our forward hook, with our pre-hook, and of parameters with our tensor hook
+        self._hooked: dict[int, RemovableHandle] = {}
+        self._prehooked: set[int] = set()
+        self._param_hooked: set[int] = set()
         if modules is None:
-            modules = [m for m in root.modules() if any(p is not None for p in m._parameters.values())]
+            modules = [m for m in self._root.modules() if any(p is not None for p in m._parameters.values())]
         self.add_modules(modules)
         self._finalizer = weakref.finalize(self, _shutdown, self._log, self._handles)
         self.keep_calls = keep_calls
 
-    # -- watching ---------------------------------------------------------------------
     def add_modules(self, modules: Iterable[nn.Module]) -> None:
-        """Watch more modules of the model (each at most once).
-
-        Raises:
-            ValueError: If a module is not part of the model.
-        """
-        modules = list(modules)
-        if any(module not in self._names for module in modules):
-            self._name_modules()  # modules added to the model since
-        for module in modules:
-            if module not in self._names:
-                raise ValueError(
-                    f"{type(module).__name__} is not a submodule of the captured model; "
-                    "capture only modules reachable from model.modules()"
-                )
+        """Watch more modules of the model (each at most once); one not in the model raises ``ValueError``."""
+        modules = self._part_of_model(modules)
         log = self._log
         for module in modules:
             if any(m is module for m in self._modules):
@@ -1115,6 +898,18 @@ class Capture:
                 if reduction.wants(module):
                     log.set_readers(module, (*log.readers.get(module, ()), reduction))
         self._sync_hooks()
+
+    def _part_of_model(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
+        modules = list(dict.fromkeys(modules))
+        if any(module not in self._names for module in modules):
+            self._name_modules()  # modules added to the model since
+        for module in modules:
+            if module not in self._names:
+                raise ValueError(
+                    f"{type(module).__name__} is not a submodule of the captured model; "
+                    "capture only modules reachable from model.modules()"
+                )
+        return modules
 
     def _name_modules(self) -> None:
         root = self._root
@@ -1146,11 +941,10 @@ class Capture:
         return self._root
 
     def model_input_shapes(self, forward: int | None) -> list[torch.Size] | None:
-        """The shapes of the tensors the model was called with in forward number ``forward`` (a
-        ``Call.forward``), for a reader that checks what its calls see against the model's batch.
+        """The shapes of the model's tensor arguments in forward number ``forward`` (a ``Call.forward``).
 
-        The first call starts keeping them (for the latest 256 eager forwards with grad enabled);
-        ``None`` for a forward not kept (before that, compiled, or under ``no_grad``)."""
+        The first call starts keeping them (the latest 256 eager forwards with grad enabled); ``None`` for
+        a forward not kept (before that, compiled, or under ``no_grad``)."""
         log = self._log
         if log.input_shapes is None:
             log.input_shapes = {}
@@ -1171,8 +965,7 @@ class Capture:
 
     @property
     def grad_scaler(self) -> Any:
-        """The ``torch.amp.GradScaler`` whose loss scale the output gradients carry, if any: output
-        gradients handed to readers are divided by its scale at each backward pass."""
+        """The ``torch.amp.GradScaler`` whose loss scale output gradients carry (readers get them divided by it)."""
         return self._log.grad_scaler
 
     @grad_scaler.setter
@@ -1200,11 +993,8 @@ class Capture:
         self._sync_hooks()
 
     def remove_reduction(self, reduction: Reduction, *, keep_hooks: bool = False) -> None:
-        """Stop computing ``reduction`` and drop what it holds.
-
-        With ``keep_hooks``, the module hooks stay attached even if nothing reads any more (they
-        then return at once): for a reader that pauses and resumes (a rule's statistics schedule),
-        so that a compiled model is not retraced each time the hooks come back."""
+        """Stop computing ``reduction`` and drop what it holds. ``keep_hooks`` keeps the hooks on even if
+        nothing reads (for a reader that pauses: a compiled model is then not retraced when it resumes)."""
         log = self._log
         if reduction not in log.reductions:
             return
@@ -1237,36 +1027,27 @@ class Capture:
         if not self._handles:
             self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
             _drop_code_compiled_without_hooks(self._model, self._root)
-        self._sync_forward_hooks()
-        for module in self._modules:
-            if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
-                self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
-                self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
-        self._sync_parameter_hooks()
-        for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
-            if key.accumulator is None:
-                key.find_accumulator()
-
-    def _sync_forward_hooks(self) -> None:
-        """One forward hook on each watched module and each module a ``watch`` sees, none on others."""
-        hooked = {id(m): m for m in (*self._modules, *self._log.watchers)}
+        hooked = {id(m): m for m in (*self._modules, *log.watchers)}  # watched modules and those a watch sees
         for ident in [i for i in self._hooked if i not in hooked]:  # a watch ended: its modules' hooks go
             handle = self._hooked.pop(ident)
             handle.remove()
             self._handles.remove(handle)
         for ident, module in hooked.items():
             if ident not in self._hooked:
-                self._hooked[ident] = handle = module.register_forward_hook(self._log.record, with_kwargs=True)
+                self._hooked[ident] = handle = module.register_forward_hook(log.record, with_kwargs=True)
                 self._handles.append(handle)
-
-    def _sync_parameter_hooks(self) -> None:
-        """A tensor hook on each parameter whose arriving gradients a producer audits (``Reduction.arrived``)."""
-        log = self._log
-        for module, readers in log.producers.items():
+        for module in self._modules:
+            if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
+                self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
+                self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
+        for module, readers in log.producers.items():  # parameters whose arriving gradients a reader audits
             for param in dict.fromkeys(p for r in readers for p in r.keys(module) if r.receives(module, p)):
                 if id(param) not in self._param_hooked and param.requires_grad:
                     self._param_hooked.add(id(param))
                     self._handles.append(param.register_hook(functools.partial(log.arrived, param)))
+        for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
+            if key.accumulator is None:
+                key.find_accumulator()
 
     def watch(
         self,
@@ -1274,25 +1055,13 @@ class Capture:
         on_call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None],
         on_forward: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None] | None = None,
     ) -> RemovableHandle:
-        """Call ``on_call(module, args, kwargs, output)`` after every call (with grad enabled) of
-        each of ``modules``, with or without parameters, and ``on_forward(root, args, kwargs)``
-        before every forward of the model: for tools that see every call as it happens (the
-        ``NonFiniteFinder``) through the capture's own hooks, so that the model carries one set.
+        """Call ``on_call(module, args, kwargs, output)`` after every call (grad enabled) of each of ``modules``
+        and ``on_forward(root, args, kwargs)`` before every forward, through the capture's own hooks.
 
-        The callbacks must not hold the tool that registered them (hold its state instead), so
-        dropping the tool can run its finalizer. ``remove()`` on the returned handle ends the
-        watch; hooks no reader needs any more come off with it.
-
-        Raises:
-            ValueError: If a module is not part of the model.
+        The callbacks must not hold the tool that registered them, so its finalizer can run.
+        ``remove()`` on the returned handle ends the watch. A module not in the model raises ``ValueError``.
         """
-        modules = list(dict.fromkeys(modules))
-        if any(module not in self._names for module in modules):
-            self._name_modules()
-        for module in modules:
-            if module not in self._names:
-                raise ValueError(f"{type(module).__name__} is not a submodule of the captured model")
-        watching = _Watching(self, modules, on_call, on_forward)
+        watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward)
         self._watches.append(watching)
         self._rebuild_watchers()
         self._sync_hooks()
@@ -1320,7 +1089,6 @@ class Capture:
         """The qualified name of ``module`` in the model."""
         return self._names.get(module, type(module).__name__)
 
-    # -- reading ----------------------------------------------------------------------
     def refresh(self) -> None:
         """Drop what cleared gradients no longer hold (reads do this themselves).
 
@@ -1328,10 +1096,11 @@ class Capture:
             RuntimeError: If the gradient could not be followed (for example backward ran
                 twice through one call); the captures are then dropped.
         """
-        log = self._log
-        error = log.error
-        if isinstance(error, Exception):
+        error = self._log.error
+        if error is not None:
             self.clear()
+            if not isinstance(error, Exception):
+                raise RuntimeError(f"{error}. The captures of this step were dropped")
             message = (
                 f"{error} (raised by a reader's code in the capture's hooks; the captures of this step were dropped)"
             )
@@ -1340,11 +1109,7 @@ class Capture:
             except Exception:  # an exception type that takes other arguments
                 again = RuntimeError(f"{type(error).__name__}: {message}")
             raise again from error
-        if error is not None:
-            self.clear()
-            raise RuntimeError(f"{error}. The captures of this step were dropped")
-        if log.refresh_keys(log.keys.values()):
-            log.generation += 1
+        self._log.refresh_keys()
 
     def _gradients_rescaled(self) -> None:
         """The optimizer rescaled the gradients in place (unscaling): they still hold the same calls."""
@@ -1365,18 +1130,15 @@ class Capture:
         """The committed calls in order and by parameter (one tuple object per generation)."""
         self.refresh()
         log = self._log
-        if self._cache[0] != log.generation:
-            records: dict[int, _Record] = {}
-            for key_set in log.keys_of.values():
-                for key in key_set:
-                    for record in key.calls:
-                        records[id(record)] = record
+        if self._cache[0] != log.generation or log.storage == "reference":  # (copies are checked once)
+            records = {id(r): r for keys in log.keys_of.values() for key in keys for r in key.calls}
             ordered = sorted(records.values(), key=lambda r: r.index)
-            calls = {id(r): c for r, c in zip(ordered, self._materialize(ordered), strict=True)}
-            by_param = {param: [calls[id(r)] for r in key.calls] for param, key in log.keys.items() if key.calls}
-            self._cache = (log.generation, (list(calls.values()), by_param))
-        else:
-            self._check()
+            for index, record in enumerate(ordered):
+                self._check_record(record, index)
+            if self._cache[0] != log.generation:
+                calls = {id(r): r.view() for r in ordered}
+                by_param = {param: [calls[id(r)] for r in key.calls] for param, key in log.keys.items() if key.calls}
+                self._cache = (log.generation, (list(calls.values()), by_param))
         return self._cache[1]
 
     def reduced(self, reduction: Reduction) -> dict[Tensor, Any]:
@@ -1387,10 +1149,8 @@ class Capture:
     def inputs(self) -> Inputs:
         """A snapshot of what is captured now, as ``Inputs``."""
         committed = self._committed()
-        return Inputs(lambda: committed, self._owners, self._watched, reduced=self._snapshot_reduced())
-
-    def _snapshot_reduced(self) -> dict[Reduction, dict[Tensor, Any]]:
-        return {r: self.reduced(r) for r in self._log.reductions}
+        reduced = {r: self.reduced(r) for r in self._log.reductions}
+        return Inputs(lambda: committed, self._owners, self._watched, reduced=reduced)
 
     def _live_inputs(self) -> Inputs:
         """``Inputs`` that read the capture at each access (used for the duration of one step)."""
@@ -1399,12 +1159,8 @@ class Capture:
         return Inputs(self._committed, self._owners, self._watched, on_missing=on_missing, reduced=self)
 
     def uncaptured(self) -> dict[str, nn.Module]:
-        """The watched modules that own a parameter with a gradient but no call in it.
-
-        Typical causes: the module's weight is used without calling the module (as
-        ``nn.MultiheadAttention`` does with ``out_proj``), the forward ran under ``no_grad``,
-        or compiled code runs without the hooks.
-        """
+        """The watched modules that own a parameter with a gradient but no call in it (say, a weight used
+        without calling its module, as ``nn.MultiheadAttention`` does with ``out_proj``)."""
         self.refresh()
         log = self._log
         return {
@@ -1422,32 +1178,23 @@ class Capture:
         names = ", ".join(f"{self.name(m)} ({type(m).__name__})" for m in modules)
         key = self._log.keys.get(param)
         if key is not None and key.released is not None and key.released() is param.grad:
-            warnings.warn(
-                f"a rule asked for the inputs of {names}, but its gradient was already stepped with: the "
-                "previous step() released its calls, and no backward ran since. Step once per backward "
-                "(or run the forward and backward again); the rule gets None and treats the parameter "
-                "as it treats uncaptured ones",
-                UncapturedInputsWarning,
-                stacklevel=4,
+            message = (
+                f"a rule asked for the inputs of {names}, but its gradient was already stepped with: the previous "
+                "step() released its calls and no backward ran since. Step once per backward; the rule gets None "
+                "and treats the parameter as uncaptured"
             )
-            return
-        warnings.warn(
-            f"a rule asked for the inputs of {names}, whose parameter has a gradient, but that gradient "
-            "holds no captured call; the rule gets None and treats it as it treats uncaptured "
-            "parameters. Typical causes: the weight is used without calling the module (as "
-            "nn.MultiheadAttention does with out_proj), the forward ran under no_grad(), compiled "
-            "code (torch.compile of a function that calls the model before the optimizer existed) "
-            "runs without the hooks, or the gradient was set by hand to a tensor other than the one "
-            "torch.autograd.grad returned (a copy, a sum). Capture.uncaptured() lists them all.",
-            UncapturedInputsWarning,
-            stacklevel=4,
-        )
+        else:
+            message = (
+                f"a rule asked for the inputs of {names}, whose gradient holds no captured call; the rule gets None "
+                "and treats it as uncaptured. Typical causes: the weight is used without calling the module (as "
+                "nn.MultiheadAttention does with out_proj), the forward ran under no_grad(), compiled code built "
+                "before the optimizer runs without the hooks, or the gradient was set by hand to a tensor other "
+                "than the one torch.autograd.grad returned. Capture.uncaptured() lists them all."
+            )
+        warnings.warn(message, UncapturedInputsWarning, stacklevel=4)
 
     def clear(self) -> None:
-        """Forget everything the gradients hold (releasing every captured tensor).
-
-        The calls of a gradient ``torch.autograd.grad`` returned are not in any ``.grad`` yet:
-        they stay with that tensor until it is assigned to ``.grad`` or dies."""
+        """Forget what the gradients hold (not what a gradient ``autograd.grad`` returned holds: in no ``.grad``)."""
         self._log.clear()
         self._cache = (None, ([], {}))
 
@@ -1468,33 +1215,20 @@ class Capture:
     def __repr__(self) -> str:
         return f"Capture({len(self._modules)} modules, storage={self.storage!r})"
 
-    def _materialize(self, records: list[_Record]) -> list[Call]:
-        calls = []
-        for index, record in enumerate(records):
-            self._check_record(record, index)
-            calls.append(record.view())
-        return calls
-
-    def _check(self) -> None:
-        if self._log.storage != "reference":
-            return
-        records: dict[int, _Record] = {}
-        for key_set in self._log.keys_of.values():
-            for key in key_set:
-                for record in key.calls:
-                    records[id(record)] = record
-        for index, record in enumerate(sorted(records.values(), key=lambda r: r.index)):
-            self._check_record(record, index)
-
     def _check_record(self, record: _Record, index: int) -> None:
-        check = record.check
+        check, args = record.check, record.args
         if check is None:
             return
-        if self._log.storage == "reference":
-            _check_versions(self.name(record.module), index, record.args, record.kwargs or {}, check)
-        else:  # copies still on their way from an accelerator
+        if self._log.storage != "reference":  # copies still on their way from an accelerator
             for event in check:
                 event.synchronize()
+            return
+        if check != (args[0]._version if isinstance(check, int) else _versions(args, record.kwargs or {})):
+            raise RuntimeError(
+                f"an input of {self.name(record.module)} (call {index} of this step) was modified in place after "
+                "the forward captured it, so it no longer holds what produced the gradient. Avoid the "
+                "in-place operation, or construct the optimizer (or Capture) with storage='clone'"
+            )
 
 
 def _differentiable_outputs(output: Any) -> list[Tensor] | None:
@@ -1515,16 +1249,3 @@ def _detached(tree: Any) -> Any:
 
 
 _CONTAINERS = (list, tuple, dict)
-
-
-def _check_versions(name: str, index: int, args: Sequence[Any], kwargs: dict[str, Any], check: Any) -> None:
-    if isinstance(check, int):
-        now: Any = args[0]._version
-    else:
-        now = tuple(_version(t) for t in tree_flatten((args, kwargs))[0])
-    if now != check:
-        raise RuntimeError(
-            f"an input of {name} (call {index} of this step) was modified in place after the "
-            "forward captured it, so it no longer holds what produced the gradient. Avoid the "
-            "in-place operation, or construct the optimizer (or Capture) with storage='clone'"
-        )

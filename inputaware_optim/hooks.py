@@ -1,13 +1,5 @@
-"""Input-aware step hooks: ``hook(optimizer, inputs)`` once per step, reading what it declared.
-
-A hook declares what it reads (``reads``): raw calls (``"calls"``), ``Reduction``\\ s, and
-``"updates"`` (a post-step hook then gets each parameter's change). The capture is armed for
-a step only with what the hooks due at that step read: after each step the registry works out
-which hooks run at the next one and turns the capture's reading on or off before that step's
-forward, so on a step that ``every`` skips nothing is kept for the hooks (and with no other
-reader, no module hook is attached at all).
-
-Used by ``InputAwareOptimizer.register_inputs_hook``.
+"""Input-aware step hooks (``InputAwareOptimizer.register_inputs_hook``): ``hook(optimizer, inputs)`` once
+per step; the capture keeps what the hooks due at a step read (``reads``), only for that step.
 """
 
 from __future__ import annotations
@@ -28,7 +20,6 @@ __all__ = ["InputsHook", "InputsHookHandle", "Reads", "When"]
 When = Literal["pre", "post"]
 Reads = str | Reduction | Iterable[str | Reduction] | None
 InputsHook = Callable[..., None]
-_WORDS = ("calls", "updates")
 
 
 class InputsHookHandle:
@@ -40,8 +31,7 @@ class InputsHookHandle:
     """
 
     def __init__(self, registry: StepHooks, entry: _Entry) -> None:
-        self._registry = registry
-        self._entry = entry
+        self._registry, self._entry = registry, entry
 
     @property
     def step(self) -> int:
@@ -73,44 +63,19 @@ class _Entry:
         return step >= self.start and (step - self.start) % self.every == 0
 
 
-def parse_reads(reads: Reads) -> tuple[bool, bool, tuple[Reduction, ...]]:
-    """``(calls, updates, reductions)`` from a ``reads`` declaration.
-
-    Raises:
-        TypeError: If an item is neither ``"calls"``, ``"updates"`` nor a ``Reduction``.
-    """
-    if reads is None:
-        items: list[Any] = []
-    elif isinstance(reads, (str, Reduction)):
-        items = [reads]
-    else:
-        items = list(reads)
-    reductions: list[Reduction] = []
-    for item in items:
-        if isinstance(item, Reduction):
-            reductions.append(item)
-        elif item not in _WORDS:
-            raise TypeError(f"reads= takes 'calls', 'updates', Reduction instances or a list of them, got {item!r}")
-    return "calls" in items, "updates" in items, tuple(dict.fromkeys(reductions))
-
-
 class StepHooks:
-    """The input-aware step hooks of one optimizer, and the step counter they are due by.
-
-    The owner calls ``before_step`` once the step's inputs are known, ``after_step`` once the
-    update is done, and ``advance`` once the captures of the step are released.
-    """
+    """The input-aware step hooks of one optimizer and their step counter. The owner calls ``before_step``
+    once the inputs are known, ``after_step`` after the update, ``advance`` once the captures are released."""
 
     def __init__(self, capture: Capture, params: Callable[[], list[Tensor]]) -> None:
         self.capture = capture
         self.step = 0  # index of the coming step
         self._params = params
         self._entries: list[_Entry] = []
-        self._added: set[Reduction] = set()  # reductions we put on the capture
-        self._calls_on = False  # whether we turned the capture's raw calls on
+        self._added: set[Reduction] = set()  # what we turned on in the capture
+        self._calls_on = False
         self._before: dict[Tensor, Tensor] | None = None
 
-    # -- registration -------------------------------------------------------------------
     def register(
         self, hook: InputsHook, when: When = "pre", every: int = 1, reads: Reads = "calls"
     ) -> InputsHookHandle:
@@ -123,12 +88,16 @@ class StepHooks:
             raise ValueError(f"Invalid when: {when!r}; choose 'pre' (before the update) or 'post' (after it)")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer")
-        calls, updates, reductions = parse_reads(reads)
+        items: list[Any] = [] if reads is None else [reads] if isinstance(reads, (str, Reduction)) else list(reads)
+        for item in items:
+            if not isinstance(item, Reduction) and item not in ("calls", "updates"):
+                raise TypeError(f"reads= takes 'calls', 'updates', Reduction instances or a list of them, got {item!r}")
+        calls, updates = "calls" in items, "updates" in items
+        reductions = tuple(dict.fromkeys(r for r in items if isinstance(r, Reduction)))
         if updates and when == "pre":
             raise ValueError("reads='updates' is for a hook with when='post': before the update nothing changed yet")
         entry = _Entry(hook, when, every, calls, updates, reductions)
-        # Raw calls cannot be turned on while the capture holds a step's statistics (it would drop
-        # them): such a hook then starts at the next step.
+        # Turning raw calls on would drop the statistics the capture holds: such a hook starts next step.
         entry.start = self.step + (1 if calls and not self.capture.keep_calls and self._holding() else 0)
         self._entries.append(entry)
         self._arm(releasing=False)
@@ -140,15 +109,12 @@ class StepHooks:
             self._arm(releasing=False)
 
     def _holding(self) -> bool:
-        """Whether the capture holds something for the coming step (turning raw calls on would drop it)."""
         log = self.capture._log
         return any(key.holds() for keys in log.keys_of.values() for key in keys)
 
     def _arm(self, releasing: bool) -> None:
-        """Make the capture read what the hooks due at the coming step read, and nothing more.
-
-        Raw calls are turned on or off only between steps (``releasing``) or when the capture holds
-        nothing: toggling them drops what it holds."""
+        """Make the capture read what the hooks due at the coming step read. Raw calls are toggled (which drops
+        what the capture holds) only between steps (``releasing``) or while it holds nothing."""
         due = [e for e in self._entries if e.due(self.step)]
         wanted = {r for e in due for r in e.reductions}
         capture = self.capture
@@ -167,7 +133,6 @@ class StepHooks:
             capture.keep_calls = False
             self._calls_on = False
 
-    # -- the step -----------------------------------------------------------------------
     def due(self) -> bool:
         """Whether any hook runs at the coming step."""
         return any(e.due(self.step) for e in self._entries)
@@ -206,8 +171,7 @@ class StepHooks:
         self._arm(releasing=True)
 
     def evaluate_closure(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
-        """Run the closure now, so pre-step hooks see its calls (and a post-step hook reading updates,
-        the parameters before them); the step gets one that returns its loss."""
+        """Run the closure now if a hook due reads what it produces; the step gets one that returns its loss."""
         due = [e for e in self._entries if e.due(self.step)]
         if closure is None or not any(e.when == "pre" or e.updates for e in due):
             return closure  # (a post hook reading updates needs the gradients before the update)

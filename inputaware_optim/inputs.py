@@ -1,9 +1,4 @@
-"""What a rule reads: the captured forward calls, by module or by parameter.
-
-``Inputs`` maps each captured module (and, for lookups, each parameter that such a
-module owns) to a ``Captured`` entry: the list of that module's forward ``Call``s in
-capture order, with conveniences for the usual shapes of statistics.
-"""
+"""What a rule reads: the captured forward calls (``Inputs``, of ``Captured`` entries, of each ``Call``)."""
 
 from __future__ import annotations
 
@@ -44,12 +39,8 @@ class Call:
         forward: int | None = None,
         output: Any = None,
     ) -> None:
-        self.module = module
-        self.output = output
-        self.args = args
-        self.kwargs = kwargs
+        self.module, self.args, self.kwargs, self.forward, self.output = module, args, kwargs, forward, output
         self._grad_slot = grad_slot
-        self.forward = forward
 
     @property
     def input(self) -> Any:
@@ -60,14 +51,9 @@ class Call:
 
     @property
     def grad_outputs(self) -> tuple[Tensor | None, ...] | None:
-        """The gradients that reached this call's output tensors in backward.
-
-        One entry per output tensor (in the order of ``torch.utils._pytree`` leaves), ``None``
-        where no gradient arrived. ``None`` as a whole when output-gradient capture is off.
-        """
-        if self._grad_slot is None:
-            return None
-        return tuple(self._grad_slot)
+        """The gradients that reached this call's output tensors in backward, one per tensor (in pytree
+        leaf order; ``None`` where none arrived); ``None`` as a whole when output-gradient capture is off."""
+        return None if self._grad_slot is None else tuple(self._grad_slot)
 
     @property
     def grad_output(self) -> Tensor | None:
@@ -77,9 +63,7 @@ class Call:
 
     def __repr__(self) -> str:
         def describe(x: Any) -> str:
-            if isinstance(x, Tensor):
-                return f"Tensor{tuple(x.shape)}"
-            return type(x).__name__
+            return f"Tensor{tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
 
         args = ", ".join(describe(a) for a in self.args)
         kwargs = "".join(f", {k}={describe(v)}" for k, v in self.kwargs.items())
@@ -117,20 +101,13 @@ class Captured:
         return [_positional(c, position) for c in self.calls]
 
     def cat(self, position: int = 0, dim: int = 0) -> Tensor:
-        """The positional argument at ``position`` of every call, concatenated along ``dim``.
-
-        With ``dim=0`` (the default) this is the batch of every micro-batch and every
-        repeated call stacked as if the module had been called once.
-        """
+        """The positional argument at ``position`` of every call, concatenated along ``dim`` (with ``dim=0``:
+        every micro-batch and repeated call as one batch)."""
         return torch.cat(self.inputs(position), dim=dim)
 
     def rows(self, position: int = 0) -> Tensor:
-        """Every call's argument at ``position`` as rows of features, concatenated.
-
-        Each tensor is reshaped to ``(-1, last_dim)``, flattening every leading dimension
-        (batch, sequence, ...) the way ``nn.Linear`` treats them, so the result has one row
-        per sample and position.
-        """
+        """Every call's argument at ``position`` reshaped to ``(-1, last_dim)`` and concatenated: one row per
+        sample and position, as ``nn.Linear`` sees them."""
         return torch.cat([x.reshape(-1, x.shape[-1]) for x in self.inputs(position)])
 
     def grad_outputs(self, position: int = 0) -> list[Tensor]:
@@ -173,11 +150,10 @@ def _positional(call: Call, position: int) -> Any:
 class Inputs(Mapping[nn.Module, Captured]):
     """The forward calls captured for one step, looked up by module or by parameter.
 
-    ``inputs[m]`` / ``inputs.get(m)`` give the ``Captured`` calls of module ``m``;
-    ``inputs[p]`` / ``inputs.get(p)`` give the calls of the module(s) that directly own
-    parameter ``p`` (several for tied weights, merged in capture order). ``get`` returns
-    ``None`` where nothing was captured; ``[]`` raises a ``KeyError`` that says why.
-    Iteration yields the modules that have at least one call, in order of first call.
+    ``inputs[m]`` gives the ``Captured`` calls of module ``m``, ``inputs[p]`` those of the module(s)
+    that directly own parameter ``p`` (tied weights: merged in capture order). ``get`` returns ``None``
+    where nothing was captured; ``[]`` raises a ``KeyError`` that says why. Iteration yields the modules
+    with at least one call, in order of first call.
     """
 
     def __init__(
@@ -189,8 +165,7 @@ class Inputs(Mapping[nn.Module, Captured]):
         on_missing: Callable[[Tensor], None] | None = None,
         reduced: Any = None,
     ) -> None:
-        # ``calls`` is the calls, or a function returning them (or ``(calls, calls by parameter)``)
-        # read at each access while a step runs.
+        # ``calls``: the calls, or a function returning them or ``(calls, calls by parameter)``, read at each access.
         fixed = None if callable(calls) else list(calls)
         self._source: Callable[[], Any] = calls if callable(calls) else (lambda: fixed)
         self._owners: Mapping[Tensor, tuple[nn.Module, ...]] = owners or {}
@@ -206,7 +181,6 @@ class Inputs(Mapping[nn.Module, Captured]):
         self._on_missing = on_missing
         self._reduced = reduced  # a Capture (live), a dict of reduction -> totals, or None
 
-    # -- construction -----------------------------------------------------------------
     @classmethod
     def from_mapping(
         cls,
@@ -214,11 +188,8 @@ class Inputs(Mapping[nn.Module, Captured]):
         owners: Mapping[Tensor, tuple[nn.Module, ...]] | None = None,
         names: Mapping[nn.Module, str] | None = None,
     ) -> Inputs:
-        """Build ``Inputs`` from a mapping of modules or parameters to ``Captured`` (or lists of ``Call``).
-
-        Raises:
-            TypeError: If a key is not a module or tensor, or a value is not calls.
-        """
+        """Build ``Inputs`` from a mapping of modules or parameters to ``Captured`` (or lists of ``Call``); other
+        keys or values raise ``TypeError``."""
         calls: list[Call] = []
         direct: dict[Tensor, Captured] = {}
         for key, value in mapping.items():
@@ -247,7 +218,6 @@ class Inputs(Mapping[nn.Module, Captured]):
                 raise TypeError(f"inputs= mapping keys must be modules or parameters, got {type(key).__name__}")
         return cls(calls, owners, names, direct)
 
-    # -- lookups ----------------------------------------------------------------------
     @property
     def calls(self) -> list[Call]:
         """Every captured call, of every module, in capture order."""
@@ -301,11 +271,8 @@ class Inputs(Mapping[nn.Module, Captured]):
         return f"Inputs({{{parts}}})"
 
     def reduced(self, reduction: Any) -> dict[Tensor, Any]:
-        """What ``reduction`` (a ``Reduction``) gives for this step, per parameter.
-
-        From the capture, where it ran the reduction in its hooks; otherwise computed from
-        the calls held here (``Reduction.reduce_calls``), with the same result.
-        """
+        """What ``reduction`` (a ``Reduction``) gives for this step, per parameter: from the capture's hooks, or
+        computed from the calls held here (``Reduction.reduce_calls``), with the same result."""
         self._current()
         source = self._reduced
         if isinstance(source, dict) and reduction in source:
@@ -314,7 +281,6 @@ class Inputs(Mapping[nn.Module, Captured]):
             return source.reduced(reduction)
         return reduction.reduce_calls(self.calls)
 
-    # -- internals --------------------------------------------------------------------
     def _current(self) -> Sequence[Call]:
         if self._expired is not None:
             raise RuntimeError(self._expired)

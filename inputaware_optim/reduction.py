@@ -1,27 +1,6 @@
-"""Reduction: a reader's declaration of the statistics it needs, computed where the data is.
+"""Reduction: a reader's declaration of the statistics it needs, computed in the capture's hooks.
 
-A rule that needs only statistics of the inputs (and output gradients) declares a
-``Reduction`` instead of reading raw calls. The capture then runs it in the hooks: at
-each forward call (``forward``), when the call's output gradient arrives in backward
-(``backward``), and once each backward pass is complete (``finish``). What is kept
-between forward and ``step()`` is what these return, summed over the calls whose
-gradient is in each parameter's ``.grad`` (``combine``), never the input tensors::
-
-    class InputPower(Reduction):
-        def wants(self, module):
-            return isinstance(module, nn.Linear)
-
-        def forward(self, call):                      # in the forward hook
-            x = call.input
-            return x.pow(2).sum(), x.new_tensor(float(x.numel() // x.shape[-1]))
-
-    power = InputPower()
-    capture.add_reduction(power)                      # or, in a rule: self.capture.add_reduction(power)
-    ...
-    totals = inputs.reduced(power)                    # {parameter: (sum of squares, rows)}
-
-The same reduction applied to raw calls (``Inputs`` built from a mapping, or a custom rule
-that reads calls) gives the same result: ``Reduction.reduce_calls``.
+docs/writing-a-rule.md shows one; ``Reduction.reduce_calls`` computes the same from raw calls.
 """
 
 from __future__ import annotations
@@ -51,41 +30,27 @@ def add_statistics(a: Any, b: Any) -> Any:
 
 
 class Reduction:
-    """Statistics computed from each captured call in the hooks, kept per parameter.
+    """Statistics computed from each captured call in the hooks, kept per parameter while its gradient
+    holds the calls they came from. Override what you need; every method has a default:
 
-    Override what you need; every method has a default:
-
-    * ``wants(module)``: which watched modules this reduction reads (default: all).
-    * ``forward(call)``: runs in the forward hook, with ``call.module``, ``call.args`` and
-      ``call.kwargs`` (detached; valid only during the call). Returns what to keep until the
-      call's backward: small statistics, or a tensor the backward side needs.
-    * ``keeps_inputs`` (class attribute): ``forward`` keeps the inputs until the call's backward;
-      under activation checkpointing it then gets the inputs recomputed in backward.
-    * ``backward(call, kept)``: runs when the call's output gradients have arrived
-      (``call.grad_outputs``, with ``grad_outputs = True``). Returns the call's statistics
-      (default: ``kept``).
-    * ``finish(entries)``: runs once a backward pass is complete, with ``(call, statistics)``
-      for every call it reached. Returns ``{parameter: statistics}`` (default: each call's
-      statistics under each of ``keys(call.module)``, combined).
-    * ``combine(a, b)``: how statistics add up over calls and backward passes (default: a sum).
-    * ``keys(module)``: the parameters a call's statistics are kept under (default: the
-      module's own parameters).
-    * ``produced(module, grad_inputs)`` and ``arrived(param, grad)``, for a reader that audits
-      where a parameter's gradient came from: the first runs when a call's output node has
-      computed the gradients it sends back (``grad_inputs``), the second when a gradient is about to
-      be added to the ``.grad`` of a parameter it keys (``receives(module, param)``). Defining
-      ``produced`` turns both on.
-
-    Statistics under a parameter are kept exactly while that parameter's gradient holds the
-    calls they came from: a gradient cleared (``zero_grad``, ``p.grad = None``) drops them,
-    a call whose output never reached a backward never arrives.
+    * ``wants(module)``: which watched modules it reads (default: all).
+    * ``forward(call)``: in the forward hook (``call.args``, ``call.kwargs`` detached, valid only
+      then); returns what to keep until the call's backward.
+    * ``keeps_inputs`` (class attribute): ``forward`` keeps the inputs until backward; under
+      non-reentrant checkpointing it then gets the inputs of the re-run in backward.
+    * ``backward(call, kept)``: once the call's output gradients arrived (``call.grad_outputs``,
+      with ``grad_outputs = True``); returns its statistics (default: ``kept``).
+    * ``finish(entries)``: once a backward pass is complete, over ``(call, statistics)`` of each call
+      it reached; returns ``{parameter: statistics}`` (default: each under ``keys(call.module)``).
+    * ``combine(a, b)``: how statistics add up over calls and passes (default: a sum).
+    * ``keys(module)``: the parameters a call's statistics are kept under (default: the module's own).
+    * ``produced(module, grad_inputs)``, when a call's output node computed the gradients it sends
+      back, and ``arrived(param, grad)``, when a gradient is about to be added to a parameter it
+      keys (``receives(module, param)``): for auditing a gradient's sources. Defining ``produced``
+      turns both on.
     """
 
     grad_outputs: ClassVar[bool] = False
-    # Whether ``forward`` keeps the call's inputs themselves until its backward (say, per-sample
-    # gradients that need inputs and output gradients together). Inside a non-reentrant
-    # activation-checkpointed region the capture then calls ``forward`` with the inputs of the
-    # re-run in backward instead of the original ones, so checkpointing keeps its savings.
     keeps_inputs: ClassVar[bool] = False
 
     def wants(self, module: nn.Module) -> bool:

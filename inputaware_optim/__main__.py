@@ -8,7 +8,10 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: the process's arguments); returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m inputaware_optim", description="Tools for inputaware_optim.")
+    parser = argparse.ArgumentParser(
+        prog="python -m inputaware_optim",
+        description="'plot LOG.jsonl -o out.png' draws a Monitor's log as per-layer heatmaps.",
+    )
     plot = parser.add_subparsers(dest="command", required=True).add_parser(
         "plot", help="per-layer heatmaps over steps (input RMS, zero fraction, update/weight) from a JSON-lines log"
     )

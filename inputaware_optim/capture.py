@@ -446,7 +446,7 @@ class _Log:
 
     def _reduce_backward(self, record: _Record, scale: float | None) -> None:
         if scale is not None and record.slot is not None:  # readers see the gradients of the unscaled loss
-            record.slot = [None if g is None else g / scale for g in record.slot]
+            record.slot = [None if g is None else _unscaled(g, scale) for g in record.slot]
         readers = self.readers.get(record.module)
         if readers and record.kept is not None:
             if self.needs[record.module][3]:  # some reader's backward does something
@@ -668,6 +668,12 @@ _pass_reaches = _torch.pass_reaches
 def _note_returned(task: _Task, key: _Key, grad: Tensor) -> None:
     """Tensor hook for one pass of ``autograd.grad``: the gradient it returns."""
     task.returned[key] = grad
+
+
+def _unscaled(grad: Tensor, scale: float) -> Tensor:
+    """``grad / scale`` in float32 for a float16 ``grad``: unscaled in float16, the small values the
+    loss scale kept out of the subnormals would be flushed again (bfloat16 has float32's range)."""
+    return (grad.float() if grad.dtype == torch.float16 else grad) / scale
 
 
 def _loss_scale(scaler: Any) -> float | None:

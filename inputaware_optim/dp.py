@@ -43,40 +43,6 @@ from .sgd import InputAwareSGD
 
 __all__ = ["DPSGD", "DPAdamW"]
 
-_DOC = r"""
-
-    Each step replaces every parameter's gradient by its differentially private estimate (Abadi et
-    al. 2016), then applies the stock update:
-
-    .. math::
-        \tilde g = \frac{1}{B}\Big(\sum_{i=1}^{B} g_i \min\big(1, \tfrac{C}{\lVert g_i\rVert}\big)
-            + \mathcal N(0, \sigma^2 C^2 I)\Big)
-
-    where :math:`g_i` is sample :math:`i`'s gradient over *all* parameters of the optimizer,
-    :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier`` (with
-    ``loss_reduction="sum"`` the division by :math:`B` is left out). Per-sample gradients come from
-    each captured call's inputs and output gradients within the one backward pass (closed forms for
-    the common layers, ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they
-    add up to the gradient backward computed. ``max_grad_norm`` and ``noise_multiplier`` are read
-    from the param groups, equal in all (a schedule may change them between steps). What is
-    refused, gradient accumulation, DDP and FSDP2, and the accounting: see the DP guide
-    (``docs/dp.md``).
-
-    Args:
-        model: The model.
-        lr: Learning rate.
-        max_grad_norm: :math:`C`, the L2 bound on each sample's gradient (> 0).
-        noise_multiplier: :math:`\sigma` (>= 0; 0 turns the noise off).
-        loss_reduction: ``"mean"`` (the loss averaged over the batch) or ``"sum"``.
-        expected_batch_size: The samples per step the loss is a mean over, and the noised sum's
-            divisor (needed under gradient accumulation; under Poisson sampling, rate × dataset size).
-        batch_dim: The dimension of every layer's input that holds the samples (0, or 1 for ``(T, B, ...)``).
-        sample_rate: Each sample's probability of being in a batch, for ``epsilon`` (or None).
-        generator: The ``torch.Generator`` the noise is drawn from (default: one seeded from torch's
-            global RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
-        params: Parameters or param groups of ``model`` (default: all that require grad).
-    """
-
 _BATCH_NORMS = (
     nn.BatchNorm1d,
     nn.BatchNorm2d,
@@ -1020,16 +986,48 @@ def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction
 
 
 class DPSGD(_PerSampleClipping, InputAwareSGD):
-    __doc__ = (
-        "SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).\n\n    ``DPSGD(model, lr=1e-3, "
-        'max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean", generator=None, params=None, '
-        "**sgd_kwargs)``" + _DOC
-    )
+    r"""SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).
+
+    ``DPSGD(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean",
+    expected_batch_size=None, batch_dim=0, sample_rate=None, generator=None, params=None, **sgd_kwargs)``
+
+    Each step replaces every parameter's gradient by its differentially private estimate (Abadi et
+    al. 2016), then applies the stock update:
+
+    .. math::
+        \tilde g = \frac{1}{B}\Big(\sum_{i=1}^{B} g_i \min\big(1, \tfrac{C}{\lVert g_i\rVert}\big)
+            + \mathcal N(0, \sigma^2 C^2 I)\Big)
+
+    where :math:`g_i` is sample :math:`i`'s gradient over *all* parameters of the optimizer,
+    :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier`` (with
+    ``loss_reduction="sum"`` the division by :math:`B` is left out). Per-sample gradients come from
+    each captured call's inputs and output gradients within the one backward pass (closed forms for
+    the common layers, ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they
+    add up to the gradient backward computed. ``max_grad_norm`` and ``noise_multiplier`` are read
+    from the param groups, equal in all (a schedule may change them between steps). What is
+    refused, gradient accumulation, DDP and FSDP2, and the accounting: see the DP guide
+    (``docs/dp.md``).
+
+    Args:
+        model: The model.
+        lr: Learning rate.
+        max_grad_norm: :math:`C`, the L2 bound on each sample's gradient (> 0).
+        noise_multiplier: :math:`\sigma` (>= 0; 0 turns the noise off).
+        loss_reduction: ``"mean"`` (the loss averaged over the batch) or ``"sum"``.
+        expected_batch_size: The samples per step the loss is a mean over, and the noised sum's
+            divisor (needed under gradient accumulation; under Poisson sampling, rate × dataset size).
+        batch_dim: The dimension of every layer's input that holds the samples (0, or 1 for ``(T, B, ...)``).
+        sample_rate: Each sample's probability of being in a batch, for ``epsilon`` (or None).
+        generator: The ``torch.Generator`` the noise is drawn from (default: one seeded from torch's
+            global RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+    """
 
 
 class DPAdamW(_PerSampleClipping, InputAwareAdamW):
-    __doc__ = (
-        "AdamW with per-sample gradient clipping and Gaussian noise (DP-Adam with decoupled weight decay)."
-        '\n\n    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean", '
-        "generator=None, params=None, **adamw_kwargs)``" + _DOC
-    )
+    """AdamW with per-sample gradient clipping and Gaussian noise (DP-Adam with decoupled weight decay).
+
+    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, ...)``: the arguments,
+    the private gradient and its guarantees are `DPSGD`'s; the update is ``torch.optim.AdamW``'s, its
+    keywords passed on (``**adamw_kwargs``).
+    """

@@ -190,3 +190,54 @@ def test_a_rule_error_inside_scaler_step_leaves_the_gradients_and_the_scaler_usa
     scaler.step(optimizer)  # used to raise "unsupported operand type(s) for *: 'Tensor' and 'NoneType'"
     scaler.update()
     torch.testing.assert_close(optimizer.state[layer.weight]["input_second_moment"], x.T @ x / 3)
+
+
+def _float16_scaled_backward(optimizer: Any, model: nn.Module, scale: float, factor: float) -> None:
+    """One float16-autocast step under a GradScaler at ``scale``, the loss multiplied by ``factor``
+    (small: the unscaled loss's output gradients are below float16's normal range)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    optimizer.capture.grad_scaler = scaler
+    generator = torch.Generator().manual_seed(0)
+    x, target = torch.randn(6, 5, 8, generator=generator), torch.randn(6, 5, 3, generator=generator)
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (model(x).float() - target).pow(2).mean() * factor
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+
+
+def test_output_gradients_are_unscaled_where_float16_cannot_underflow_them() -> None:
+    # Unscaling a float16 output gradient in float16 flushes what the loss scale kept out of the
+    # subnormals: readers get it unscaled in float32, exactly the scaled gradient over the scale.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    scaled: list[torch.Tensor] = []
+    model[2].register_full_backward_hook(lambda m, gi, go: scaled.append(go[0]))
+
+    class Reader(InputAwareSGD):
+        @torch.no_grad()
+        def step(self, closure: Any = None, inputs: Any = None) -> Any:
+            self.seen = inputs[model[2]].grad_outputs()
+            return super().step(inputs=inputs)
+
+    reader = Reader(model, lr=0.0, grad_outputs=True)
+    _float16_scaled_backward(reader, model, scale=2.0**12, factor=1e-5)
+    (seen,) = reader.seen
+    assert scaled[0].dtype == torch.float16 and seen.dtype == torch.float32
+    assert (scaled[0].float() / 2.0**12).abs().max() < torch.finfo(torch.float16).smallest_normal
+    assert torch.equal(seen, scaled[0].float() / 2.0**12)
+
+
+def test_dp_steps_under_float16_autocast_the_same_at_any_loss_scale() -> None:
+    # The per-sample sums are checked against backward's gradient: they used to be formed from
+    # output gradients unscaled in float16 (flushed towards zero), and the check refused the step.
+    from inputaware_optim import DPSGD
+
+    results = []
+    for scale in (2.0**12, 2.0**16):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        optimizer = DPSGD(model, lr=1.0, max_grad_norm=1e-7, noise_multiplier=0.0)
+        _float16_scaled_backward(optimizer, model, scale=scale, factor=1e-5)
+        results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-3, atol=1e-9)

@@ -329,31 +329,13 @@ class _Log:
         if outputs is None:
             return None  # no gradient can come back through this call
         record = _Record(module, next(self.counter), self.forwards)
-        if self.keep_calls and self.storage == "reference":
-            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-                record.check = None if args[0].is_inference() else args[0]._version
-            else:
-                record.check = _versions(args, kwargs)
-            record.args, record.kwargs = args, kwargs or None
-        elif self.keep_calls:
-            copied_args, copied_kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
-            record.args, record.kwargs = copied_args, copied_kwargs or None
+        if self.keep_calls:
+            self._keep_arguments(record, args, kwargs)
         readers = self.readers.get(module)
-        wants_grads, keeps_inputs, forward, _ = self.needs.get(module, (False, False, False, False))
-        if self.grad_outputs or wants_grads:
+        if readers:
+            self._read_forward(record, readers, args, kwargs, output, len(outputs))
+        elif self.grad_outputs:
             record.slot = [None] * len(outputs)
-        if readers and not forward:  # no reader computes anything from the inputs
-            record.kept = [None] * len(readers)
-        elif readers:
-            frame = _checkpoint_frame() if keeps_inputs else None
-            if frame is not None:  # activation checkpointing: the inputs come back when recomputed
-                record.deferred = True
-                self.awaiting.setdefault((id(frame), module), collections.deque()).append(record)
-            detached = output.detach() if type(output) is Tensor else _detached(output)
-            call = Call(module, _detached(args), _detached(kwargs), None, record.forward, detached)
-            record.kept = self.reduce(
-                lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
-            )
         for position, t in enumerate(outputs):  # hooks that see the gradients reach its outputs
             if not t.requires_grad:
                 continue
@@ -364,9 +346,45 @@ class _Log:
                 t.register_hook(functools.partial(self.arrive, record, position))
             else:
                 node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
-                if position == 0 and record.module in self.producers:
-                    node.register_hook(functools.partial(self._produced, record.module))
+        if module in self.producers:
+            self._hook_produced(module, outputs[0])
         return None
+
+    def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Keep a call's arguments for readers of raw calls: by reference with their versions, or a copy."""
+        if self.storage == "reference":
+            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+                record.check = None if args[0].is_inference() else args[0]._version
+            else:
+                record.check = _versions(args, kwargs)
+        else:
+            args, kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
+        record.args, record.kwargs = args, kwargs or None
+
+    def _read_forward(
+        self, record: _Record, readers: tuple[Reduction, ...], args: Any, kwargs: Any, output: Any, count: int
+    ) -> None:
+        """The readers' forward on a call, now or (inputs kept under checkpointing) when recomputed."""
+        wants_grads, keeps_inputs, forward, _ = self.needs[record.module]
+        if self.grad_outputs or wants_grads:
+            record.slot = [None] * count
+        if not forward:  # no reader computes anything from the inputs
+            record.kept = [None] * len(readers)
+            return
+        frame = _checkpoint_frame() if keeps_inputs else None
+        if frame is not None:  # activation checkpointing: the inputs come back when recomputed
+            record.deferred = True
+            self.awaiting.setdefault((id(frame), record.module), collections.deque()).append(record)
+        detached = output.detach() if type(output) is Tensor else _detached(output)
+        call = Call(record.module, _detached(args), _detached(kwargs), None, record.forward, detached)
+        record.kept = self.reduce(
+            lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
+        )
+
+    def _hook_produced(self, module: nn.Module, first: Tensor) -> None:
+        """A hook on the node of a call's first output, if it has one, for ``Reduction.produced``."""
+        if first.requires_grad and first.grad_fn is not None:
+            first.grad_fn.register_hook(functools.partial(self._produced, module))
 
     def _produced(self, module: nn.Module, grad_inputs: Any, grad_outputs: Any) -> None:
         """A call's first output node computed the gradients it sends back (``Reduction.produced``)."""
@@ -484,13 +502,21 @@ class _Log:
         finished = self._finish_reductions(counted)
         snapshots = {id(r): r.snapshot() for r in task.records if self.keep_calls and id(r) in waiting and returned}
         self._release_records(task, waiting)
-        for key, grad in task.returned.items():  # the calls of a gradient autograd.grad returned go with it
+        self._hand_returned(task, changed, snapshots, finished)
+        self._commit(task, changed, finished)
+
+    def _hand_returned(self, task: _Task, changed: set[_Key], snapshots: dict[int, _Record], finished: Any) -> None:
+        """The calls of a gradient ``autograd.grad`` returned go with it."""
+        for key, grad in task.returned.items():
             if key not in changed and key.param is not None:
                 kept = [r for r in task.records if key in self.keys_of.get(r.module, ())] if self.keep_calls else []
                 totals = {r: t[key.param] for r, t in finished if key.param in t}
                 self.keep_returned(grad, key, [snapshots.get(id(r), r) for r in kept], totals)
         task.returned.clear()
-        for key in changed:  # the gradients the pass changed now hold its calls and their statistics
+
+    def _commit(self, task: _Task, changed: set[_Key], finished: list[tuple[Reduction, dict[Tensor, Any]]]) -> None:
+        """The gradients the pass changed now hold its calls and their statistics."""
+        for key in changed:
             key.commit()
             if self.keep_calls:
                 new = [r for r in task.records if key in self.keys_of.get(r.module, ())]
@@ -586,14 +612,7 @@ class _Log:
         return key
 
     def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
-        node, self.head = self.head, None  # first, give the records compiled code opened their module and arguments
-        while node is not None:
-            module, args, kwargs, opened, node = node
-            bound = self.compiled.get(int(opened))
-            if bound is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
-                bound.module, bound.args, bound.kwargs = module, args, kwargs or None
-                if self.storage == "reference" and self.keep_calls:  # later reads check these versions
-                    bound.check = _versions(args, kwargs or {})
+        self._bind_compiled()
         if key < 0:
             return  # opened while nothing read
         record = self.compiled.get(key)
@@ -617,6 +636,17 @@ class _Log:
         if record.slot is not None and position >= len(record.slot):
             record.slot.extend([None] * (position + 1 - len(record.slot)))
         self.arrive(record, position, grad)
+
+    def _bind_compiled(self) -> None:
+        """Give the records compiled code opened their module and arguments (the linked list ``head``)."""
+        node, self.head = self.head, None
+        while node is not None:
+            module, args, kwargs, opened, node = node
+            bound = self.compiled.get(int(opened))
+            if bound is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
+                bound.module, bound.args, bound.kwargs = module, args, kwargs or None
+                if self.storage == "reference" and self.keep_calls:  # later reads check these versions
+                    bound.check = _versions(args, kwargs or {})
 
     def clear(self) -> None:
         for key in self.keys.values():
@@ -1033,15 +1063,7 @@ class Capture:
         if not self._handles:
             self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
             _drop_code_compiled_without_hooks(self._model, self._root)
-        hooked = {id(m): m for m in (*self._modules, *log.watchers)}  # watched modules and those a watch sees
-        for ident in [i for i in self._hooked if i not in hooked]:  # a watch ended: its modules' hooks go
-            handle = self._hooked.pop(ident)
-            handle.remove()
-            self._handles.remove(handle)
-        for ident, module in hooked.items():
-            if ident not in self._hooked:
-                self._hooked[ident] = handle = module.register_forward_hook(log.record, with_kwargs=True)
-                self._handles.append(handle)
+        self._sync_forward_hooks()
         for module in self._modules:
             if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
                 self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
@@ -1054,6 +1076,18 @@ class Capture:
         for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
             if key.accumulator is None:
                 key.find_accumulator()
+
+    def _sync_forward_hooks(self) -> None:
+        """One forward hook on each watched module and each module a watch sees, none on others."""
+        hooked = {id(m): m for m in (*self._modules, *self._log.watchers)}
+        for ident in [i for i in self._hooked if i not in hooked]:  # a watch ended: its modules' hooks go
+            handle = self._hooked.pop(ident)
+            handle.remove()
+            self._handles.remove(handle)
+        for ident, module in hooked.items():
+            if ident not in self._hooked:
+                self._hooked[ident] = handle = module.register_forward_hook(self._log.record, with_kwargs=True)
+                self._handles.append(handle)
 
     def watch(
         self,

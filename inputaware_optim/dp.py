@@ -287,6 +287,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._refuse_split_forwards(totals)
         with record_function("DP: add-up check"):
             self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
+        batch = self._step_batch(present, totals, clip)
+        if distributed:
+            return self._private_gradients_over_ranks(targets, totals, present, batch, clip * sigma, data_parallel)
+        divisor = self._divisor(batch)
+        with record_function("DP: noise"):
+            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
+
+    def _step_batch(self, present: list[Tensor], totals: dict[Tensor, Any], clip: float) -> float:
+        """The batch of this step; refuses a clip changed since backward, or accumulation not told its batch."""
         name = type(self).__name__
         clips = set().union(*(totals[p]["clips"] for p in present))
         if clips - {clip}:
@@ -304,12 +313,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "mean over. Pass expected_batch_size=<samples per step> (each micro-batch's loss being its sum "
                 "divided by that), or use loss_reduction='sum'. No parameter was changed"
             )
-        batch = self._expected_batch_size or first["samples"]
-        if distributed:
-            return self._private_gradients_over_ranks(targets, totals, present, batch, clip * sigma, data_parallel)
-        divisor = self._divisor(batch)
-        with record_function("DP: noise"):
-            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
+        return self._expected_batch_size or first["samples"]
 
     def _divisor(self, batch: float) -> float:
         """What the noised sum is divided by: the batch the loss is a mean over (1 for a summed loss)."""
@@ -451,8 +455,18 @@ class _PerSampleClipping(InputAwareOptimizer):
         tolerance = 1e-9 if exact else max([1e-3, *(torch.finfo(d).eps for d in dtypes)])
         whole = math.sqrt(sum(norm * norm for _, norm in values))
         wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
-        if not wrong:
-            return
+        if wrong:
+            self._refuse_unexplained(compared, gaps, wrong, whole, tolerance)
+
+    def _refuse_unexplained(
+        self,
+        compared: dict[Tensor, Any],
+        gaps: dict[Tensor, float],
+        wrong: list[Tensor],
+        whole: float,
+        tolerance: float,
+    ) -> NoReturn:
+        """Raise the refusal of a gradient its per-sample gradients do not add up to, naming the likely cause."""
         name = type(self).__name__
         factor = _common_factor(list(compared.values()), tolerance)
         if factor is not None:

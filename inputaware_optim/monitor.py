@@ -372,13 +372,7 @@ class Monitor:
         empty = torch.zeros(6, dtype=torch.float64, device=first.device if first is not None else None)
         rows = [empty if got.get(key) is None else got[key] for got in tables for key in keys]
         table = torch.stack(rows) if rows else empty.reshape(0, 6)
-        group = self._group()
-        if group is not None and torch.distributed.is_initialized():
-            dist = torch.distributed
-            summed, largest = table[:, _SUMMED].contiguous(), table[:, _MAX_ABS].contiguous()
-            dist.all_reduce(summed, group=group)
-            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
-            table[:, _SUMMED], table[:, _MAX_ABS] = summed, largest
+        _all_reduce_statistics(table, self._group())
         grads = {p: p.grad for p in _params(self.optimizer) if p.grad is not None}
         self._pending = {
             "rows": [(self._module_name(k), kind) for kind in ("input", "grad_output")[: len(tables)] for k in keys],
@@ -880,6 +874,16 @@ PLOTTED = (
 )
 
 
+def _all_reduce_statistics(table: Tensor, group: Any) -> None:
+    """Sum the summed columns of ``table`` and take the largest of the max-abs one over ``group``'s ranks, in place."""
+    if group is not None and torch.distributed.is_initialized():
+        dist = torch.distributed
+        summed, largest = table[:, _SUMMED].contiguous(), table[:, _MAX_ABS].contiguous()
+        dist.all_reduce(summed, group=group)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        table[:, _SUMMED], table[:, _MAX_ABS] = summed, largest
+
+
 def plot(log: str | Path, out: str | Path) -> Path:
     """Draw a ``Monitor`` JSON-lines log as per-layer heatmaps over steps (input RMS, zero fraction,
     update-to-weight ratio) into a PNG; returns its path. Needs matplotlib."""
@@ -900,11 +904,8 @@ def plot(log: str | Path, out: str | Path) -> Path:
 
 def _figure(records: list[dict[str, Any]], source: str) -> Any:
     """One heatmap per statistic (a row per layer, named by qualified name and kind; a column per
-    record) with a colour bar; on a logarithmic one, exact zeros in black (below the bar's range)
-    and values not logged in grey."""
+    record) with a colour bar."""
     import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import LogNorm, Normalize
 
     steps = [r["step"] for r in records]
     layers: dict[str, str] = {}
@@ -922,37 +923,49 @@ def _figure(records: list[dict[str, Any]], source: str) -> Any:
         gridspec_kw={"height_ratios": [max(1, len(names)) for names in rows]},
     )
     figure.suptitle(f"Monitor: {source}, steps {steps[0]} to {steps[-1]} ({len(records)} logged)")
-    for axis, (table, statistic, title, logarithmic), names in zip(axes[:, 0], PLOTTED, rows, strict=True):
-        grid = np.full((max(len(names), 1), len(records)), np.nan)
-        for column, record in enumerate(records):
-            for row, name in enumerate(names):
-                value = record[table].get(name, {}).get(statistic)
-                if value is not None and math.isfinite(value):
-                    grid[row, column] = value
-        zeros = logarithmic and bool((grid == 0).any())
-        if logarithmic:
-            positive = grid[np.isfinite(grid) & (grid > 0)]
-            low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
-            norm: Any = LogNorm(low, high if high > low else low * 10)
-            shown = np.where(grid == 0, low / 10, grid)
-        else:
-            norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
-            shown = grid
-        image = axis.imshow(
-            np.ma.masked_invalid(shown),
-            aspect="auto",
-            interpolation="nearest",
-            norm=norm,
-            cmap=plt.get_cmap("viridis").with_extremes(bad="#d9d9d9", under="black"),
-            extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
-        )
-        kinds = [layers.get(n.rpartition(".")[0] if table == "parameters" else n) for n in names]
-        labels = [f"{n} ({k})" if k else n for n, k in zip(names, kinds, strict=True)]
-        axis.set_yticks(range(len(names)), labels, fontsize=7)
-        axis.set_title(title)
-        axis.set_xlabel("step")
-        bar = figure.colorbar(image, ax=axis, extend="min" if zeros else "neither")
-        notes = (["black: exactly 0"] if zeros else []) + (["grey: not logged"] if np.isnan(grid).any() else [])
-        bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)
+    for axis, panel, names in zip(axes[:, 0], PLOTTED, rows, strict=True):
+        _panel(figure, axis, panel, names, records, layers)
     figure.tight_layout()
     return figure
+
+
+def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[dict[str, Any]], layers: Any) -> None:
+    """One statistic's heatmap and colour bar; on a logarithmic one, exact zeros in black (below the
+    bar's range) and values not logged in grey."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.colors import LogNorm, Normalize
+
+    table, statistic, title, logarithmic = panel
+    steps = [r["step"] for r in records]
+    grid = np.full((max(len(names), 1), len(records)), np.nan)
+    for column, record in enumerate(records):
+        for row, name in enumerate(names):
+            value = record[table].get(name, {}).get(statistic)
+            if value is not None and math.isfinite(value):
+                grid[row, column] = value
+    zeros = logarithmic and bool((grid == 0).any())
+    if logarithmic:
+        positive = grid[np.isfinite(grid) & (grid > 0)]
+        low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
+        norm: Any = LogNorm(low, high if high > low else low * 10)
+        shown = np.where(grid == 0, low / 10, grid)
+    else:
+        norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
+        shown = grid
+    image = axis.imshow(
+        np.ma.masked_invalid(shown),
+        aspect="auto",
+        interpolation="nearest",
+        norm=norm,
+        cmap=plt.get_cmap("viridis").with_extremes(bad="#d9d9d9", under="black"),
+        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
+    )
+    kinds = [layers.get(n.rpartition(".")[0] if table == "parameters" else n) for n in names]
+    labels = [f"{n} ({k})" if k else n for n, k in zip(names, kinds, strict=True)]
+    axis.set_yticks(range(len(names)), labels, fontsize=7)
+    axis.set_title(title)
+    axis.set_xlabel("step")
+    bar = figure.colorbar(image, ax=axis, extend="min" if zeros else "neither")
+    notes = (["black: exactly 0"] if zeros else []) + (["grey: not logged"] if np.isnan(grid).any() else [])
+    bar.set_label(title + (f"\n({'; '.join(notes)})" if notes else ""), fontsize=7)

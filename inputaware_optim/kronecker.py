@@ -303,13 +303,9 @@ class KroneckerRule(InputAwareSGD):
         totals = inputs.reduced(self._statistics)
         ranks = self.data_parallel_group
         for layer in self._layers(self.reads_capability):
-            if not any(layer.group is group for group in due):
+            if not _takes_statistics(layer, due):
                 continue
-            weight, bias = weight_of(layer.module), bias_of(layer.module)
-            if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
-                continue
-            if weight.numel() == 0:  # (a layer of width 0: preconditioned trivially, by the stock step)
-                continue
+            weight = weight_of(layer.module)
             factor_sums = totals.get(weight)
             if factor_sums is None:  # nothing captured here
                 if ranks is None:  # plain SGD for this layer (Inputs warns)
@@ -544,3 +540,14 @@ def _refuse_not_finite(matrix: Tensor, name: str) -> None:
             f"the statistics of {name} are not finite: training has diverged (NaN or inf activations "
             "or gradients). Lower the learning rate. No parameter was changed by this step"
         )
+
+
+def _takes_statistics(layer: Layer, due: list[dict[str, Any]]) -> bool:
+    """Whether ``layer`` is in a ``due`` group and has its gradients (a layer of width 0 is
+    preconditioned trivially, by the stock step)."""
+    if not any(layer.group is group for group in due):
+        return False
+    weight, bias = weight_of(layer.module), bias_of(layer.module)
+    if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
+        return False
+    return weight.numel() > 0

@@ -13,6 +13,10 @@ On one device it checks:
   (parameters and the rule's state untouched), the others leave finite parameters.
 * ``compile``: every rule on a ``torch.compile``\\ d model (inductor) follows the eager run
   closely (a rule whose captures did not arrive would take another step, or refuse).
+* ``gpt``: the realistic workload's configurations (``benchmarks/sections/gpt.py``: the drop-in,
+  the Monitor, the finder, Eva, FOOF, K-FAC, DPAdamW, beside SGD and Muon) on the byte-level GPT
+  at a GPU's batch (6 blocks, width 384, 32 × 256 tokens), each timed against AdamW; a row fails
+  if it raises or its loss is not finite.
 
 It prints one table: each check, its result, and the time of one training step (forward,
 backward, step) against the same step with the stock optimizer (median over interleaved
@@ -50,7 +54,7 @@ from inputaware_optim import (
 from .core import Config
 from .timing import interleave
 
-CHECKS = ("kernels", "storage", "amp", "compile")
+CHECKS = ("kernels", "storage", "amp", "compile", "gpt")
 IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "for-loop": {"foreach": False},
     "foreach": {"foreach": True},
@@ -359,11 +363,57 @@ def _compile_rows(setup: Setup) -> list[Row]:
     return rows
 
 
+def check_gpt(setup: Setup) -> list[Row]:
+    """The GPT section's configurations on the device, each step timed against AdamW's."""
+    from . import gpt
+    from .sections.gpt import ADAMW, DP, DROP_IN, EVA, FINDER, FOOF, KFAC, MONITOR, MUON, SGD, variants
+
+    size = gpt.GPTSize(layers=6, width=384, context=256, batch=32) if setup.cuda else gpt.SIZES["quick"]
+    tokens, targets = next(gpt.batches(size, seed=0))
+    batch = (tokens.to(setup.device), targets.to(setup.device))
+    table = variants(size)
+    timing = Config(pairs=setup.timing.pairs, sample_seconds=0.5 if setup.cuda else 0.01, warmup_seconds=0.2)
+
+    def training(name: str) -> tuple[Callable[[], None], list[Tensor]]:
+        """One step of ``name`` on its own copy of the model, and the list that holds its last loss."""
+        torch.manual_seed(0)
+        model = gpt.build(size).to(setup.device)
+        optimizer, kept = table[name].build(model)
+        losses: list[Tensor] = []
+
+        def step() -> None:
+            optimizer.zero_grad()
+            loss = gpt.loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            losses[:] = [loss.detach(), kept]  # (kept: a tool that must live as long as the step)
+            _synchronize(setup.device)
+
+        return step, losses
+
+    rows = []
+    stock = training(ADAMW)[0]
+    for name in (SGD, MUON, DROP_IN, MONITOR, FINDER, EVA, FOOF, KFAC, DP):
+        try:
+            ours, losses = training(name)
+            measured = interleave({"stock": stock, "ours": ours}, timing)
+            finite = bool(torch.isfinite(losses[0]))
+        except Exception as error:
+            rows.append(Row("gpt", name, False, f"{type(error).__name__}: {error}"[:120]))
+            continue
+        ratios = sorted(a / b for a, b in zip(measured.seconds["ours"], measured.seconds["stock"], strict=True))
+        adamw = sorted(measured.seconds["stock"])[len(ratios) // 2]
+        detail = f"AdamW {1e3 * adamw:.1f} ms a step" if finite else "loss not finite"
+        rows.append(Row("gpt", f"{name} (vs AdamW)", finite, detail, ratios[len(ratios) // 2]))
+    return rows
+
+
 RUNNERS: dict[str, Callable[[Setup], list[Row]]] = {
     "kernels": check_kernels,
     "storage": check_storage,
     "amp": check_amp,
     "compile": check_compile,
+    "gpt": check_gpt,
 }
 
 

@@ -22,7 +22,8 @@ fails there, by name, rather than somewhere in a rule. Reach into torch only her
 * Dynamo keeps compiled code per code object (``_debug_get_cache_entry_list``), dropped by ``reset_code``.
 * ``GradScaler`` hands an optimizer with ``_step_supports_amp_scaling = True`` ``grad_scale`` and
   ``found_inf`` as attributes, steps it even on inf/NaN, and deletes them after a step that returned;
-  ``torch._amp_foreach_non_finite_check_and_unscale_`` is its kernel.
+  ``torch._amp_foreach_non_finite_check_and_unscale_`` is its kernel, which it runs on a sparse
+  gradient's ``_values()`` (uncoalesced, a view that scales the gradient in place).
 * ``torch._foreach_sub``/``_foreach_norm`` (one kernel over a list of tensors), ``torch._fused_adamw_``
   (``AdamW(fused=True)``'s kernel) and ``torch.utils._pytree``'s tree functions.
 """
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._pytree import tree_flatten as tree_flatten
 from torch.utils._pytree import tree_map_only as tree_map_only
@@ -174,6 +176,11 @@ def drop_scaler_handoff(optimizer: Optimizer) -> None:
     """Remove what GradScaler set, after a step that raised (which it leaves), so the next step starts afresh."""
     for attribute in _SCALER_ATTRIBUTES:
         optimizer.__dict__.pop(attribute, None)
+
+
+def in_place_values(grad: Tensor) -> Tensor:
+    """What GradScaler's kernel scales in place: a sparse gradient's (uncoalesced) values, else ``grad``."""
+    return grad._values() if grad.is_sparse else grad
 
 
 def grad_scaler_unscale_(grads: list[Any], found_inf: Any, inv_scale: Any) -> None:

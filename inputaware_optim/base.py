@@ -26,6 +26,7 @@ from ._torch import (
     entry_step,
     grad_scaler_unscale_,
     hide_scaler_handoff,
+    in_place_values,
     scaler_handoff,
     unhooked,
     unscales_itself,
@@ -694,7 +695,7 @@ class InputAwareOptimizer(Optimizer):
         return False
 
     def _grads(self) -> list[Tensor]:
-        return [p.grad._values() if p.grad.is_sparse else p.grad for p in self._params() if p.grad is not None]
+        return [in_place_values(p.grad) for p in self._params() if p.grad is not None]
 
     @torch.no_grad()
     def _undo_unscaling(self) -> None:

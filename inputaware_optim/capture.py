@@ -112,7 +112,7 @@ class _Key:
             return "replaced"
         if grad._version == self.version:
             return "same"
-        values = grad._values() if grad.is_sparse else grad
+        values = grad.coalesce().values() if grad.is_sparse else grad
         if values.numel() == 0:
             return "same"
         return "scaled" if bool(values.any()) else "zeroed"

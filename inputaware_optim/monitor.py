@@ -78,7 +78,7 @@ def _params(optimizer: torch.optim.Optimizer) -> list[Tensor]:
 
 
 def _dense_values(grad: Tensor) -> Tensor:
-    return grad.coalesce()._values() if grad.is_sparse else grad
+    return grad.coalesce().values() if grad.is_sparse else grad
 
 
 def _after_closure(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[], object]) -> Any:

@@ -17,6 +17,7 @@ from inputaware_optim._torch import (
     entry_step,
     grad_scaler_unscale_,
     hide_scaler_handoff,
+    in_place_values,
     scaler_handoff,
     unhooked,
     unscales_itself,
@@ -274,6 +275,13 @@ def test_grad_scaler_protocol_for_an_optimizer_that_unscales_itself() -> None:
     grads, found = [torch.tensor([8.0, 4.0])], torch.zeros(1)
     grad_scaler_unscale_(grads, found, torch.tensor(0.25))
     assert grads[0].tolist() == [2.0, 1.0] and float(found) == 0.0
+    # A sparse gradient (an Embedding(sparse=True)'s, uncoalesced: index 1 twice) is unscaled
+    # through its values, in place, as GradScaler.unscale_ does it.
+    sparse = torch.sparse_coo_tensor([[1, 3, 1]], [8.0, 4.0, 2.0], (5,))
+    dense = sparse.to_dense()
+    assert not sparse.is_coalesced()
+    grad_scaler_unscale_([in_place_values(sparse)], found, torch.tensor(0.25))
+    assert torch.equal(sparse.to_dense(), dense / 4) and in_place_values(dense) is dense
 
 
 def test_foreach_kernels_are_the_per_tensor_ones() -> None:

@@ -456,7 +456,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         whole = math.sqrt(sum(norm * norm for _, norm in values))
         wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
         if wrong:
-            self._refuse_unexplained(compared, gaps, wrong, whole, tolerance)
+            self._refuse_unexplained(compared, gaps, wrong, whole, tolerance, torch.float16 in dtypes)
 
     def _refuse_unexplained(
         self,
@@ -465,6 +465,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         wrong: list[Tensor],
         whole: float,
         tolerance: float,
+        float16: bool,
     ) -> NoReturn:
         """Raise the refusal of a gradient its per-sample gradients do not add up to, naming the likely cause."""
         name = type(self).__name__
@@ -488,7 +489,14 @@ class _PerSampleClipping(InputAwareOptimizer):
             "F.linear(h, embed.weight): call the module instead), the gradient was changed after backward "
             "(clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's max_grad_norm, manual edits: leave "
             "it as backward made it), or a gradient penalty (torch.autograd.grad(..., create_graph=True) then "
-            "backward), whose double-backward terms mix samples. No parameter was changed"
+            "backward), whose double-backward terms mix samples"
+            + (
+                "; under float16 autocast, a loss scale too small for these gradients, which backward rounded "
+                "in float16's subnormal range (a GradScaler with a larger init_scale, or bfloat16)"
+                if float16
+                else ""
+            )
+            + ". No parameter was changed"
         )
 
 

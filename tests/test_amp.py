@@ -241,3 +241,18 @@ def test_dp_steps_under_float16_autocast_the_same_at_any_loss_scale() -> None:
         _float16_scaled_backward(optimizer, model, scale=scale, factor=1e-5)
         results.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     torch.testing.assert_close(results[1], results[0], rtol=1e-3, atol=1e-9)
+
+
+def test_dp_names_a_loss_scale_too_small_for_float16_and_changes_nothing() -> None:
+    # At a scale this small, backward's own float16 weight gradients are subnormal: rounded by up
+    # to half their smallest step, they no longer equal the per-sample sums, which DP refuses. The
+    # refusal names the scale, not a tied weight or a clip.
+    from inputaware_optim import DPSGD
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=1e-7, noise_multiplier=0.0)
+    with pytest.raises(RuntimeError, match=r"loss scale too small.*init_scale, or bfloat16.*No parameter was changed"):
+        _float16_scaled_backward(optimizer, model, scale=2.0**4, factor=1e-5)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

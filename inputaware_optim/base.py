@@ -61,6 +61,17 @@ def _entry(step: Callable[..., Any]) -> Callable[..., Any]:
     return entry_step(step, outermost, nested, lambda self: self.__dict__.get("_step_depth", 0) > 0)
 
 
+def _step_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """``(closure, inputs)`` of a ``step(...)`` call, taken out of ``kwargs``."""
+    if len(args) > 2:
+        raise TypeError(f"step() takes at most 2 positional arguments (closure, inputs), got {len(args)}")
+    closure = args[0] if args else kwargs.pop("closure", None)
+    inputs = args[1] if len(args) > 1 else kwargs.pop("inputs", None)
+    if closure is not None and not callable(closure):
+        raise TypeError(f"step(closure) expects a callable that returns the loss, got {type(closure).__name__}")
+    return closure, inputs
+
+
 def _drop_in_signature(stock: type[Optimizer]) -> inspect.Signature:
     """``(model, params=None, <the stock class's hyperparameters>, *, <the capture's options>, **base_kwargs)``."""
     own = inspect.signature(InputAwareOptimizer.__init__).parameters
@@ -574,27 +585,24 @@ class InputAwareOptimizer(Optimizer):
                 self._check_coverage()
             if self._amp_skips_step():
                 return None
-            if len(args) > 2:
-                raise TypeError(f"step() takes at most 2 positional arguments (closure, inputs), got {len(args)}")
-            closure = args[0] if args else kwargs.pop("closure", None)
-            inputs = args[1] if len(args) > 1 else kwargs.pop("inputs", None)
-            if closure is not None and not callable(closure):
-                raise TypeError(f"step(closure) expects a callable that returns the loss, got {type(closure).__name__}")
-            view = self._resolve_inputs(inputs)
-            hooks = self.__dict__.get("_inputs_hooks")
-            if hooks is not None and hooks.due():
-                closure = hooks.evaluate_closure(closure)  # pre-step hooks see the closure's calls
-                hooks.before_step(self, view)
+            closure, inputs = _step_arguments(args, kwargs)
+            hooks: StepHooks | None = self.__dict__.get("_inputs_hooks")
+            due = hooks if hooks is not None and hooks.due() else None
+            # (the stock update with nothing reading the capture takes no view of it)
+            view = self._resolve_inputs(inputs) if inputs is not None or due is not None or self._has_rule() else None
+            if due is not None and view is not None:
+                closure = due.evaluate_closure(closure)  # pre-step hooks see the closure's calls
+                due.before_step(self, view)
             self._step_depth += 1
             self._step_inputs = view
             try:
                 out = step(self, closure, inputs=view, **kwargs)
-                if hooks is not None and hooks.due():
-                    hooks.after_step(self, view)
+                if due is not None and view is not None:
+                    due.after_step(self, view)
             finally:
                 self._step_depth -= 1
                 self._step_inputs = None
-                if inputs is None:
+                if inputs is None and view is not None:
                     view._expire(_EXPIRED)
             # Released only once the step succeeded: a step that raised (and changed nothing)
             # keeps its captures, so a retry (say, with more damping) reads the same ones.

@@ -196,6 +196,7 @@ class _Log:
         self.forwards = 0
         self.input_shapes: dict[int, list[torch.Size]] | None = None  # by forward, once a reader asked
         self.generation = 0  # bumped whenever what the keys hold changes
+        self.filled = False  # some key was given calls, statistics or a gradient since the last clear
         self.error: str | Exception | None = None
         self.grad_scaler: Any = None
         # Calls recorded by compiled code, (module, args, kwargs, key, previous): a linked list grown by
@@ -280,6 +281,7 @@ class _Log:
         if entry is None or entry.key is not key or entry.grad() is not grad:
             return False
         del self.returned[id(grad)]
+        self.filled = True
         key.calls, key.totals = entry.calls, entry.totals
         key.grad, key.version = entry.grad, entry.version
         return True
@@ -516,6 +518,7 @@ class _Log:
 
     def _commit(self, task: _Task, changed: set[_Key], finished: list[tuple[Reduction, dict[Tensor, Any]]]) -> None:
         """The gradients the pass changed now hold its calls and their statistics."""
+        self.filled = self.filled or bool(changed)
         for key in changed:
             key.commit()
             if self.keep_calls:
@@ -649,11 +652,13 @@ class _Log:
                     bound.check = _versions(args, kwargs or {})
 
     def clear(self) -> None:
-        for key in self.keys.values():
-            key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
-            key.drop()
-        for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
-            key.drop()
+        if self.filled:  # (else every key is empty and was released empty: a step with nothing read)
+            for key in self.keys.values():
+                key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
+                key.drop()
+            for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
+                key.drop()
+            self.filled = False
         self.head = None
         self.compiled.clear()
         self.awaiting.clear()
@@ -680,14 +685,16 @@ def _plain_math(compute: Any) -> Any:
     """``compute()`` with no autograd graph and no autocast: reductions keep the dtypes they choose
     (statistics in float32 under a bfloat16 autocast), and build no graph from the inputs."""
     previous = _grad_enabled()
-    _set_grad_enabled(False)  # torch.no_grad() without the context manager's cost (hot path)
+    if previous:  # (off already in a backward pass)
+        _set_grad_enabled(False)  # torch.no_grad() without the context manager's cost (hot path)
     try:
         if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
             with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
                 return compute()
         return compute()
     finally:
-        _set_grad_enabled(previous)
+        if previous:
+            _set_grad_enabled(True)
 
 
 _INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
@@ -1281,6 +1288,10 @@ def _differentiable_outputs(output: Any) -> list[Tensor] | None:
 
 def _detached(tree: Any) -> Any:
     """``tree`` with every tensor detached; flat tuples and dicts without the pytree machinery."""
+    if type(tree) is tuple and len(tree) == 1 and type(tree[0]) is Tensor:  # (the common call: one tensor)
+        return (tree[0].detach(),)
+    if type(tree) is dict and not tree:
+        return {}
     if type(tree) is tuple and not any(isinstance(x, _CONTAINERS) for x in tree):
         return tuple(x.detach() if isinstance(x, Tensor) else x for x in tree)
     if type(tree) is dict and not any(isinstance(x, _CONTAINERS) for x in tree.values()):

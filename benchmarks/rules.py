@@ -149,7 +149,8 @@ class KernelFloor:
     multiplies each ``nn.Linear`` / ``nn.Conv2d`` gradient matrix ``[W | b]`` by kept inverses
     (``G̃ A⁻¹``; two-sided ``G⁻¹ G̃ A⁻¹`` for K-FAC), then takes the base's step. Every
     ``statistics_every`` steps it first forms each factor's statistics product (``x̃ᵀx̃`` over
-    the layer's rows of a step, and ``gᵀg`` for K-FAC), adds the damping and Cholesky-inverts it
+    the layer's rows of a step, and ``gᵀg`` for K-FAC) over the rows' count, averages it into the
+    running moment (the rules' ``stat_decay``), adds the damping to a copy and Cholesky-inverts it
     in ``inverse_dtype``: the schedule the benchmarks train the rules on (inverses refreshed on
     every statistics step). The rows are fixed random tensors of the shapes the layer saw at its
     first forward (a hook takes itself off after it: no hook runs while timed); the values do not
@@ -187,6 +188,7 @@ class _FloorLayer:
         self.two_sided = two_sided
         self.rows: list[Tensor] = []  # the input rows (and output-gradient rows) of a step
         self.inverses = [torch.eye(n) for n in (self.columns, self.outputs)[: 1 + two_sided]]
+        self.moments: list[Tensor | None] = [None] * (1 + two_sided)  # the running averages
         self.handle: Any = None
 
     def shape_rows(self, module: torch.nn.Module, args: Any, output: Tensor) -> None:
@@ -199,8 +201,11 @@ class _FloorLayer:
 
     def invert(self, dtype: torch.dtype) -> None:
         for index, rows in enumerate(self.rows):
-            moment = rows.mT @ rows
-            damped = moment.to(dtype).add_(torch.eye(moment.shape[0], dtype=dtype), alpha=0.1 * rows.shape[0])
+            moment = (rows.mT @ rows) / rows.shape[0]
+            previous = self.moments[index]  # the rules' running average (stat_decay 0.95)
+            moment = self.moments[index] = moment if previous is None else torch.lerp(previous, moment, 0.05)
+            damped = moment.to(dtype, copy=True)  # (the average is kept: damped in a copy)
+            damped.diagonal().add_(0.1)
             self.inverses[index] = torch.cholesky_inverse(torch.linalg.cholesky(damped)).to(moment.dtype)
 
     def precondition(self) -> None:

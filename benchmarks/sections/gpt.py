@@ -109,12 +109,14 @@ def variants(size: gpt.GPTSize) -> dict[str, Variant]:
         FOOF: Variant(_alone(rules.foof(adamw=True)), rules.SCHEDULE, 1.20, FOOF_FLOOR, FLOOR_LIMIT),
         FOOF_FLOOR: Variant(
             _alone(rules.kernel_floor(two_sided=False, base=torch.optim.AdamW)),
-            "AdamW plus FOOF's statistics products, inverses and preconditioning products, called directly",
+            "AdamW plus FOOF's statistics products and their running averages, inverses and preconditioning "
+            "products, called directly",
         ),
         KFAC: Variant(_alone(rules.kfac(base=torch.optim.AdamW)), rules.SCHEDULE, 1.40, KFAC_FLOOR, FLOOR_LIMIT),
         KFAC_FLOOR: Variant(
             _alone(rules.kernel_floor(two_sided=True, base=torch.optim.AdamW)),
-            "AdamW plus K-FAC's statistics products, inverses and two-sided products, called directly",
+            "AdamW plus K-FAC's statistics products and their running averages, inverses and two-sided "
+            "products, called directly",
         ),
         DP: Variant(dp, "per-sample clipping of every layer, noise, positions batched", 1.30, NOISE_FLOOR),
         NOISE_FLOOR: Variant(_alone(lambda m, lr: NoiseFloor(m.parameters(), lr=lr)), "a normal draw per parameter"),

@@ -42,7 +42,8 @@ def run(config: Config, progress: Progress) -> Result:
         "step adds, per layer, both factors' sums (x̃x̃ᵀ from the inputs, ggᵀ from the output gradients) and two "
         "Cholesky inverses; every step applies the two-sided product (Ḡ + √λI)⁻¹ G̃ (Ā + √λI)⁻¹. Eva's "
         f"statistics are two mean vectors, its inverses closed-form. {ALONE}: SGD with momentum plus K-FAC's "
-        f"two-sided products every step and, every {every} steps, its statistics products (x̃ᵀx̃, ggᵀ) and Cholesky "
+        f"two-sided products every step and, every {every} steps, its statistics products (x̃ᵀx̃, ggᵀ, averaged "
+        "into the running moments) and Cholesky "
         "inverses, called directly, with no capture and no library code: the least K-FAC's step can take here. "
         f"{rules.STEP_TABLE_NOTE} K-FAC damping λ = {rules.KFAC_DAMPING:g}, Eva damping {rules.EVA_DAMPING:g}.",
     )

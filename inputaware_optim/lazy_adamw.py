@@ -349,22 +349,9 @@ class LazyAdamW(InputAwareAdamW):
         grad_rows = grad.values() if grad.is_sparse else grad.index_select(0, rows)  # (sparse: coalesced, its rows)
         grad_rows = grad_rows.contiguous()  # a sparse gradient's values may be strided
         step = step if step.device == theta.device else step.to(theta.device)
-        beta1, beta2 = group["betas"]
-        fused_adamw_(
-            [theta],
-            [grad_rows],
-            [moments[0]],
-            [moments[1]],
-            moments[2:],
-            [step],
-            amsgrad=group["amsgrad"],
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-        )
+        hyperparameters = {key: group[key] for key in ("amsgrad", "weight_decay", "eps", "maximize")}
+        hyperparameters.update(lr=float(group["lr"]), beta1=group["betas"][0], beta2=group["betas"][1])
+        fused_adamw_([theta], [grad_rows], moments[:1], moments[1:2], moments[2:], [step], **hyperparameters)
         for table, updated in zip([local_tensor(weight), *tables], [theta, *moments], strict=True):
             _write_rows(table, rows, updated)
 
@@ -389,27 +376,20 @@ _COPY_DTYPES = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torch.i
 
 
 def _write_rows(table: Tensor, rows: Tensor, values: Tensor) -> None:
-    """``table[rows] = values`` (``rows`` unique), bit for bit (a copy moves bits, whatever the element type)."""
+    """``table[rows] = values`` (``rows`` unique), bit for bit (a copy moves bits, whatever the element type).
+
+    On CPU, index_put_ splits the copy over threads from a few thousand elements on, where index_copy_
+    waits for 32768; and a row write costs per element more than per byte, so the rows move as the widest
+    elements (at most 16 bytes) that tile them (a float32 row of 128 as 32 complex128)."""
     if not table.is_cpu:
         table.index_copy_(0, rows, values)
         return
-    # On CPU, index_put_ splits the copy over threads from a few thousand elements on, where
-    # index_copy_ waits for 32768: for a few hundred rows it is the faster of the two.
-    dtype = _copy_dtype(table)
-    if dtype == table.dtype:
-        table.index_put_((rows,), values)
-    else:
-        table.view(dtype).index_put_((rows,), values.contiguous().view(dtype))
-
-
-def _copy_dtype(table: Tensor) -> torch.dtype:
-    """The widest element type (at most 16 bytes) that tiles the rows of ``table``: a row write on
-    CPU costs per element more than per byte (a float32 row of 128 moves as 32 complex128)."""
-    if table.dim() != 2 or table.stride(1) != 1:
-        return table.dtype
-    itemsize = table.element_size()
-    size = math.gcd(16, table.shape[1] * itemsize, table.stride(0) * itemsize, table.storage_offset() * itemsize)
-    return table.dtype if size <= itemsize else _COPY_DTYPES[size]
+    dtype = table.dtype
+    if table.dim() == 2 and table.stride(1) == 1:
+        itemsize = table.element_size()
+        size = math.gcd(16, table.shape[1] * itemsize, table.stride(0) * itemsize, table.storage_offset() * itemsize)
+        dtype = _COPY_DTYPES[size] if size > itemsize else dtype
+    table.view(dtype).index_put_((rows,), values.contiguous().view(dtype))
 
 
 def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:

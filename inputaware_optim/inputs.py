@@ -273,7 +273,8 @@ class Inputs(Mapping[nn.Module, Captured]):
     def reduced(self, reduction: Any) -> dict[Tensor, Any]:
         """What ``reduction`` (a ``Reduction``) gives for this step, per parameter: from the capture's hooks, or
         computed from the calls held here (``Reduction.reduce_calls``), with the same result."""
-        self._current()
+        if self._expired is not None:
+            raise RuntimeError(self._expired)
         source = self._reduced
         if isinstance(source, dict) and reduction in source:
             return source[reduction]

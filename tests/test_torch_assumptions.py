@@ -110,6 +110,36 @@ def test_entry_step_runs_hooks_only_for_the_outermost_call() -> None:
     assert entry.hooked is True
 
 
+def test_entry_step_skips_the_wrapper_only_while_nothing_observes_it() -> None:
+    """Unobserved, the outermost call goes straight to ``outermost``; a global or instance hook, or a
+    running profiler (which then shows torch's ``Optimizer.step#<class>.step`` range), brings the wrapper back."""
+    from torch.profiler import profile
+
+    calls: list[str] = []
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+
+    def step(self: Any, closure: Any = None, inputs: Any = None) -> None:
+        calls.append("step")
+
+    optimizer._optimizer_step_code = lambda: calls.append("wrapper")  # type: ignore[method-assign]
+    entry = entry_step(step, step, step, lambda self: False)
+    entry(optimizer)
+    handle = register_optimizer_step_post_hook(lambda o, a, k: calls.append("global post"))
+    try:
+        entry(optimizer)
+    finally:
+        handle.remove()
+    handle = optimizer.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    try:
+        entry(optimizer)
+    finally:
+        handle.remove()
+    with profile() as prof:
+        entry(optimizer)
+    assert calls == ["step", "step", "wrapper", "global post", "step", "wrapper", "post", "step", "wrapper"]
+    assert "Optimizer.step#SGD.step" in {event.key for event in prof.key_averages()}
+
+
 def test_a_forward_hook_may_remove_itself_by_its_key_while_the_module_runs() -> None:
     from inputaware_optim._torch import remove_hooks_of
 

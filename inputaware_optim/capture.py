@@ -197,6 +197,7 @@ class _Log:
         self.input_shapes: dict[int, list[torch.Size]] | None = None  # by forward, once a reader asked
         self.generation = 0  # bumped whenever what the keys hold changes
         self.filled = False  # some key was given calls, statistics or a gradient since the last clear
+        self.released_some = False  # the last clear released what some key held
         self.error: str | Exception | None = None
         self.grad_scaler: Any = None
         # Calls recorded by compiled code, (module, args, kwargs, key, previous): a linked list grown by
@@ -652,13 +653,13 @@ class _Log:
                     bound.check = _versions(args, kwargs or {})
 
     def clear(self) -> None:
-        if self.filled:  # (else every key is empty and was released empty: a step with nothing read)
+        if self.filled or self.released_some:  # (else no key holds or released anything: nothing read)
             for key in self.keys.values():
                 key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
                 key.drop()
             for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
                 key.drop()
-            self.filled = False
+            self.released_some, self.filled = self.filled, False
         self.head = None
         self.compiled.clear()
         self.awaiting.clear()

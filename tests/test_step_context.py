@@ -167,3 +167,23 @@ def test_dp_under_a_gradient_penalty_is_refused_naming_it() -> None:
     with pytest.raises(RuntimeError, match="gradient penalty"):
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_a_stepped_gradient_zeroed_in_place_and_refilled_uncaptured_is_not_called_stepped_twice() -> None:
+    """The "already stepped with" diagnosis names only the gradient the last step released: after a
+    ``zero_grad(set_to_none=False)`` and a backward the capture did not see, it is the usual one."""
+    from inputaware_optim import UncapturedInputsWarning
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    optimizer = NLMS(model, lr=0.1)
+    x = torch.randn(5, 4)
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)  # the same gradient tensor, zeroed in place
+    optimizer.zero_grad(set_to_none=False)
+    layer = model[0]
+    torch.nn.functional.linear(x, layer.weight, layer.bias).pow(2).mean().backward()  # no call of the module
+    with pytest.warns(UncapturedInputsWarning) as caught:
+        optimizer.step()
+    messages = [str(w.message) for w in caught if issubclass(w.category, UncapturedInputsWarning)]
+    assert messages and all("holds no captured call" in m for m in messages), messages

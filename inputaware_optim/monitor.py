@@ -43,16 +43,14 @@ _SUMMED = slice(0, 5)
 
 
 def _per_tensor_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """The 2-norm of each tensor (0-d, no host sync): one launch on an accelerator (torch's private
-    ``foreach_norm``); on CPU torch runs that as this same loop of public calls."""
+    """Each tensor's 2-norm (0-d, no host sync): one ``foreach_norm`` launch on an accelerator (on CPU, this loop)."""
     if tensors and tensors[0].device.type != "cpu" and all(t.device == tensors[0].device for t in tensors):
         return list(foreach_norm(list(tensors)))
     return [torch.linalg.vector_norm(t) for t in tensors]
 
 
 def _as_float64(values: Sequence[Tensor], device: Any = None) -> Tensor:
-    """0-d tensors as one float64 tensor on ``device`` (default: the first's), cast once where they
-    share a dtype and device (a cast per value costs more than the norms of small tensors)."""
+    """0-d tensors as one float64 tensor on ``device`` (default: the first's); one cast where they can share it."""
     if not values:
         return torch.zeros(0, dtype=torch.float64, device=device)
     first = values[0]
@@ -63,8 +61,7 @@ def _as_float64(values: Sequence[Tensor], device: Any = None) -> Tensor:
 
 
 def _written_norms(tensors: list[Tensor], write: Callable[[int], object]) -> list[Tensor]:
-    """``write(i)`` for each tensor, then their 2-norms: on CPU each right after its write, while the
-    tensor is in cache (about a quarter faster than two loops); elsewhere one launch."""
+    """``write(i)`` for each tensor, then their 2-norms (on CPU each right after its write, while in cache)."""
     norms = []
     for i, t in enumerate(tensors):
         write(i)
@@ -82,10 +79,11 @@ def _dense_values(grad: Tensor) -> Tensor:
 
 
 def _after_closure(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[], object]) -> Any:
-    """What a step pre-hook returns to run ``then()`` after each evaluation of the step's closure
-    (torch runs pre-hooks before the step evaluates it); ``None`` where the step has no closure."""
+    """What a step pre-hook returns to run ``then()`` after each call of the step's closure; without
+    one, ``then()`` runs now and this returns ``None``."""
     closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
     if closure is None:
+        then()
         return None
 
     def closure_then() -> Any:
@@ -115,8 +113,7 @@ def _summarize(t: Tensor) -> Tensor:
 
 
 def _device_summary(x: Tensor) -> Tensor:
-    """The summary of flat ``x`` on an accelerator: sums accumulated in float64 inside the reductions,
-    no host synchronization."""
+    """The summary of flat ``x`` on an accelerator: float64 sums inside the reductions, no host sync."""
     low, high = torch.aminmax(x)
     return torch.stack(
         [
@@ -134,13 +131,9 @@ _BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def _cpu_summary(x: Tensor) -> Tensor:
-    """The summary of flat float32/float64 ``x`` on CPU, from its fastest reductions.
-
-    ``isfinite``, ``== 0`` and float64 casts cost several sums there, so: sums in ``x``'s dtype,
-    redone in float64 only where they overflowed; zeros counted on the integer view (+0.0 is the
-    only all-zero float), exactly only where -0.0 (the most negative integer) occurs; non-finite
-    values counted only where the sum is not finite.
-    """
+    """The summary of flat float32/float64 ``x`` on CPU, where ``isfinite``, ``== 0`` and float64 casts
+    cost several sums: sums in ``x``'s dtype (in float64 where they overflowed), zeros counted on the
+    integer view (exactly where a -0.0 occurs), non-finite values only where the sum is not finite."""
     count = x.numel()
     total = x.sum().item()
     squares = torch.dot(x, x).item()
@@ -178,12 +171,6 @@ def _describe(row: Sequence[float]) -> dict[str, float]:
     }
 
 
-def _trained_parameter(module: nn.Module) -> Tensor | None:
-    """Its first trained parameter (a frozen weight's gradient never holds a call), else its first."""
-    params = [p for p in module._parameters.values() if p is not None]
-    return next((p for p in params if p.requires_grad), params[0] if params else None)
-
-
 def _layer_description(module: nn.Module) -> str:
     """``"Linear 8x4"``: the module's class and the shape of its first parameter."""
     param = next((p for p in module._parameters.values() if p is not None), None)
@@ -192,12 +179,9 @@ def _layer_description(module: nn.Module) -> str:
 
 
 class _InputStatistics(Reduction):
-    """The summary of each call's floating-point arguments, kept under the module's trained parameter.
-
-    A tensor already summarised in the same forward of the model (a block and its first layer; the
-    query, key and value projections) is known by its storage (held weakly: a freed address reused
-    is not mistaken for it), view and version (an in-place change makes a new tensor).
-    """
+    """The summary of each call's floating-point arguments, under the module's trained parameter; a tensor
+    summarised earlier in the forward (a block's and its first layer's input) is known by its storage (held
+    weakly: a reused address is not mistaken for it), view and version."""
 
     def __init__(self) -> None:
         self._forward: int | None = None
@@ -221,8 +205,9 @@ class _InputStatistics(Reduction):
         return _combine(a, b)
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
-        param = _trained_parameter(module)
-        return () if param is None else (param,)
+        """Its first trained parameter (a frozen weight's gradient never holds a call), else its first."""
+        params = [p for p in module._parameters.values() if p is not None]
+        return next(((p,) for p in params if p.requires_grad), tuple(params[:1]))
 
 
 class _GradOutputStatistics(_InputStatistics):
@@ -281,9 +266,7 @@ class Monitor:
         self.optimizer = optimizer
         self.every = every
         self.last: dict[str, Any] | None = None
-        self._reductions: list[Reduction] = [_InputStatistics()]
-        if grad_outputs:
-            self._reductions.append(_GradOutputStatistics())
+        self._reductions: list[Reduction] = [_InputStatistics(), *([_GradOutputStatistics()] if grad_outputs else [])]
         self._own_capture: Capture | None = None
         self._pending: dict[str, Any] | None = None
         self._weights: dict[Tensor, Tensor] = {}  # each parameter before the update (updated in place)
@@ -309,16 +292,13 @@ class Monitor:
                 self.capture = self._own_capture = Capture(model, owners, keep_calls=False)
             wrapped = self.capture._model
             self._group = lambda: data_parallel_group(wrapped)
-        self._param_names: dict[Tensor, str] = {}
-        for name, param in self.capture._root.named_parameters(remove_duplicate=False):
-            self._param_names.setdefault(param, name)
+        self._param_names = {param: name for name, param in self.capture._root.named_parameters()}  # first names
         group, dist = self._group(), torch.distributed
         writes = group is None or not dist.is_initialized() or dist.get_rank(group) == 0
         self._sinks = _Sinks(tensorboard, jsonl, csv, callback, writes)
         self._finalizer = weakref.finalize(self, self._sinks.close)
-        self._handles: list[Any]
         if self._plain:
-            self._handles = [
+            self._handles: list[Any] = [
                 optimizer.register_step_pre_hook(self._plain_before),
                 optimizer.register_step_post_hook(self._plain_after),
             ]
@@ -332,18 +312,16 @@ class Monitor:
 
     def _arm(self) -> None:
         """Compute the statistics in the hooks exactly for the steps that log them."""
+        arm = self.capture.add_reduction if self._step % self.every == 0 else self.capture.remove_reduction
         for reduction in self._reductions:
-            if self._step % self.every == 0:
-                self.capture.add_reduction(reduction)
-            else:
-                self.capture.remove_reduction(reduction)
+            arm(reduction)
 
     def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._step % self.every:
             return None
         wrapped = _after_closure(args, kwargs, lambda: self._read(self.capture.reduced))
         if wrapped is None:
-            self._before_update(optimizer, None)
+            self._keep_weights(self._pending["params"])  # type: ignore[index]
         else:  # the gradient exists once the closure ran (LBFGS runs it several times: the last is logged)
             self._keep_weights([p for p in _params(self.optimizer) if p.requires_grad])
         return wrapped
@@ -427,11 +405,8 @@ class Monitor:
         for i, param in enumerate(params):
             grad_norm, weight_norm, update_norm = flat[offset + i], flat[offset + n + i], flat[offset + 2 * n + i]
             ratio = update_norm / weight_norm if weight_norm > 0 else (0.0 if update_norm == 0 else math.inf)
-            record["parameters"][self._param_names.get(param, f"param{i}")] = {
-                "grad_norm": grad_norm,
-                "update_norm": update_norm,
-                "update_to_weight": ratio,
-            }
+            name = self._param_names.get(param, f"param{i}")
+            record["parameters"][name] = {"grad_norm": grad_norm, "update_norm": update_norm, "update_to_weight": ratio}
         self.last = record
         self._sinks.write(record)
 
@@ -464,29 +439,20 @@ class _Sinks:
 
     def __init__(self, tensorboard: Any, jsonl: Any, csv: Any, callback: Any, writes: bool) -> None:
         self.callback = callback if writes else None
-        self.writer: Any = None
-        self.own_writer = False
-        self.jsonl: Any = None
-        self.csv: Any = None
-        if not writes:
-            return
-        if isinstance(tensorboard, (str, Path)):
+        self.writer = tensorboard if writes else None
+        self.own_writer = isinstance(self.writer, (str, Path))
+        if self.own_writer:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as error:
                 raise ImportError(
                     "Monitor(tensorboard=...) needs the tensorboard package: pip install 'inputaware_optim[monitor]'"
                 ) from error
-            self.writer, self.own_writer = SummaryWriter(str(tensorboard)), True
-        else:
-            self.writer = tensorboard
-        if jsonl is not None:
-            self.jsonl = open(jsonl, "a")  # noqa: SIM115 - open for the monitor's lifetime
-        if csv is not None:
-            new = not Path(csv).exists() or Path(csv).stat().st_size == 0
-            self.csv = open(csv, "a", newline="")  # noqa: SIM115
-            if new:
-                _csv.writer(self.csv).writerow(["step", "kind", "name", "statistic", "value"])
+            self.writer = SummaryWriter(str(tensorboard))
+        self.jsonl = open(jsonl, "a") if writes and jsonl is not None else None  # noqa: SIM115 - open till close()
+        self.csv = open(csv, "a", newline="") if writes and csv is not None else None  # noqa: SIM115
+        if self.csv is not None and self.csv.tell() == 0:
+            _csv.writer(self.csv).writerow(["step", "kind", "name", "statistic", "value"])
 
     def write(self, record: dict[str, Any]) -> None:
         step = record["step"]
@@ -685,8 +651,7 @@ _Found = tuple[_Seen | None, Literal["forward", "input", "backward", "loss"]]
 
 
 def _forward_origin(calls: list[_Seen]) -> _Found | None:
-    """The first call whose inputs were finite and whose output was not; else the first with a
-    non-finite input (no module made it: it came in with the data, or from code outside modules)."""
+    """The first call whose inputs were finite and whose output was not; else the first with a non-finite input."""
     for c in calls:
         if all(e.finite for e in c.inputs) and not all(e.finite for e in c.outputs):
             return c, "forward"
@@ -702,9 +667,8 @@ def _arrival(c: _Seen) -> int:
 
 
 def _backward_origin(calls: list[_Seen], inside: dict[nn.Module, set[int]]) -> _Found | None:
-    """The first call in backward order whose output gradient was finite and whose input gradient
-    (or own parameter's gradient) was not, innermost module first; else the loss, where the
-    gradient reaching the model's output was not finite."""
+    """The first call in backward order whose output gradient was finite and whose input gradient (or own
+    parameter's) was not, innermost module first; else the loss, if the model's output gradient was not."""
     arrived = sorted((c for c in calls if _arrival(c) >= 0), key=_arrival)
     # A parameter's gradient sums over the module's calls: it names the module only where the
     # gradient reaching every one of its calls was finite.
@@ -753,8 +717,8 @@ def _parameter_gradients_finite(module: nn.Module) -> bool:
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:
-    """Whether every value of every tensor is finite, with one host synchronization: one total per
-    tensor (its sum on CPU, its norm on an accelerator), its values checked where it overflowed."""
+    """Whether every value is finite, with one host sync: a total per tensor (a sum on CPU, a norm elsewhere),
+    its values checked where that overflowed."""
     totals = [t.sum() for t in tensors] if tensors[0].device.type == "cpu" else _per_tensor_norms(tensors)
     flags = torch.isfinite(_as_float64(totals))
     if bool(flags.all()):
@@ -805,18 +769,17 @@ class NonFiniteFinder:
         self.step = 0
         self._own_capture: Capture | None = None
         if isinstance(model, Capture):
-            capture = model
+            self.capture = model
         elif isinstance(optimizer, InputAwareOptimizer) and model is optimizer.model:
-            capture = optimizer.capture
+            self.capture = optimizer.capture
         else:  # a plain optimizer: a capture of its own, with nothing but this watch
-            capture = self._own_capture = Capture(model, [], keep_calls=False)
-        self.capture = capture
-        self._names = {m: capture.name(m) for m in capture.root.modules()}
+            self.capture = self._own_capture = Capture(model, [], keep_calls=False)
+        self._names = {m: self.capture.name(m) for m in self.capture.root.modules()}
         hooked = [m for m in self._names if not m._modules or any(p is not None for p in m._parameters.values())]
         self._inside = {m: {id(s) for s in m.modules()} for m in hooked}
         self._watch = _Watch()
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
-        self._watching = capture.watch(hooked, self._watch.record, self._watch.open_forward)
+        self._watching = self.capture.watch(hooked, self._watch.record, self._watch.open_forward)
         self._finalizer = weakref.finalize(self, self._watching.remove)
         if isinstance(optimizer, InputAwareOptimizer):
             self._step_handle: Any = optimizer.register_inputs_hook(self._inputs_hook, reads=None)
@@ -829,10 +792,7 @@ class NonFiniteFinder:
 
     def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         step, self.step = self.step, self.step + 1
-        wrapped = _after_closure(args, kwargs, lambda: self._check(step))
-        if wrapped is None:
-            self._check(step)
-        return wrapped
+        return _after_closure(args, kwargs, lambda: self._check(step))
 
     def _check(self, step: int) -> None:
         try:
@@ -903,8 +863,7 @@ def plot(log: str | Path, out: str | Path) -> Path:
 
 
 def _figure(records: list[dict[str, Any]], source: str) -> Any:
-    """One heatmap per statistic (a row per layer, named by qualified name and kind; a column per
-    record) with a colour bar."""
+    """One heatmap per statistic: a row per layer (named by qualified name and kind), a column per record."""
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
@@ -930,8 +889,7 @@ def _figure(records: list[dict[str, Any]], source: str) -> Any:
 
 
 def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[dict[str, Any]], layers: Any) -> None:
-    """One statistic's heatmap and colour bar; on a logarithmic one, exact zeros in black (below the
-    bar's range) and values not logged in grey."""
+    """One statistic's heatmap and colour bar: exact zeros black on a logarithmic one, values not logged grey."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.colors import LogNorm, Normalize

@@ -86,12 +86,9 @@ def supported_layers_table() -> str:
     for key, kind in layers._REGISTRY.items():
         if type(kind).__module__ == layers.__name__:  # the built-in kinds, not a user's
             kinds.setdefault(kind, []).append(_type_name(key))
+    rows = [(", ".join(names), _cells(kind)) for kind, names in kinds.items()] + list(_UNREGISTERED)
     lines = ["| layer | " + " | ".join(_RULES) + " |", "|---" * (len(_RULES) + 1) + "|"]
-    for kind, names in kinds.items():
-        lines.append(f"| {', '.join(names)} | " + " | ".join(_cells(kind)) + " |")
-    for label, cells in _UNREGISTERED:
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + [f"| {label} | " + " | ".join(cells) + " |" for label, cells in rows])
 
 
 def _type_name(key: type | str) -> str:
@@ -104,8 +101,5 @@ def _cells(kind: layers.LayerKind) -> tuple[str, ...]:
     foof = "exact" if kind.provides("input_rows") else _FALLBACK
     kfac = "exact" if kind.provides("input_rows") and kind.provides("output_grad_rows") else _FALLBACK
     lazy = "exact" if kind.provides("touched_rows") else "stock"
-    if kind.per_sample_refusal is not None:
-        dp = "refused"
-    else:
-        dp = "exact (closed form)" if kind.provides("per_sample") else "exact (torch.func)"
-    return foof, kfac, foof, lazy, dp
+    dp = "exact (closed form)" if kind.provides("per_sample") else "exact (torch.func)"
+    return foof, kfac, foof, lazy, "refused" if kind.per_sample_refusal is not None else dp

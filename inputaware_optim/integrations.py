@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from functools import partial
@@ -13,34 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .base import InputAwareOptimizer
 from .dp import DPSGD, DPAdamW
 from .monitor import Monitor
 
-if TYPE_CHECKING:  # the classes are built by __getattr__ below, on first use
-    from lightning.pytorch import Callback as _LightningCallback
-    from transformers import TrainerCallback as _TrainerCallback
-
-    class LightningMonitorCallback(_LightningCallback):
-        def __init__(
-            self, every: int | None = None, *, grad_outputs: bool = False, delta: float = 1e-5, accountant: str = "prv"
-        ) -> None: ...
-
-        monitors: list[Monitor]
-
-    class HuggingFaceMonitorCallback(_TrainerCallback):
-        def __init__(
-            self,
-            every: int | None = None,
-            *,
-            grad_outputs: bool = False,
-            delta: float = 1e-5,
-            accountant: str = "prv",
-            tensorboard: Any = None,
-        ) -> None: ...
-
-        monitors: list[Monitor]
-
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 __all__ = ["HuggingFaceMonitorCallback", "LightningMonitorCallback"]
 
@@ -82,15 +60,8 @@ class _MonitorLogging:
         optimizers = [_unwrap_optimizer(o) for o in optimizers]
         for index, optimizer in enumerate(optimizers):
             prefix = f"optimizer{index}/" if len(optimizers) > 1 else ""
-            self.monitors.append(
-                Monitor(
-                    optimizer,
-                    None if isinstance(optimizer, InputAwareOptimizer) else model,
-                    every=every,
-                    grad_outputs=self.grad_outputs,
-                    callback=partial(self._keep, prefix=prefix),
-                )
-            )
+            keep = partial(self._keep, prefix=prefix)  # (an input-aware optimizer's monitor watches its own model)
+            self.monitors.append(Monitor(optimizer, model, every=every, grad_outputs=self.grad_outputs, callback=keep))
             if isinstance(optimizer, (DPSGD, DPAdamW)):
                 try:
                     optimizer.epsilon(self.delta, accountant=self.accountant)
@@ -102,8 +73,7 @@ class _MonitorLogging:
     def _keep(self, record: dict[str, Any], prefix: str) -> None:
         for kind in ("modules", "parameters"):
             for name, statistics in record[kind].items():
-                for statistic, value in statistics.items():
-                    self._pending[f"{prefix}{statistic}/{name}"] = float(value)
+                self._pending.update({f"{prefix}{statistic}/{name}": float(v) for statistic, v in statistics.items()})
 
     def _take(self) -> dict[str, float]:
         """The scalars of the records since the last call, and ε where they are new."""
@@ -119,142 +89,145 @@ class _MonitorLogging:
             monitor.remove()
 
 
-def _lightning_callback() -> type:
-    import lightning.pytorch as pl
+class _Lightning(_MonitorLogging):
+    """Attaches a ``Monitor`` to each of a Lightning ``Trainer``'s optimizers at ``on_train_start``
+    and logs its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to
+    ``trainer.loggers`` at ``trainer.global_step`` (docs/integrations/lightning.md).
 
-    class LightningMonitorCallback(_MonitorLogging, pl.Callback):
-        """Attaches a ``Monitor`` to each of a Lightning ``Trainer``'s optimizers at ``on_train_start``
-        and logs its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to
-        ``trainer.loggers`` at ``trainer.global_step`` (docs/integrations/lightning.md).
+    Args:
+        every: Log every ``every`` optimizer steps (default: the trainer's ``log_every_n_steps``).
+        grad_outputs: Also log output-gradient statistics.
+        delta: The :math:`\\delta` the logged :math:`\\varepsilon` is for (DP optimizers only).
+        accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
 
-        Args:
-            every: Log every ``every`` optimizer steps (default: the trainer's ``log_every_n_steps``).
-            grad_outputs: Also log output-gradient statistics.
-            delta: The :math:`\\delta` the logged :math:`\\varepsilon` is for (DP optimizers only).
-            accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
+    Attributes:
+        monitors: The monitors attached during training, one per optimizer.
+    """
 
-        Attributes:
-            monitors: The monitors attached during training, one per optimizer.
-        """
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        every = self.every if self.every is not None else max(1, int(getattr(trainer, "log_every_n_steps", 1)))
+        self._attach(list(trainer.optimizers), pl_module, every)
 
-        def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            every = self.every if self.every is not None else max(1, int(getattr(trainer, "log_every_n_steps", 1)))
-            self._attach(list(trainer.optimizers), pl_module, every)
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._write(trainer)
 
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            self._write(trainer)
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer)
+        self._remove()
 
-        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-            self._write(trainer)
-            self._remove()
-
-        def _write(self, trainer: pl.Trainer) -> None:
-            scalars = self._take()
-            if scalars and trainer.is_global_zero:
-                for logger in trainer.loggers:
-                    logger.log_metrics(scalars, step=trainer.global_step)
-
-    return LightningMonitorCallback
+    def _write(self, trainer: pl.Trainer) -> None:
+        scalars = self._take()
+        if scalars and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(scalars, step=trainer.global_step)
 
 
-def _hugging_face_callback() -> type:
-    import transformers
+class _HuggingFace(_MonitorLogging):
+    """Attaches a ``Monitor`` to a Hugging Face ``Trainer``'s optimizer at ``on_train_begin`` and
+    writes its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to TensorBoard at
+    ``state.global_step``, from the main process (docs/integrations/hugging-face.md).
 
-    class HuggingFaceMonitorCallback(_MonitorLogging, transformers.TrainerCallback):
-        """Attaches a ``Monitor`` to a Hugging Face ``Trainer``'s optimizer at ``on_train_begin`` and
-        writes its statistics (and ``privacy/epsilon`` for ``DPSGD``/``DPAdamW``) to TensorBoard at
-        ``state.global_step``, from the main process (docs/integrations/hugging-face.md).
+    Args:
+        every: Log every ``every`` optimizer steps (default: the trainer's ``logging_steps``).
+        grad_outputs: Also log output-gradient statistics.
+        delta: The :math:`\\delta` the logged :math:`\\varepsilon` is for (DP optimizers only).
+        accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
+        tensorboard: A ``SummaryWriter`` or a folder (default: ``TENSORBOARD_LOGGING_DIR``, else
+            ``<output_dir>/runs/<time>_<host>``, as the ``TensorBoardCallback`` names its own).
 
-        Args:
-            every: Log every ``every`` optimizer steps (default: the trainer's ``logging_steps``).
-            grad_outputs: Also log output-gradient statistics.
-            delta: The :math:`\\delta` the logged :math:`\\varepsilon` is for (DP optimizers only).
-            accountant: Opacus's accountant for :math:`\\varepsilon`: ``"prv"``, ``"rdp"`` or ``"gdp"``.
-            tensorboard: A ``SummaryWriter`` or a folder (default: ``TENSORBOARD_LOGGING_DIR``, else
-                ``<output_dir>/runs/<time>_<host>``, as the ``TensorBoardCallback`` names its own).
+    Attributes:
+        monitors: The monitors attached during training.
+        log_dir: The folder the scalars are written to (set when training begins).
+    """
 
-        Attributes:
-            monitors: The monitors attached during training.
-            log_dir: The folder the scalars are written to (set when training begins).
-        """
+    def __init__(
+        self,
+        every: int | None = None,
+        *,
+        grad_outputs: bool = False,
+        delta: float = 1e-5,
+        accountant: str = "prv",
+        tensorboard: Any = None,
+    ) -> None:
+        super().__init__(every, grad_outputs=grad_outputs, delta=delta, accountant=accountant)
+        self.tensorboard = tensorboard
+        self.log_dir: str | None = None
+        self._writer: Any = None  # ours to close unless it is ``tensorboard``
 
-        def __init__(
-            self,
-            every: int | None = None,
-            *,
-            grad_outputs: bool = False,
-            delta: float = 1e-5,
-            accountant: str = "prv",
-            tensorboard: Any = None,
-        ) -> None:
-            super().__init__(every, grad_outputs=grad_outputs, delta=delta, accountant=accountant)
-            self.tensorboard = tensorboard
-            self.log_dir: str | None = None
-            self._writer: Any = None
-            self._own_writer = False
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        if optimizer is None or model is None:
+            raise RuntimeError("HuggingFaceMonitorCallback: the Trainer handed the callback no model or optimizer")
+        every = self.every if self.every is not None else max(1, int(state.logging_steps or 1))
+        self._attach([optimizer], model, every)
+        if not state.is_world_process_zero:
+            return
+        if self.tensorboard is not None and not isinstance(self.tensorboard, (str, os.PathLike)):
+            self._writer = self.tensorboard
+            self.log_dir = getattr(self._writer, "log_dir", None)
+            return
+        from torch.utils.tensorboard import SummaryWriter
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
-            if optimizer is None or model is None:
-                raise RuntimeError("HuggingFaceMonitorCallback: the Trainer handed the callback no model or optimizer")
-            every = self.every if self.every is not None else max(1, int(state.logging_steps or 1))
-            self._attach([optimizer], model, every)
-            if not state.is_world_process_zero:
-                return
-            if self.tensorboard is not None and not isinstance(self.tensorboard, (str, os.PathLike)):
-                self._writer, self._own_writer = self.tensorboard, False
-                self.log_dir = getattr(self._writer, "log_dir", None)
-                return
-            from torch.utils.tensorboard import SummaryWriter
+        if self.tensorboard is not None:
+            self.log_dir = os.fspath(self.tensorboard)
+        elif os.getenv("TENSORBOARD_LOGGING_DIR"):
+            self.log_dir = os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"])
+        else:
+            from transformers.integrations.integration_utils import default_logdir
 
-            if self.tensorboard is not None:
-                self.log_dir = os.fspath(self.tensorboard)
-            elif os.getenv("TENSORBOARD_LOGGING_DIR"):
-                self.log_dir = os.path.expanduser(os.environ["TENSORBOARD_LOGGING_DIR"])
-            else:
-                from transformers.integrations.integration_utils import default_logdir
+            self.log_dir = os.path.join(args.output_dir, default_logdir())
+        self._writer = SummaryWriter(log_dir=self.log_dir)
 
-                self.log_dir = os.path.join(args.output_dir, default_logdir())
-            self._writer, self._own_writer = SummaryWriter(log_dir=self.log_dir), True
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._write(state.global_step)
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self._write(state.global_step)
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._write(state.global_step)
+        self._remove()
+        if self._writer is not None:
+            self._writer.flush()
+            if self._writer is not self.tensorboard:
+                self._writer.close()
+        self._writer = None
 
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            self._write(state.global_step)
-            self._remove()
-            if self._writer is not None:
+    def _write(self, step: int) -> None:
+        scalars = self._take()
+        if self._writer is not None:
+            for tag, value in scalars.items():
+                self._writer.add_scalar(tag, value, step)
+            if scalars:
                 self._writer.flush()
-                if self._own_writer:
-                    self._writer.close()
-            self._writer = None
-
-        def _write(self, step: int) -> None:
-            scalars = self._take()
-            if self._writer is not None:
-                for tag, value in scalars.items():
-                    self._writer.add_scalar(tag, value, step)
-                if scalars:
-                    self._writer.flush()
-
-    return HuggingFaceMonitorCallback
 
 
-_BUILDERS = {"LightningMonitorCallback": _lightning_callback, "HuggingFaceMonitorCallback": _hugging_face_callback}
+if TYPE_CHECKING:  # the classes are built by __getattr__ below, on first use
+    from lightning.pytorch import Callback
+    from transformers import TrainerCallback
+
+    class LightningMonitorCallback(_Lightning, Callback): ...
+
+    class HuggingFaceMonitorCallback(_HuggingFace, TrainerCallback): ...
+
+
+_BASES = {
+    "LightningMonitorCallback": (_Lightning, "lightning.pytorch", "Callback"),
+    "HuggingFaceMonitorCallback": (_HuggingFace, "transformers", "TrainerCallback"),
+}
 _BUILT: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> type:
     """Build a callback class on first use, importing its framework then (PEP 562)."""
-    if name not in _BUILDERS:
+    if name not in _BASES:
         raise AttributeError(f"module 'inputaware_optim' has no attribute {name!r}")
     if name not in _BUILT:
+        logging, package, base = _BASES[name]
         try:
-            _BUILT[name] = _BUILDERS[name]()
+            framework = importlib.import_module(package)
         except ImportError as error:
             raise ImportError(
                 f"{name} needs its trainer's package: pip install 'inputaware_optim[integration]' "
                 "(with torch pinned, see the README)"
             ) from error
-        _BUILT[name].__module__, _BUILT[name].__qualname__ = __name__, name
+        namespace = {"__module__": __name__, "__qualname__": name, "__doc__": logging.__doc__}
+        _BUILT[name] = type(name, (logging, getattr(framework, base)), namespace)
     return _BUILT[name]

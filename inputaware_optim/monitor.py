@@ -79,11 +79,9 @@ def _dense_values(grad: Tensor) -> Tensor:
 
 
 def _after_closure(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[], object]) -> Any:
-    """What a step pre-hook returns to run ``then()`` after each call of the step's closure; without
-    one, ``then()`` runs now and this returns ``None``."""
+    """What a step pre-hook returns to run ``then()`` after each call of the step's closure (``None``: no closure)."""
     closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
     if closure is None:
-        then()
         return None
 
     def closure_then() -> Any:
@@ -201,8 +199,7 @@ class _InputStatistics(Reduction):
             entry = self._rows[key] = (weakref.ref(t.untyped_storage()), _summarize(t))
         return entry[1]
 
-    def combine(self, a: Any, b: Any) -> Any:
-        return _combine(a, b)
+    combine = staticmethod(_combine)
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         """Its first trained parameter (a frozen weight's gradient never holds a call), else its first."""
@@ -321,7 +318,7 @@ class Monitor:
             return None
         wrapped = _after_closure(args, kwargs, lambda: self._read(self.capture.reduced))
         if wrapped is None:
-            self._keep_weights(self._pending["params"])  # type: ignore[index]
+            self._before_update(optimizer, None)
         else:  # the gradient exists once the closure ran (LBFGS runs it several times: the last is logged)
             self._keep_weights([p for p in _params(self.optimizer) if p.requires_grad])
         return wrapped
@@ -651,7 +648,6 @@ _Found = tuple[_Seen | None, Literal["forward", "input", "backward", "loss"]]
 
 
 def _forward_origin(calls: list[_Seen]) -> _Found | None:
-    """The first call whose inputs were finite and whose output was not; else the first with a non-finite input."""
     for c in calls:
         if all(e.finite for e in c.inputs) and not all(e.finite for e in c.outputs):
             return c, "forward"
@@ -667,8 +663,7 @@ def _arrival(c: _Seen) -> int:
 
 
 def _backward_origin(calls: list[_Seen], inside: dict[nn.Module, set[int]]) -> _Found | None:
-    """The first call in backward order whose output gradient was finite and whose input gradient (or own
-    parameter's) was not, innermost module first; else the loss, if the model's output gradient was not."""
+    """The backward phase of ``NonFiniteFinder``'s rule (innermost module first), else the loss."""
     arrived = sorted((c for c in calls if _arrival(c) >= 0), key=_arrival)
     # A parameter's gradient sums over the module's calls: it names the module only where the
     # gradient reaching every one of its calls was finite.
@@ -792,7 +787,10 @@ class NonFiniteFinder:
 
     def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         step, self.step = self.step, self.step + 1
-        return _after_closure(args, kwargs, lambda: self._check(step))
+        wrapped = _after_closure(args, kwargs, lambda: self._check(step))
+        if wrapped is None:
+            self._check(step)
+        return wrapped
 
     def _check(self, step: int) -> None:
         try:
@@ -867,20 +865,14 @@ def _figure(records: list[dict[str, Any]], source: str) -> Any:
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    layers: dict[str, str] = {}
-    for record in records:
-        layers.update(record.get("layers", {}))
+    layers = {name: kind for r in records for name, kind in r.get("layers", {}).items()}
     rows = [
         list(dict.fromkeys(n for r in records for n, s in r[table].items() if statistic in s))
         for table, statistic, _, _ in PLOTTED
     ]
-    figure, axes = plt.subplots(
-        len(PLOTTED),
-        1,
-        figsize=(11, 2.5 + 0.9 * len(PLOTTED) + 0.22 * sum(max(1, len(names)) for names in rows)),
-        squeeze=False,
-        gridspec_kw={"height_ratios": [max(1, len(names)) for names in rows]},
-    )
+    heights = [max(1, len(names)) for names in rows]
+    size = (11, 2.5 + 0.9 * len(PLOTTED) + 0.22 * sum(heights))
+    figure, axes = plt.subplots(len(PLOTTED), 1, figsize=size, squeeze=False, gridspec_kw={"height_ratios": heights})
     figure.suptitle(f"Monitor: {source}, steps {steps[0]} to {steps[-1]} ({len(records)} logged)")
     for axis, panel, names in zip(axes[:, 0], PLOTTED, rows, strict=True):
         _panel(figure, axis, panel, names, records, layers)
@@ -903,14 +895,13 @@ def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[d
             if value is not None and math.isfinite(value):
                 grid[row, column] = value
     zeros = logarithmic and bool((grid == 0).any())
+    norm: Any = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
+    shown = grid
     if logarithmic:
         positive = grid[np.isfinite(grid) & (grid > 0)]
         low, high = (positive.min(), positive.max()) if positive.size else (1e-3, 1.0)
-        norm: Any = LogNorm(low, high if high > low else low * 10)
+        norm = LogNorm(low, high if high > low else low * 10)
         shown = np.where(grid == 0, low / 10, grid)
-    else:
-        norm = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
-        shown = grid
     image = axis.imshow(
         np.ma.masked_invalid(shown),
         aspect="auto",

@@ -77,10 +77,9 @@ _UNREGISTERED = (
 def supported_layers_table() -> str:
     """The README's "Supported layers" table (Markdown), read from the layer registry.
 
-    Cells: "exact" (the rule's own update), "stock" (the stock update by design: not a weight
-    matrix, or not a table), "stock, reported" (a fallback, listed in ``coverage()``, warned once,
-    refused under ``strict=True``; "(matrices)": for the weight matrices, the rest by design),
-    "refused" (raises, naming the module).
+    Cells: "exact" (the rule's own update), "stock" (the stock update by design: not a weight matrix, or not a table),
+    "stock, reported" (a fallback, listed in ``coverage()``, warned once, refused under ``strict=True``; "(matrices)":
+    for the weight matrices, the rest by design), "refused" (raises, naming the module).
     """
     kinds: dict[layers.LayerKind, list[str]] = {}
     for key, kind in layers._REGISTRY.items():

@@ -222,12 +222,11 @@ class _GradOutputStatistics(_InputStatistics):
 class Monitor:
     """Logs input, output-gradient and parameter statistics of a training run, every ``every`` steps.
 
-    Per module (by qualified name): ``input_mean``, ``input_rms``, ``input_max_abs``,
-    ``input_zero_fraction``, ``input_nonfinite`` over the floating-point arguments of the calls in
-    its gradient (``grad_output_*`` over output gradients, with ``grad_outputs=True``). Per
-    parameter: ``grad_norm`` (before the update), ``update_norm`` and ``update_to_weight`` (over
-    the weight's norm before it). Under data parallelism rank 0 writes the whole batch's. It lives
-    as long as its optimizer; ``remove()`` (or leaving its ``with`` block) stops it.
+    Per module (by qualified name): ``input_mean``, ``input_rms``, ``input_max_abs``, ``input_zero_fraction``,
+    ``input_nonfinite`` over the floating-point arguments of the calls in its gradient (``grad_output_*`` over output
+    gradients, with ``grad_outputs=True``). Per parameter: ``grad_norm`` (before the update), ``update_norm`` and
+    ``update_to_weight`` (over the weight's norm before it). Under data parallelism rank 0 writes the whole batch's. It
+    lives as long as its optimizer; ``remove()`` (or leaving its ``with`` block) stops it.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
@@ -506,10 +505,9 @@ class NonFiniteOrigin:
         module: The qualified name of the module (``""`` for the loss).
         call: Which call of that module in the step (0 for its first).
         step: The step (counted from 0 when the finder was attached).
-        phase: ``"forward"`` (inputs finite, output not); ``"input"`` (the first call with a
-            non-finite input, which came from the data or code outside modules); ``"backward"``
-            (output gradient finite, the gradient it produced not); ``"loss"`` (every output
-            finite, the gradient reaching the model's output not).
+        phase: ``"forward"`` (inputs finite, output not); ``"input"`` (the first call with a non-finite input, which
+            came from the data or code outside modules); ``"backward"`` (output gradient finite, the gradient it
+            produced not); ``"loss"`` (every output finite, the gradient reaching the model's output not).
     """
 
     module: str
@@ -724,10 +722,9 @@ def _all_finite(tensors: list[Tensor]) -> bool:
 class NonFiniteFinder:
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
-    It names the first module call in forward order whose inputs were finite and whose output was
-    not; else the first whose input was not; else the first in backward order whose output gradient
-    was finite and whose input gradient (or own parameter's) was not. It lives as long as its
-    optimizer; ``remove()`` takes it off.
+    It names the first module call in forward order whose inputs were finite and whose output was not; else the first
+    whose input was not; else the first in backward order whose output gradient was finite and whose input gradient (or
+    own parameter's) was not. It lives as long as its optimizer; ``remove()`` takes it off.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).

@@ -17,9 +17,6 @@ import torch
 from .dp import DPSGD, DPAdamW
 from .monitor import Monitor
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
 __all__ = ["HuggingFaceMonitorCallback", "LightningMonitorCallback"]
 
 
@@ -200,10 +197,10 @@ class _HuggingFace(_MonitorLogging):
 
 
 if TYPE_CHECKING:  # the classes are built by __getattr__ below, on first use
-    from lightning.pytorch import Callback
+    import lightning.pytorch as pl
     from transformers import TrainerCallback
 
-    class LightningMonitorCallback(_Lightning, Callback): ...
+    class LightningMonitorCallback(_Lightning, pl.Callback): ...
 
     class HuggingFaceMonitorCallback(_HuggingFace, TrainerCallback): ...
 

@@ -567,7 +567,8 @@ class _Watch:
     """What the finder's hooks saw since the last check. The hooks hold this, never the finder or
     its optimizer, so dropping those (or the finder's ``remove()``) takes everything off the model."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: dict[nn.Module, str], inside: dict[nn.Module, set[int]]) -> None:
+        self.names, self.inside = names, inside  # each module's name; the ids of the modules in each hooked one
         self.reset()
 
     def reset(self) -> None:
@@ -626,20 +627,18 @@ class _Watch:
             self.arrivals += 1
         self.reached.add(entry.forward)
 
-    def origin(
-        self, step: int, names: dict[nn.Module, str], inside: dict[nn.Module, set[int]]
-    ) -> NonFiniteOrigin | None:
+    def origin(self, step: int) -> NonFiniteOrigin | None:
         """Where a non-finite step began, over the calls of the forwards that reached a backward."""
         calls = [c for f, group in self.calls.items() if f in self.reached for c in group]
         _mark_finite(list({id(e): e for c in calls for e in (*c.inputs, *c.outputs)}.values()))
-        found = _forward_origin(calls) or _backward_origin(calls, inside)
+        found = _forward_origin(calls) or _backward_origin(calls, self.inside)
         if found is None:
             return None
         call, phase = found
         if call is None:
             return NonFiniteOrigin("", 0, step, "loss")
         number = sum(c.module is call.module for c in calls[: calls.index(call)])
-        return NonFiniteOrigin(names[call.module], number, step, phase)
+        return NonFiniteOrigin(self.names[call.module], number, step, phase)
 
 
 _Found = tuple[_Seen | None, Literal["forward", "input", "backward", "loss"]]
@@ -666,7 +665,6 @@ def _backward_origin(calls: list[_Seen], inside: dict[nn.Module, set[int]]) -> _
     # A parameter's gradient sums over the module's calls: it names the module only where the
     # gradient reaching every one of its calls was finite.
     clean = {c.module for c in calls} - {c.module for c in calls if not _grads_finite(c.outputs)}
-
     candidates = [
         c
         for c in arrived
@@ -766,10 +764,9 @@ class NonFiniteFinder:
             self.capture = optimizer.capture
         else:  # a plain optimizer: a capture of its own, with nothing but this watch
             self.capture = self._own_capture = Capture(model, [], keep_calls=False)
-        self._names = {m: self.capture.name(m) for m in self.capture.root.modules()}
-        hooked = [m for m in self._names if not m._modules or any(p is not None for p in m._parameters.values())]
-        self._inside = {m: {id(s) for s in m.modules()} for m in hooked}
-        self._watch = _Watch()
+        names = {m: self.capture.name(m) for m in self.capture.root.modules()}
+        hooked = [m for m in names if not m._modules or any(p is not None for p in m._parameters.values())]
+        self._watch = _Watch(names, {m: {id(s) for s in m.modules()} for m in hooked})
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
         self._watching = self.capture.watch(hooked, self._watch.record, self._watch.open_forward)
         self._finalizer = weakref.finalize(self, self._watching.remove)
@@ -794,7 +791,7 @@ class NonFiniteFinder:
             grads = [_dense_values(p.grad) for p in _params(self.optimizer) if p.grad is not None]
             if not grads or _all_finite(grads):
                 return
-            origin = self.found = self._watch.origin(step, self._names, self._inside)
+            origin = self.found = self._watch.origin(step)
             message = "the gradient is not finite; " + (
                 origin.describe()
                 if origin

@@ -286,8 +286,7 @@ class Monitor:
                 root = unwrap_model(model)
                 owners = [m for m in root.modules() if any(id(p) in params for p in m._parameters.values())]
                 self.capture = self._own_capture = Capture(model, owners, keep_calls=False)
-            wrapped = self.capture._model
-            self._group = lambda: data_parallel_group(wrapped)
+            self._group = functools.partial(data_parallel_group, self.capture._model)
         self._param_names = {param: name for name, param in self.capture._root.named_parameters()}  # first names
         group, dist = self._group(), torch.distributed
         writes = group is None or not dist.is_initialized() or dist.get_rank(group) == 0

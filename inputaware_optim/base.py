@@ -1,11 +1,9 @@
 """InputAwareOptimizer: joins a Capture on the model to a stock torch.optim optimizer.
 
-Each input-aware ``step`` is exposed through ``_torch.entry_step``: the outermost call runs under
-torch's hook wrapper (directly when no step hook or profiler would see it), gets its ``Inputs`` and
-releases the captures at the end; ``super().step(...)`` passes straight through, so step hooks run
-once. Under ``torch.amp.GradScaler`` the optimizer unscales itself (``_torch.unscales_itself``):
-unscaling and skipping on inf/NaN happen here, before the rule runs, and a skipped step's captures
-are dropped.
+Each ``step`` is exposed through ``_torch.entry_step``: the outermost call runs under torch's hook
+wrapper, gets its ``Inputs`` and releases the captures at the end; ``super().step(...)`` passes
+straight through, so step hooks run once. Under ``torch.amp.GradScaler`` the optimizer unscales
+itself, before the rule runs; a skipped step's captures are dropped.
 """
 
 from __future__ import annotations

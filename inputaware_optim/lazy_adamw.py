@@ -215,18 +215,13 @@ class LazyAdamW(InputAwareAdamW):
 
     def _find_lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
         groups = self._param_groups_by_param()
-        owners: dict[Tensor, int] = {}
-        for module in unwrap_model(self.model).modules():
-            for param in module._parameters.values():
-                if param is not None:
-                    owners[param] = owners.get(param, 0) + 1
         return [
             (m, weight_of(m), groups[weight_of(m)])
             for m in self.capture.modules
             if (kind := layer_kind(m)) is not None
             and kind.provides("touched_rows")
             and weight_of(m) in groups
-            and owners[weight_of(m)] == 1  # a tied weight (say, an output head) gets gradients on every row
+            and len(self._owners_in_model(weight_of(m))) == 1  # a tied weight gets gradients on every row
         ]
 
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:

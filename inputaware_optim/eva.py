@@ -27,10 +27,6 @@ class KroneckerVectors(KroneckerFactors):
 class Eva(KroneckerRule):
     r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
 
-    ``Eva(model, lr, momentum=None, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
-    statistics_every=1, loss_reduction="mean", damping_form="kronecker", max_dim=None,
-    distributed_inversion=False, params=None, **sgd_kwargs)``
-
     For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
     ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
     :math:`g_r` the gradient that reached its output rows, :math:`B` the batch and
@@ -57,17 +53,15 @@ class Eva(KroneckerRule):
     Args:
         model: The model.
         lr: Learning rate.
-        momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\gamma`, added to the Kronecker product of the rank-one factors (> 0).
+        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
+        damping: :math:`\gamma` (> 0), added to the Kronecker product of the rank-one factors.
         stat_decay: Decay of the running vectors, in [0, 1).
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
-        statistics_every: Collect the vectors every this many steps (>= 1); between them the kept
-            vectors precondition.
-        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first dimension)
-            or ``"sum"``.
+        statistics_every: Collect the vectors every this many steps (>= 1); the kept vectors between.
+        loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``.
         damping_form: ``"kronecker"`` (default, as above) or ``"factors"``: :math:`\gamma` added to each
             factor, :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`.
-        max_dim: Leave layers with a side larger than this to the stock update (None: no limit).
+        max_dim: Leave layers with a larger side to the stock update (None: no limit).
         distributed_inversion: Accepted for the Kronecker rules' common signature; changes nothing.
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock

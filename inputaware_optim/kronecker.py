@@ -93,7 +93,10 @@ class KroneckerRule(InputAwareSGD):
     ) -> None:
         if lr is None:
             raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        _check_hyperparameters(damping, stat_decay, update_every, statistics_every)
+        self._rule_defaults: dict[str, Any] = dict(
+            damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every
+        )
+        _check_hyperparameters(*self._rule_defaults.values())
         if max_dim is not None and not _positive_integer(max_dim):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
@@ -105,12 +108,6 @@ class KroneckerRule(InputAwareSGD):
         self._max_dim = max_dim
         self._distributed_inversion = distributed_inversion
         self._inverse, self._inverse_dtype = inverse, inverse_dtype
-        self._rule_defaults = {
-            "damping": damping,
-            "stat_decay": stat_decay,
-            "update_every": update_every,
-            "statistics_every": statistics_every,
-        }
         base = sgd_kwargs.get("base")
         if base is None:
             sgd_kwargs["momentum"] = 0.9 if momentum is None else momentum  # the rule's SGD default
@@ -143,9 +140,7 @@ class KroneckerRule(InputAwareSGD):
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)
         for group in self.param_groups:
-            _check_hyperparameters(
-                group["damping"], group["stat_decay"], group["update_every"], group["statistics_every"]
-            )
+            _check_hyperparameters(*(group[name] for name in self._rule_defaults))
         self._check_sharded_layers()
 
     def _check_sharded_layers(self) -> None:

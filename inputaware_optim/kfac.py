@@ -59,10 +59,9 @@ class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
     For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
-    ``nn.Conv1d/2d/3d`` and their transposes; a grouped convolution one block per group), with
-    :math:`\tilde x` the input rows (a 1 appended when the bias is trained), :math:`g` the
-    gradient that reached the layer's output rows, :math:`B` the batch size and :math:`\tilde G`
-    the weight-and-bias gradient, ``convention="inputaware"`` (the default) is
+    convolutions and their transposes; grouped: a block per group), with :math:`\tilde x` its input
+    rows (a 1 appended when the bias is trained), :math:`g` the gradient at its output rows,
+    :math:`B` the batch size and :math:`\tilde G` the weight-and-bias gradient, the default is
 
     .. math::
         A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \quad
@@ -71,15 +70,11 @@ class KFAC(KroneckerRule):
             (\bar A + \pi\sqrt\lambda I)^{-1}, \quad
         \pi = \sqrt{m_A / m_G}, \quad m_F = \operatorname{tr}(\bar F) / \dim \bar F
 
-    (factored Tikhonov damping, their section 6.3; :math:`\pi = 1` where a factor is zero).
-    :math:`G` is the second moment of the per-example output derivative :math:`Ds = B g` of a
-    mean loss. :math:`\bar A, \bar G` are running averages (decay ``stat_decay``; the first step
-    takes its own) whose damped inverses are refreshed every ``update_every`` optimizer steps;
-    then the SGD momentum update. Under FSDP2 each layer's gradient is gathered (one layer at a
-    time) and each rank keeps its rows of the result. ``convention="kfac-pytorch"`` reproduces
-    kfac-pytorch's preconditioned gradient (its scaling, running averages from :math:`I`, absolute
-    :math:`\lambda`; ``inverse="cholesky"`` its ``compute_method="inverse"``, ``"eigh"`` its
-    ``"eigen"``): see docs/rules/kfac.md.
+    (factored Tikhonov damping, their section 6.3; :math:`\pi = 1` where a factor is zero; :math:`G`
+    is the second moment of the output derivative :math:`Ds = B g` of a mean loss), with running
+    averages :math:`\bar A, \bar G` (decay ``stat_decay``; the first step takes its own) whose damped
+    inverses are refreshed every ``update_every`` optimizer steps; then the SGD momentum update.
+    Under FSDP2 each layer's gradient is gathered (a layer at a time), each rank keeping its rows.
 
     State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
     ``output_grad_second_moment``, ``output_grad_inverse`` and ``statistics_steps``.
@@ -94,7 +89,9 @@ class KFAC(KroneckerRule):
         statistics_every: Collect statistics every this many steps (>= 1); the kept inverses between.
         loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``
             (:math:`g` is per example: :math:`G = \frac1B\sum_r g_r g_r^\top`).
-        convention: ``"inputaware"`` (default) or ``"kfac-pytorch"``: the factors' scaling and damping.
+        convention: ``"inputaware"`` (default, above) or ``"kfac-pytorch"``: kfac-pytorch's scaling, running
+            averages from :math:`I` and absolute :math:`\lambda` (its methods "inverse" and "eigen" as ``inverse``
+            "cholesky" and "eigh"; docs/rules/kfac.md).
         max_dim: Leave layers with a larger factor to the stock update (None: no limit).
         distributed_inversion: Under data parallelism, invert each factor on one rank and broadcast it.
         inverse: ``"cholesky"`` (default) or ``"eigh"`` (keeps each eigendecomposition, so a change

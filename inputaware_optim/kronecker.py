@@ -105,8 +105,7 @@ class KroneckerRule(InputAwareSGD):
             raise ValueError(f"Invalid inverse: {inverse!r} (must be one of {', '.join(map(repr, INVERSES))})")
         if inverse_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"Invalid inverse_dtype: {inverse_dtype!r} (must be torch.float64 or torch.float32)")
-        self._max_dim = max_dim
-        self._distributed_inversion = distributed_inversion
+        self._max_dim, self._distributed_inversion = max_dim, distributed_inversion
         self._inverse, self._inverse_dtype = inverse, inverse_dtype
         base = sgd_kwargs.get("base")
         if base is None:
@@ -285,13 +284,10 @@ class KroneckerRule(InputAwareSGD):
     def _step_statistics(
         self, inputs: Inputs, due: list[dict[str, Any]]
     ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
-        """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a
-        gradient and a row this step.
-
-        Under data parallelism a layer this rank's batch never reached joins with zero sums, so
-        that every rank reduces the same list. A layer that saw no row on any rank (an expert no
-        token was routed to) takes the plain step and keeps its running moments.
-        """
+        """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a gradient
+        and a row this step. A layer this rank's batch never reached joins with zero sums (every rank
+        reduces the same list); one no rank saw a row of (an expert no token was routed to) takes the
+        plain step and keeps its running moments."""
         layers: list[Layer] = []
         sums: list[dict[str, tuple[Tensor, Tensor]]] = []
         absent: list[int] = []  # (indices of the layers this rank captured no call of)
@@ -318,24 +314,18 @@ class KroneckerRule(InputAwareSGD):
         for index in absent:  # captured on no rank: the plain step
             if all(float(d) == 0 for _, d in sums[index].values()):
                 inputs.get(weight_of(layers[index].module))  # (Inputs warns)
-        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
-        return (
-            [layer for layer, ok in zip(layers, seen, strict=True) if ok],
-            [s for s, ok in zip(sums, seen, strict=True) if ok],
-        )
+        seen = [(layer, s) for layer, s in zip(layers, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
+        return [layer for layer, _ in seen], [s for _, s in seen]
 
     def _zero_sums(self, layer: Layer) -> dict[str, tuple[Tensor, Tensor]]:
         """Zero factor sums of ``layer``, shaped as the hooks compute them (per block if it has several)."""
         weight = local_tensor(weight_of(layer.module))
         dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
-        blocks = layer.kind.blocks(layer.module)
-        sizes = _sides(layer)
-        zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+        blocks, sizes = layer.kind.blocks(layer.module), _sides(layer)
+        lead = (blocks,) if blocks > 1 else ()
         square = 2 if self.inverts else 1  # (Eva's factors are vectors, with nothing to invert)
-        return {
-            factor: (zero(*((blocks,) if blocks > 1 else ()), *(sizes[factor],) * square), zero(()))
-            for factor in self.factors
-        }
+        zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+        return {factor: (zero(*lead, *(sizes[factor],) * square), zero(())) for factor in self.factors}
 
     def _kept_inverse(self, layer: Layer, factor: str, inverse: Tensor) -> Tensor:
         """The kept ``inverse`` of ``factor``; under ``inverse="eigh"``, formed again from the kept
@@ -374,11 +364,8 @@ class KroneckerRule(InputAwareSGD):
         moments, inverses, due = {}, {}, []
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator / denominator  # (out of place: the sums may be the capture's totals)
-            previous = state.get(f"{factor}_second_moment")
-            if previous is not None and previous.dtype != moment.dtype:  # the model changed dtype (model.double())
-                previous = previous.to(moment.dtype)
-            if previous is None:
-                previous = self._initial_moment(moment)
+            previous = state.get(f"{factor}_second_moment")  # (.to: model.double() changes the dtype)
+            previous = self._initial_moment(moment) if previous is None else previous.to(moment.dtype)
             if previous is not None:  # beta * previous + (1 - beta) * moment
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             if f"{factor}_inverse" not in state or refresh:
@@ -427,12 +414,10 @@ def damped_inverse(
     dtype: torch.dtype = torch.float64,
     given: float | None = None,
 ) -> Tensor:
-    """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major.
-
-    ``damping`` is a number, or one per block of a stack of matrices; ``given`` is the damping
-    hyperparameter it was derived from, if it differs (an error names both). Row-major, so a
-    product with it takes the same kernel (the same bits) wherever it was computed
-    (``distributed_inversion``).
+    """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major (so
+    a product with it takes the same kernel, the same bits, wherever it was computed). ``damping`` is a
+    number, or one per block; ``given`` the hyperparameter it was derived from, if it differs (an error
+    names both).
 
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).

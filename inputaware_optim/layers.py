@@ -348,24 +348,20 @@ class MatrixRows(PerSample):
             squared = (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
         return squared if total is None else squared + total
 
-    def _weight_sum(self, weights: Tensor) -> Tensor:
-        """``sum_b weights[b] * (sample b's weight gradient)``, ``(out, in)``."""
-        if self.formed is not None:
-            return torch.tensordot(weights, self.formed, dims=1)
-        x, g = self.x, self.g
-        assert x is not None and g is not None
-        scale = weights[:, None, None]
-        if x.shape[2] < g.shape[2]:
-            x = x * scale
-        else:
-            g = g * scale
-        return g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
-
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
         weights = weights.to(self.like)
         sums = {}
         if self.weight:
-            matrix = self._weight_sum(weights)
+            if self.formed is not None:
+                matrix = torch.tensordot(weights, self.formed, dims=1)
+            else:  # one product, the weights on the narrower side of the rows
+                x, g = self.x, self.g
+                assert x is not None and g is not None
+                if x.shape[2] < g.shape[2]:
+                    x = x * weights[:, None, None]
+                else:
+                    g = g * weights[:, None, None]
+                matrix = g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
             sums["weight"] = (matrix.T if self.transposed else matrix).reshape(self.weight_shape)
         if self.bias:
             sums["bias"] = weights @ self.bias_rows
@@ -393,9 +389,7 @@ class MatrixRows(PerSample):
     def grads(self) -> dict[str, Tensor]:
         grads = {}
         if self.weight:
-            matrix = self.form()
-            if self.transposed:
-                matrix = matrix.transpose(1, 2)
+            matrix = self.form().transpose(1, 2) if self.transposed else self.form()
             grads["weight"] = matrix.reshape(matrix.shape[0], *self.weight_shape)
         if self.bias:
             grads["bias"] = self.bias_rows
@@ -477,9 +471,7 @@ class ConvKind(_WeightMatrix):
     def _split(self, module: nn.Module, rows: Tensor) -> Tensor:
         """``(..., groups * n)`` -> ``(groups, ..., n)``; unchanged for ``groups=1``."""
         groups = self.blocks(module)
-        if groups == 1:
-            return rows
-        return rows.reshape(*rows.shape[:-1], groups, -1).movedim(-2, 0)
+        return rows if groups == 1 else rows.reshape(*rows.shape[:-1], groups, -1).movedim(-2, 0)
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         dims = self._dims(module)
@@ -527,12 +519,11 @@ def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRow
     elif any(conv_padding(module)):  # other modes, or "same" (perhaps uneven)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, conv_padding(module), mode=mode)
-    weight, bias = "weight" in names, "bias" in names
     batch, channels, outputs = x.shape[0], x.shape[1], g.shape[1]
     kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
     positions, inputs = math.prod(g.shape[2:]), channels * math.prod(kernel)
-    bias_rows = g.flatten(2).sum(2) if bias else None
-    if weight and _forms(positions, inputs, outputs):
+    bias_rows = g.flatten(2).sum(2) if "bias" in names else None
+    if "weight" in names and _forms(positions, inputs, outputs):
         shape = (batch * outputs, channels, *kernel)
         formed = torch.ops.aten.convolution_backward(
             g.reshape(1, batch * outputs, *g.shape[2:]),
@@ -628,8 +619,7 @@ class ConvTransposeKind(ConvKind):
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
         spatial, sizes = len(module.kernel_size), x.shape[2:]
         up = x.new_zeros(*x.shape[:2], *[(n - 1) * s + 1 for n, s in zip(sizes, module.stride, strict=True)])
-        every_stride = (slice(None), slice(None), *[slice(None, None, s) for s in module.stride])
-        up[every_stride] = x
+        up[(slice(None), slice(None), *[slice(None, None, s) for s in module.stride])] = x  # every stride-th
         output_size = call.args[1] if len(call.args) > 1 else call.kwargs.get("output_size")
         pads: list[int] = []
         for d in reversed(range(spatial)):  # F.pad lists the last dimension first
@@ -815,10 +805,9 @@ class EmbeddingBagKind(EmbeddingKind):
             scale = weights.to(g) if weights is not None else g.new_ones(bags.shape)
         else:
             assert offsets is not None
-            if module.include_last_offset:
-                starts, ends = offsets[:-1], offsets[1:]
-            else:
-                starts, ends = offsets, torch.cat([offsets[1:], offsets.new_tensor([index.numel()])])
+            if not module.include_last_offset:
+                offsets = torch.cat([offsets, offsets.new_tensor([index.numel()])])
+            starts, ends = offsets[:-1], offsets[1:]
             lengths = ends - starts
             bag = torch.repeat_interleave(torch.arange(len(starts), device=index.device), lengths)
             position = torch.arange(index.numel(), device=index.device) - starts[bag]

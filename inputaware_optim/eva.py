@@ -151,10 +151,8 @@ class Eva(KroneckerRule):
         """Replace each supported layer's gradient by its Kronecker-vector direction, KL-clipped
         (a layer with no row this step keeps its state)."""
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
-        updated = len(layers)
-        for layer, (a, g) in self._between_statistics(due, ["input_mean", "output_grad_mean"]):  # kept vectors
-            layers.append(layer)
-            vectors.append((a, g))
+        updated, kept = len(layers), self._between_statistics(due, ["input_mean", "output_grad_mean"])
+        layers, vectors = layers + [layer for layer, _ in kept], vectors + [(a, g) for _, (a, g) in kept]
         matrices = [layer.kind.grad_matrix(layer.module, layer.homogeneous) for layer in layers]
         directions = [
             self._direction(m, a.to(m.dtype), g.to(m.dtype), float(layer.group["damping"]))
@@ -218,8 +216,7 @@ class Eva(KroneckerRule):
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
     """:math:`(\\bar g \\bar g^\\top \\otimes \\bar a \\bar a^\\top + \\gamma I)^{-1} \\operatorname{vec} M` by
     Sherman-Morrison: ``(M - c g aᵀ) / γ`` with ``c = gᵀ M a / (γ + |g|² |a|²)``; with leading block
-    dimensions (a grouped convolution), one per block.
-    """
+    dimensions (a grouped convolution), one per block."""
     scale = 1.0 / damping
     if matrix.dim() == 2:  # (the common case, in matrix-vector kernels)
         coefficient = torch.dot(g, torch.mv(matrix, a)) / torch.dot(g, g).mul(torch.dot(a, a)).add_(damping)
@@ -234,8 +231,7 @@ def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tenso
 def per_factor_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
     """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` (``damping_form="factors"``) by
     Sherman-Morrison twice: ``R = M - u aᵀ``, ``u = M a / (γ + aᵀa)``, then ``(R - g vᵀ) / γ²``,
-    ``v = Rᵀ g / (γ + gᵀg)``; with leading block dimensions, one per block.
-    """
+    ``v = Rᵀ g / (γ + gᵀg)``; with leading block dimensions, one per block."""
     scale = 1.0 / (damping * damping)
     if matrix.dim() == 2:
         u = torch.mv(matrix, a).div_(torch.dot(a, a).add_(damping))

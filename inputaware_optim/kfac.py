@@ -19,10 +19,8 @@ __all__ = ["KFAC"]
 
 class KroneckerFactors(FactorSums):
     """Per call: the input factor's sums in the forward hook, the output-gradient factor's in backward.
-
-    With ``per_position`` (kfac-pytorch's scaling), a convolution's rows are divided by its
-    number of output positions ``L`` and the output-gradient sum is over rows, not samples.
-    """
+    With ``per_position`` (kfac-pytorch's scaling), a convolution's rows are divided by its number of
+    output positions ``L`` and the output-gradient sum is over rows, not samples."""
 
     grad_outputs = True
 
@@ -161,9 +159,8 @@ class KFAC(KroneckerRule):
         self._set_group_defaults(loss_reduction=self._loss_reduction)
 
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
-        # A mean-reduced loss divides each output gradient by this rank's batch B (all its
-        # micro-batches together), so Ds = B g. Summing (B^2 sum g g^T) and B over ranks, then
-        # dividing, gives G = E[sum over positions of Ds Ds^T] whatever the split.
+        # A mean-reduced loss divides each output gradient by this rank's batch B (all its micro-batches),
+        # so Ds = B g: summing (B^2 sum g g^T) and B over ranks gives G = E[sum_t Ds Ds^T] whatever the split.
         grads, batch = sums["output_grad"]
         if layer.group["loss_reduction"] == "mean" and not self._kfac_pytorch:
             grads = grads * (batch * batch)

@@ -56,9 +56,7 @@ class KroneckerRule(InputAwareSGD):
 
     Subclasses set ``factors`` and ``statistics`` (the ``FactorSums`` computing each call's sums),
     implement ``_precondition`` (the new gradient matrix from the old one and the damped inverses)
-    and may override ``_damping``. A rule that inverts nothing (Eva) overrides
-    ``_precondition_layers`` instead.
-
+    and may override ``_damping``; one that inverts nothing (Eva) overrides ``_precondition_layers``.
     State per preconditioned weight: ``<factor>_second_moment``, ``<factor>_inverse`` and
     ``statistics_steps``; with ``inverse="eigh"`` also ``<factor>_eigenvalues``,
     ``<factor>_eigenvectors`` and ``<factor>_inverse_damping`` (the damping the inverse was formed with).
@@ -161,7 +159,6 @@ class KroneckerRule(InputAwareSGD):
                     "placement (Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
                 )
 
-    # -- what subclasses provide ----------------------------------------------------------
     def _precondition(
         self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
     ) -> Tensor:
@@ -181,7 +178,6 @@ class KroneckerRule(InputAwareSGD):
         """The running average a factor's first moment is averaged with (``None``: it is taken as is)."""
         return None
 
-    # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Precondition the gradients of the supported layers, then take the SGD step."""
@@ -269,9 +265,8 @@ class KroneckerRule(InputAwareSGD):
         module, kind, homogeneous = layer.module, layer.kind, layer.homogeneous
         weight = weight_of(module)
         if not sharded(weight):
-            kind.set_grad_matrix(
-                module, self._precondition(layer, kind.grad_matrix(module, homogeneous), inverses), homogeneous
-            )
+            new = self._precondition(layer, kind.grad_matrix(module, homogeneous), inverses)
+            kind.set_grad_matrix(module, new, homogeneous)
             return
         bias = bias_of(module)
         if self.acts_on_rows:  # this rank's rows need nothing from the others
@@ -364,8 +359,11 @@ class KroneckerRule(InputAwareSGD):
         moments, inverses, due = {}, {}, []
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator / denominator  # (out of place: the sums may be the capture's totals)
-            previous = state.get(f"{factor}_second_moment")  # (.to: model.double() changes the dtype)
-            previous = self._initial_moment(moment) if previous is None else previous.to(moment.dtype)
+            previous = state.get(f"{factor}_second_moment")
+            if previous is None:
+                previous = self._initial_moment(moment)
+            elif previous.dtype != moment.dtype:  # the model changed dtype (model.double())
+                previous = previous.to(moment.dtype)
             if previous is not None:  # beta * previous + (1 - beta) * moment
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             if f"{factor}_inverse" not in state or refresh:
@@ -477,8 +475,8 @@ def _check_hyperparameters(damping: float, stat_decay: float, update_every: int,
 
 def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
     """The eigendecomposition of a symmetric ``matrix`` (or of each block) in ``dtype``, packed as
-    the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues as row ``n``.
-    Eigenvalues below zero (rounding: the statistics are second moments) are 0.
+    the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues as row ``n`` (those
+    below zero, rounding: the statistics are second moments, as 0).
 
     Raises:
         RuntimeError: If the statistics are not finite, or the decomposition does not converge.

@@ -84,11 +84,8 @@ def explained(module: nn.Module | None, reason: str | None) -> str | None:
 
 
 class LayerKind:
-    """How one layer type presents its calls and gradients to rules.
-
-    A capability a layer type lacks raises ``NotImplementedError``; ``provides`` tells.
-    ``per_sample_refusal`` says why DP refuses the layer, where it does.
-    """
+    """How one layer type presents its calls and gradients to rules. A capability it lacks raises
+    ``NotImplementedError`` (``provides`` tells); ``per_sample_refusal`` says why DP refuses it, if it does."""
 
     per_sample_refusal: str | None = None
     weight_name = "weight"  # the attribute holding the weight matrix W
@@ -157,8 +154,7 @@ class PerSample:
 
     def sq_norms(self) -> Tensor:
         """Each sample's squared gradient norm over the parameters: ``(batch,)``."""
-        grads = self.grads()
-        return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
+        return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in self.grads().values()]).sum(0)
 
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
         """``sum_i weights[i] * (sample i's gradient)`` for each parameter."""
@@ -277,13 +273,11 @@ class _WeightMatrix(LayerKind):
 class MatrixRows(PerSample):
     """A matrix layer's per-sample gradients from inputs ``x`` ``(batch, positions, in)`` and output
     gradients ``g`` ``(batch, positions, out)`` (any strides): sample ``b``'s weight gradient is
-    ``sum_t g_bt x_btᵀ``, its bias gradient ``sum_t g_bt``.
-
-    The squared norm is the cheaper exact form: the ghost norm (Gram matrices over the positions),
-    or the gradient itself (``formed``, ``(batch, out, in)``) where it is no larger than the rows
-    (``positions * (in + out) >= in * out``), then kept for the sums. Otherwise the clipped sum is
-    Book-Keeping's one product ``gᵀ diag(c) x``. Given ``formed``, ``x`` and ``g`` are not needed.
-    """
+    ``sum_t g_bt x_btᵀ``, its bias gradient ``sum_t g_bt``. The squared norm is the cheaper exact form:
+    the ghost norm (Gram matrices over the positions), or the gradient itself (``formed``, ``(batch, out,
+    in)``) where it is no larger than the rows (``positions * (in + out) >= in * out``), then kept for the
+    sums. Otherwise the clipped sum is Book-Keeping's one product ``gᵀ diag(c) x``. Given ``formed``,
+    ``x`` and ``g`` are not needed."""
 
     def __init__(
         self,
@@ -456,11 +450,6 @@ class ConvKind(_WeightMatrix):
         assert isinstance(module, nn.modules.conv._ConvNd)
         return int(module.groups)
 
-    def _dims(self, module: nn.Module) -> int:
-        """The dimensions of a batched input, ``(B, C, *spatial)``."""
-        assert isinstance(module, nn.modules.conv._ConvNd)
-        return len(module.kernel_size) + 2
-
     def _patches(self, module: nn.Module, x: Tensor, call: Call) -> Tensor:
         """``call``'s batched input ``x`` as rows ``(batch, positions, C * prod(kernel))``, channels outermost."""
         assert isinstance(module, nn.modules.conv._ConvNd)
@@ -474,7 +463,7 @@ class ConvKind(_WeightMatrix):
         return rows if groups == 1 else rows.reshape(*rows.shape[:-1], groups, -1).movedim(-2, 0)
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        dims = self._dims(module)
+        dims = weight_of(module).dim()  # a batched input's (B, C, *spatial), as the weight's (out, in, *kernel)
         patches = [
             self._patches(module, _statistics_dtype(_batched(x, dims)), call)
             for x, call in zip(entry.inputs(), entry.calls, strict=True)
@@ -482,12 +471,12 @@ class ConvKind(_WeightMatrix):
         return _with_ones(self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches])), homogeneous)
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
-        dims = self._dims(module)
+        dims = weight_of(module).dim()
         grads = [_statistics_dtype(_batched(g, dims)) for g in entry.grad_outputs()]
         return self._split(module, torch.cat([g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1]) for g in grads]))
 
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
-        dims = self._dims(module)
+        dims = weight_of(module).dim()
         return sum(x.shape[0] if x.dim() == dims else 1 for x in entry.inputs())
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
@@ -495,7 +484,7 @@ class ConvKind(_WeightMatrix):
         rows = _conv_rows(module, call, names) if groups == 1 else None
         if rows is not None:
             return rows
-        dims = self._dims(module)
+        dims = weight_of(module).dim()
         x = self._patches(module, _statistics_dtype(_batched(call.input, dims)), call)
         g = _statistics_dtype(_batched(_grad_output(call), dims)).flatten(2).transpose(1, 2)
         if groups == 1:  # (a 3-D convolution)
@@ -619,7 +608,8 @@ class ConvTransposeKind(ConvKind):
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
         spatial, sizes = len(module.kernel_size), x.shape[2:]
         up = x.new_zeros(*x.shape[:2], *[(n - 1) * s + 1 for n, s in zip(sizes, module.stride, strict=True)])
-        up[(slice(None), slice(None), *[slice(None, None, s) for s in module.stride])] = x  # every stride-th
+        every_stride = (slice(None), slice(None), *[slice(None, None, s) for s in module.stride])
+        up[every_stride] = x
         output_size = call.args[1] if len(call.args) > 1 else call.kwargs.get("output_size")
         pads: list[int] = []
         for d in reversed(range(spatial)):  # F.pad lists the last dimension first

@@ -381,18 +381,16 @@ class KroneckerRule(InputAwareSGD):
         for layer, (_, moments, inverses, due, bases) in zip(layers, updates, strict=True):
             means = {f: m.diagonal(dim1=-2, dim2=-1).mean(-1) for f, m in moments.items()} if due else {}
             for factor in due:
-                moment = moments[factor]
+                moment, n = moments[factor], moments[factor].shape[-1]
                 name = f"{self.capture.name(layer.module)} ({factor})"
                 damping, given = self._damping(layer.group, factor, means), layer.group["damping"]
                 if self._inverse == "eigh":  # the decomposition travels, packed as (n + 1) x n
                     jobs.append(functools.partial(eigenbasis, moment, name, dtype))
-                    likes.append(
-                        moment.new_empty((*moment.shape[:-2], moment.shape[-1] + 1, moment.shape[-1]), dtype=dtype)
-                    )
+                    likes.append(moment.new_empty((*moment.shape[:-2], n + 1, n), dtype=dtype))
                 else:
                     jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype, given=given))
                     likes.append(moment)
-                costs.append(float(moment.numel() * moment.shape[-1]))  # ~ n³ per block either way
+                costs.append(float(moment.numel() * n))  # ~ n³ per block either way
                 slots.append((inverses, bases, factor, name, damping, given, moment.dtype))
         group = self.data_parallel_group if self._distributed_inversion else None
         results = computed_once(jobs, likes, costs, group)

@@ -234,6 +234,14 @@ def _with_ones(rows: Tensor, homogeneous: bool) -> Tensor:
 class _WeightMatrix(LayerKind):
     """A kind whose ``W̃`` is its weight (flattened after the first dimension) and bias, in ``blocks`` blocks."""
 
+    transposed = False  # the weight is stored (in, out / blocks, *kernel)
+
+    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
+        if not self.transposed:
+            return super().matrix_shape(module, homogeneous)
+        shape = weight_of(module).shape
+        return int(shape[1]), shape[0] // self.blocks(module) * math.prod(shape[2:]) + int(homogeneous)
+
     def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
         """The weight's gradient as ``W̃``'s columns, ``(out, in)``."""
         return grad if grad.dim() == 2 else grad.reshape(grad.shape[0], -1)
@@ -420,8 +428,6 @@ def merged_rows(per_call: list[MatrixRows]) -> MatrixRows:
 class LinearKind(_WeightMatrix):
     """``nn.Linear``: every leading dimension of the input is a sample dimension."""
 
-    transposed = False  # the weight is stored (in, out)
-
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         inputs = entry.inputs()  # one call (a reduction in the hook): its rows as a view, not a copy
         rows = inputs[0].reshape(-1, inputs[0].shape[-1]) if len(inputs) == 1 else entry.rows()
@@ -598,11 +604,7 @@ class ConvTransposeKind(ConvKind):
     def unsupported(self, module: nn.Module) -> str:
         return f"{type(module).__name__} with padding_mode={module.padding_mode!r} is not supported"
 
-    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
-        assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        groups = module.groups
-        per_group = module.in_channels // groups * math.prod(module.kernel_size)
-        return module.out_channels // groups, per_group + int(homogeneous)
+    transposed = True
 
     def _patches(self, module: nn.Module, x: Tensor, call: Call) -> Tensor:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
@@ -700,10 +702,6 @@ class TransposedLinearKind(LinearKind):
     """Hugging Face's ``Conv1D`` (GPT-2): ``y = x W + b``, a ``nn.Linear`` with its weight stored ``(in, out)``."""
 
     transposed = True
-
-    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
-        weight = weight_of(module)
-        return int(weight.shape[1]), int(weight.shape[0]) + int(homogeneous)
 
     def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
         return grad.T

@@ -27,10 +27,6 @@ class KroneckerVectors(KroneckerFactors):
 class Eva(KroneckerRule):
     r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
 
-    ``Eva(model, lr, momentum=None, damping=0.03, stat_decay=0.95, kl_clip=0.001, *,
-    statistics_every=1, loss_reduction="mean", damping_form="kronecker", max_dim=None,
-    distributed_inversion=False, params=None, **sgd_kwargs)``
-
     For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
     ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
     :math:`g_r` the gradient that reached its output rows, :math:`B` the batch and
@@ -57,17 +53,15 @@ class Eva(KroneckerRule):
     Args:
         model: The model.
         lr: Learning rate.
-        momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\gamma`, added to the Kronecker product of the rank-one factors (> 0).
+        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
+        damping: :math:`\gamma` (> 0), added to the Kronecker product of the rank-one factors.
         stat_decay: Decay of the running vectors, in [0, 1).
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
-        statistics_every: Collect the vectors every this many steps (>= 1); between them the kept
-            vectors precondition.
-        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first dimension)
-            or ``"sum"``.
+        statistics_every: Collect the vectors every this many steps (>= 1); the kept vectors between.
+        loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``.
         damping_form: ``"kronecker"`` (default, as above) or ``"factors"``: :math:`\gamma` added to each
             factor, :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`.
-        max_dim: Leave layers with a side larger than this to the stock update (None: no limit).
+        max_dim: Leave layers with a larger side to the stock update (None: no limit).
         distributed_inversion: Accepted for the Kronecker rules' common signature; changes nothing.
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
@@ -157,10 +151,8 @@ class Eva(KroneckerRule):
         """Replace each supported layer's gradient by its Kronecker-vector direction, KL-clipped
         (a layer with no row this step keeps its state)."""
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
-        updated = len(layers)
-        for layer, (a, g) in self._between_statistics(due, ["input_mean", "output_grad_mean"]):  # kept vectors
-            layers.append(layer)
-            vectors.append((a, g))
+        updated, kept = len(layers), self._between_statistics(due, ["input_mean", "output_grad_mean"])
+        layers, vectors = layers + [layer for layer, _ in kept], vectors + [(a, g) for _, (a, g) in kept]
         matrices = [layer.kind.grad_matrix(layer.module, layer.homogeneous) for layer in layers]
         directions = [
             self._direction(m, a.to(m.dtype), g.to(m.dtype), float(layer.group["damping"]))
@@ -224,8 +216,7 @@ class Eva(KroneckerRule):
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
     """:math:`(\\bar g \\bar g^\\top \\otimes \\bar a \\bar a^\\top + \\gamma I)^{-1} \\operatorname{vec} M` by
     Sherman-Morrison: ``(M - c g aᵀ) / γ`` with ``c = gᵀ M a / (γ + |g|² |a|²)``; with leading block
-    dimensions (a grouped convolution), one per block.
-    """
+    dimensions (a grouped convolution), one per block."""
     scale = 1.0 / damping
     if matrix.dim() == 2:  # (the common case, in matrix-vector kernels)
         coefficient = torch.dot(g, torch.mv(matrix, a)) / torch.dot(g, g).mul(torch.dot(a, a)).add_(damping)
@@ -240,8 +231,7 @@ def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tenso
 def per_factor_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:
     """:math:`(g g^\\top + \\gamma I)^{-1} M (a a^\\top + \\gamma I)^{-1}` (``damping_form="factors"``) by
     Sherman-Morrison twice: ``R = M - u aᵀ``, ``u = M a / (γ + aᵀa)``, then ``(R - g vᵀ) / γ²``,
-    ``v = Rᵀ g / (γ + gᵀg)``; with leading block dimensions, one per block.
-    """
+    ``v = Rᵀ g / (γ + gᵀg)``; with leading block dimensions, one per block."""
     scale = 1.0 / (damping * damping)
     if matrix.dim() == 2:
         u = torch.mv(matrix, a).div_(torch.dot(a, a).add_(damping))

@@ -26,10 +26,6 @@ class InputSecondMoment(FactorSums):
 class FOOF(KroneckerRule):
     r"""FOOF (Benzing 2022): gradient descent on neurons, a one-sided Kronecker preconditioner.
 
-    ``FOOF(model, lr, momentum=None, damping=0.1, stat_decay=0.95, update_every=10, *,
-    statistics_every=1, max_dim=None, distributed_inversion=False, inverse="cholesky", inverse_dtype=torch.float64,
-    params=None, **sgd_kwargs)``
-
     For each layer with input rows (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Conv1d/2d/3d``
     through their unfolded patches; a grouped convolution one factor per group), with
     :math:`\tilde x` the input with a 1 appended when the bias is trained and :math:`\tilde G` the
@@ -51,16 +47,15 @@ class FOOF(KroneckerRule):
     Args:
         model: The model.
         lr: Learning rate.
-        momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
+        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
         damping: :math:`\lambda` (>= 0), absolute: it scales with the inputs' variance.
-        stat_decay: :math:`\beta`, the decay of the running second moment, in [0, 1).
+        stat_decay: :math:`\beta`, in [0, 1).
         update_every: Refresh the inverse every this many optimizer steps (>= 1).
-        statistics_every: Collect statistics every this many steps (>= 1); between them the kept
-            inverses precondition.
-        max_dim: Leave layers whose factor is larger than this to plain SGD (None: no limit).
+        statistics_every: Collect statistics every this many steps (>= 1); the kept inverses between.
+        max_dim: Leave layers with a larger factor to plain SGD (None: no limit).
         distributed_inversion: Under data parallelism, invert each factor on one rank and broadcast it.
-        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition, so a
-            change of ``damping`` applies at the next step without a new decomposition.
+        inverse: ``"cholesky"`` (default) or ``"eigh"`` (keeps each eigendecomposition, so a change
+            of ``damping`` applies at the next step without a new one).
         inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock

@@ -19,10 +19,8 @@ __all__ = ["KFAC"]
 
 class KroneckerFactors(FactorSums):
     """Per call: the input factor's sums in the forward hook, the output-gradient factor's in backward.
-
-    With ``per_position`` (kfac-pytorch's scaling), a convolution's rows are divided by its
-    number of output positions ``L`` and the output-gradient sum is over rows, not samples.
-    """
+    With ``per_position`` (kfac-pytorch's scaling), a convolution's rows are divided by its number of
+    output positions ``L`` and the output-gradient sum is over rows, not samples."""
 
     grad_outputs = True
 
@@ -58,16 +56,10 @@ class KroneckerFactors(FactorSums):
 class KFAC(KroneckerRule):
     r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
 
-    ``KFAC(model, lr, momentum=None, damping=0.1, stat_decay=0.95, update_every=10, *,
-    statistics_every=1, loss_reduction="mean", convention="inputaware", max_dim=None,
-    distributed_inversion=False, inverse="cholesky", inverse_dtype=torch.float64, params=None,
-    **sgd_kwargs)``
-
     For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
-    ``nn.Conv1d/2d/3d`` and their transposes; a grouped convolution one block per group), with
-    :math:`\tilde x` the input rows (a 1 appended when the bias is trained), :math:`g` the
-    gradient that reached the layer's output rows, :math:`B` the batch size and :math:`\tilde G`
-    the weight-and-bias gradient, ``convention="inputaware"`` (the default) is
+    convolutions and their transposes; grouped: a block per group), with :math:`\tilde x` its input
+    rows (a 1 appended when the bias is trained), :math:`g` the gradient at its output rows,
+    :math:`B` the batch size and :math:`\tilde G` the weight-and-bias gradient, the default is
 
     .. math::
         A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \quad
@@ -76,16 +68,11 @@ class KFAC(KroneckerRule):
             (\bar A + \pi\sqrt\lambda I)^{-1}, \quad
         \pi = \sqrt{m_A / m_G}, \quad m_F = \operatorname{tr}(\bar F) / \dim \bar F
 
-    Martens & Grosse's factored Tikhonov damping (their section 6.3; :math:`\pi = 1` where a
-    factor is zero). :math:`G` is the second moment of the per-example output derivative
-    :math:`Ds = B g` of a mean loss. :math:`\bar A, \bar G` are running averages (decay
-    ``stat_decay``; the first step takes its own) whose damped inverses are refreshed every
-    ``update_every`` optimizer steps; then the SGD momentum update. Under FSDP2 each layer's
-    gradient is gathered (one layer at a time) and each rank keeps its rows of the result.
-
-    ``convention="kfac-pytorch"`` reproduces kfac-pytorch's preconditioned gradient (its scaling,
-    running averages from :math:`I`, absolute :math:`\lambda`; ``inverse="cholesky"`` its
-    ``compute_method="inverse"``, ``inverse="eigh"`` its ``"eigen"``): see docs/rules/kfac.md.
+    (factored Tikhonov damping, their section 6.3; :math:`\pi = 1` where a factor is zero; :math:`G`
+    is the second moment of the output derivative :math:`Ds = B g` of a mean loss), with running
+    averages :math:`\bar A, \bar G` (decay ``stat_decay``; the first step takes its own) whose damped
+    inverses are refreshed every ``update_every`` optimizer steps; then the SGD momentum update.
+    Under FSDP2 each layer's gradient is gathered (a layer at a time), each rank keeping its rows.
 
     State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
     ``output_grad_second_moment``, ``output_grad_inverse`` and ``statistics_steps``.
@@ -93,19 +80,20 @@ class KFAC(KroneckerRule):
     Args:
         model: The model.
         lr: Learning rate.
-        momentum: SGD momentum factor (``None``: 0.9; with ``base=``, the base's own default).
+        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
         damping: :math:`\lambda` (>= 0), split between the factors as above.
         stat_decay: Decay of the running factors, in [0, 1).
         update_every: Refresh the inverses every this many optimizer steps (>= 1).
-        statistics_every: Collect statistics every this many steps (>= 1); between them the kept
-            inverses precondition.
-        loss_reduction: ``"mean"`` (the loss is a mean over the batch, the inputs' first dimension)
-            or ``"sum"`` (:math:`g` is already per example: :math:`G = \frac1B\sum_r g_r g_r^\top`).
-        convention: ``"inputaware"`` (default) or ``"kfac-pytorch"``: the factors' scaling and damping.
-        max_dim: Leave layers with a factor larger than this to the stock update (None: no limit).
+        statistics_every: Collect statistics every this many steps (>= 1); the kept inverses between.
+        loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``
+            (:math:`g` is per example: :math:`G = \frac1B\sum_r g_r g_r^\top`).
+        convention: ``"inputaware"`` (default, above) or ``"kfac-pytorch"``: kfac-pytorch's scaling, running
+            averages from :math:`I` and absolute :math:`\lambda` (its methods "inverse" and "eigen" as ``inverse``
+            "cholesky" and "eigh"; docs/rules/kfac.md).
+        max_dim: Leave layers with a larger factor to the stock update (None: no limit).
         distributed_inversion: Under data parallelism, invert each factor on one rank and broadcast it.
-        inverse: ``"cholesky"`` (default) or ``"eigh"``: keep each factor's eigendecomposition, so a
-            change of ``damping`` applies at the next step without a new decomposition.
+        inverse: ``"cholesky"`` (default) or ``"eigh"`` (keeps each eigendecomposition, so a change
+            of ``damping`` applies at the next step without a new one).
         inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
         params: Parameters or param groups of ``model`` (default: all that require grad).
         **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
@@ -171,9 +159,8 @@ class KFAC(KroneckerRule):
         self._set_group_defaults(loss_reduction=self._loss_reduction)
 
     def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
-        # A mean-reduced loss divides each output gradient by this rank's batch B (all its
-        # micro-batches together), so Ds = B g. Summing (B^2 sum g g^T) and B over ranks, then
-        # dividing, gives G = E[sum over positions of Ds Ds^T] whatever the split.
+        # A mean-reduced loss divides each output gradient by this rank's batch B (all its micro-batches),
+        # so Ds = B g: summing (B^2 sum g g^T) and B over ranks gives G = E[sum_t Ds Ds^T] whatever the split.
         grads, batch = sums["output_grad"]
         if layer.group["loss_reduction"] == "mean" and not self._kfac_pytorch:
             grads = grads * (batch * batch)

@@ -56,9 +56,7 @@ class KroneckerRule(InputAwareSGD):
 
     Subclasses set ``factors`` and ``statistics`` (the ``FactorSums`` computing each call's sums),
     implement ``_precondition`` (the new gradient matrix from the old one and the damped inverses)
-    and may override ``_damping``. A rule that inverts nothing (Eva) overrides
-    ``_precondition_layers`` instead.
-
+    and may override ``_damping``; one that inverts nothing (Eva) overrides ``_precondition_layers``.
     State per preconditioned weight: ``<factor>_second_moment``, ``<factor>_inverse`` and
     ``statistics_steps``; with ``inverse="eigh"`` also ``<factor>_eigenvalues``,
     ``<factor>_eigenvectors`` and ``<factor>_inverse_damping`` (the damping the inverse was formed with).
@@ -93,7 +91,10 @@ class KroneckerRule(InputAwareSGD):
     ) -> None:
         if lr is None:
             raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        _check_hyperparameters(damping, stat_decay, update_every, statistics_every)
+        self._rule_defaults: dict[str, Any] = dict(
+            damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every
+        )
+        _check_hyperparameters(*self._rule_defaults.values())
         if max_dim is not None and not _positive_integer(max_dim):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
@@ -102,15 +103,8 @@ class KroneckerRule(InputAwareSGD):
             raise ValueError(f"Invalid inverse: {inverse!r} (must be one of {', '.join(map(repr, INVERSES))})")
         if inverse_dtype not in (torch.float32, torch.float64):
             raise ValueError(f"Invalid inverse_dtype: {inverse_dtype!r} (must be torch.float64 or torch.float32)")
-        self._max_dim = max_dim
-        self._distributed_inversion = distributed_inversion
+        self._max_dim, self._distributed_inversion = max_dim, distributed_inversion
         self._inverse, self._inverse_dtype = inverse, inverse_dtype
-        self._rule_defaults = {
-            "damping": damping,
-            "stat_decay": stat_decay,
-            "update_every": update_every,
-            "statistics_every": statistics_every,
-        }
         base = sgd_kwargs.get("base")
         if base is None:
             sgd_kwargs["momentum"] = 0.9 if momentum is None else momentum  # the rule's SGD default
@@ -143,9 +137,7 @@ class KroneckerRule(InputAwareSGD):
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)
         for group in self.param_groups:
-            _check_hyperparameters(
-                group["damping"], group["stat_decay"], group["update_every"], group["statistics_every"]
-            )
+            _check_hyperparameters(*(group[name] for name in self._rule_defaults))
         self._check_sharded_layers()
 
     def _check_sharded_layers(self) -> None:
@@ -167,7 +159,6 @@ class KroneckerRule(InputAwareSGD):
                     "placement (Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
                 )
 
-    # -- what subclasses provide ----------------------------------------------------------
     def _precondition(
         self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
     ) -> Tensor:
@@ -187,7 +178,6 @@ class KroneckerRule(InputAwareSGD):
         """The running average a factor's first moment is averaged with (``None``: it is taken as is)."""
         return None
 
-    # -- the step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Precondition the gradients of the supported layers, then take the SGD step."""
@@ -275,9 +265,8 @@ class KroneckerRule(InputAwareSGD):
         module, kind, homogeneous = layer.module, layer.kind, layer.homogeneous
         weight = weight_of(module)
         if not sharded(weight):
-            kind.set_grad_matrix(
-                module, self._precondition(layer, kind.grad_matrix(module, homogeneous), inverses), homogeneous
-            )
+            new = self._precondition(layer, kind.grad_matrix(module, homogeneous), inverses)
+            kind.set_grad_matrix(module, new, homogeneous)
             return
         bias = bias_of(module)
         if self.acts_on_rows:  # this rank's rows need nothing from the others
@@ -290,13 +279,10 @@ class KroneckerRule(InputAwareSGD):
     def _step_statistics(
         self, inputs: Inputs, due: list[dict[str, Any]]
     ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
-        """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a
-        gradient and a row this step.
-
-        Under data parallelism a layer this rank's batch never reached joins with zero sums, so
-        that every rank reduces the same list. A layer that saw no row on any rank (an expert no
-        token was routed to) takes the plain step and keeps its running moments.
-        """
+        """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a gradient
+        and a row this step. A layer this rank's batch never reached joins with zero sums (every rank
+        reduces the same list); one no rank saw a row of (an expert no token was routed to) takes the
+        plain step and keeps its running moments."""
         layers: list[Layer] = []
         sums: list[dict[str, tuple[Tensor, Tensor]]] = []
         absent: list[int] = []  # (indices of the layers this rank captured no call of)
@@ -323,24 +309,18 @@ class KroneckerRule(InputAwareSGD):
         for index in absent:  # captured on no rank: the plain step
             if all(float(d) == 0 for _, d in sums[index].values()):
                 inputs.get(weight_of(layers[index].module))  # (Inputs warns)
-        seen = [all(float(d) > 0 for _, d in s.values()) for s in sums]
-        return (
-            [layer for layer, ok in zip(layers, seen, strict=True) if ok],
-            [s for s, ok in zip(sums, seen, strict=True) if ok],
-        )
+        seen = [(layer, s) for layer, s in zip(layers, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
+        return [layer for layer, _ in seen], [s for _, s in seen]
 
     def _zero_sums(self, layer: Layer) -> dict[str, tuple[Tensor, Tensor]]:
         """Zero factor sums of ``layer``, shaped as the hooks compute them (per block if it has several)."""
         weight = local_tensor(weight_of(layer.module))
         dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
-        blocks = layer.kind.blocks(layer.module)
-        sizes = _sides(layer)
-        zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+        blocks, sizes = layer.kind.blocks(layer.module), _sides(layer)
+        lead = (blocks,) if blocks > 1 else ()
         square = 2 if self.inverts else 1  # (Eva's factors are vectors, with nothing to invert)
-        return {
-            factor: (zero(*((blocks,) if blocks > 1 else ()), *(sizes[factor],) * square), zero(()))
-            for factor in self.factors
-        }
+        zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+        return {factor: (zero(*lead, *(sizes[factor],) * square), zero(())) for factor in self.factors}
 
     def _kept_inverse(self, layer: Layer, factor: str, inverse: Tensor) -> Tensor:
         """The kept ``inverse`` of ``factor``; under ``inverse="eigh"``, formed again from the kept
@@ -380,10 +360,10 @@ class KroneckerRule(InputAwareSGD):
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator / denominator  # (out of place: the sums may be the capture's totals)
             previous = state.get(f"{factor}_second_moment")
-            if previous is not None and previous.dtype != moment.dtype:  # the model changed dtype (model.double())
-                previous = previous.to(moment.dtype)
             if previous is None:
                 previous = self._initial_moment(moment)
+            elif previous.dtype != moment.dtype:  # the model changed dtype (model.double())
+                previous = previous.to(moment.dtype)
             if previous is not None:  # beta * previous + (1 - beta) * moment
                 moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
             if f"{factor}_inverse" not in state or refresh:
@@ -401,18 +381,16 @@ class KroneckerRule(InputAwareSGD):
         for layer, (_, moments, inverses, due, bases) in zip(layers, updates, strict=True):
             means = {f: m.diagonal(dim1=-2, dim2=-1).mean(-1) for f, m in moments.items()} if due else {}
             for factor in due:
-                moment = moments[factor]
+                moment, n = moments[factor], moments[factor].shape[-1]
                 name = f"{self.capture.name(layer.module)} ({factor})"
                 damping, given = self._damping(layer.group, factor, means), layer.group["damping"]
                 if self._inverse == "eigh":  # the decomposition travels, packed as (n + 1) x n
                     jobs.append(functools.partial(eigenbasis, moment, name, dtype))
-                    likes.append(
-                        moment.new_empty((*moment.shape[:-2], moment.shape[-1] + 1, moment.shape[-1]), dtype=dtype)
-                    )
+                    likes.append(moment.new_empty((*moment.shape[:-2], n + 1, n), dtype=dtype))
                 else:
                     jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype, given=given))
                     likes.append(moment)
-                costs.append(float(moment.numel() * moment.shape[-1]))  # ~ n³ per block either way
+                costs.append(float(moment.numel() * n))  # ~ n³ per block either way
                 slots.append((inverses, bases, factor, name, damping, given, moment.dtype))
         group = self.data_parallel_group if self._distributed_inversion else None
         results = computed_once(jobs, likes, costs, group)
@@ -432,12 +410,10 @@ def damped_inverse(
     dtype: torch.dtype = torch.float64,
     given: float | None = None,
 ) -> Tensor:
-    """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major.
-
-    ``damping`` is a number, or one per block of a stack of matrices; ``given`` is the damping
-    hyperparameter it was derived from, if it differs (an error names both). Row-major, so a
-    product with it takes the same kernel (the same bits) wherever it was computed
-    (``distributed_inversion``).
+    """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major (so
+    a product with it takes the same kernel, the same bits, wherever it was computed). ``damping`` is a
+    number, or one per block; ``given`` the hyperparameter it was derived from, if it differs (an error
+    names both).
 
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).
@@ -497,8 +473,8 @@ def _check_hyperparameters(damping: float, stat_decay: float, update_every: int,
 
 def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
     """The eigendecomposition of a symmetric ``matrix`` (or of each block) in ``dtype``, packed as
-    the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues as row ``n``.
-    Eigenvalues below zero (rounding: the statistics are second moments) are 0.
+    the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues as row ``n`` (those
+    below zero, rounding: the statistics are second moments, as 0).
 
     Raises:
         RuntimeError: If the statistics are not finite, or the decomposition does not converge.

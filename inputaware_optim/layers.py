@@ -24,12 +24,9 @@ _REGISTRY: dict[type[nn.Module] | str, LayerKind] = {}
 
 
 def register_layer(*module_types: type[nn.Module] | str) -> Any:
-    """Class decorator: register a ``LayerKind`` for ``module_types``.
-
-    A type may be given by its qualified name (``"transformers.pytorch_utils.Conv1D"``), so that
-    its package need not be imported. A kind covers its types and their subclasses that do not
-    override ``forward``.
-    """
+    """Class decorator: register a ``LayerKind`` for ``module_types``, types or qualified names
+    (``"transformers.pytorch_utils.Conv1D"``: its package need not be imported). A kind covers
+    its types and their subclasses that do not override ``forward``."""
 
     def register(cls: type[LayerKind]) -> type[LayerKind]:
         kind = cls()
@@ -41,62 +38,54 @@ def register_layer(*module_types: type[nn.Module] | str) -> Any:
     return register
 
 
-def _registered(cls: type) -> LayerKind | None:
-    return _REGISTRY.get(cls) or _REGISTRY.get(f"{cls.__module__}.{cls.__qualname__}")
+def _base(module: nn.Module) -> tuple[type[nn.Module], LayerKind] | None:
+    """The nearest registered class in ``module``'s type's MRO, and its kind."""
+    for cls in type(module).__mro__:
+        kind = _REGISTRY.get(cls) or _REGISTRY.get(f"{cls.__module__}.{cls.__qualname__}")
+        if kind is not None:
+            return cls, kind
+    return None
 
 
-def registered_base(module: nn.Module) -> type[nn.Module] | None:
-    """The nearest registered class in ``module``'s type's MRO, if any."""
-    return next((cls for cls in type(module).__mro__ if _registered(cls) is not None), None)
-
-
-def _base_kind(module: nn.Module) -> LayerKind | None:
-    base = registered_base(module)
-    return None if base is None else _registered(base)
+def _own_forward(module: nn.Module, base: type) -> bool:
+    return getattr(type(module), "forward", None) is not getattr(base, "forward", None)
 
 
 def layer_kind(module: nn.Module) -> LayerKind | None:
     """The ``LayerKind`` of ``module``'s type, or of a registered base whose ``forward`` it keeps;
     ``None`` if there is none or this module's configuration is not supported."""
-    base = registered_base(module)
-    if base is None or getattr(type(module), "forward", None) is not getattr(base, "forward", None):
+    found = _base(module)
+    if found is None or _own_forward(module, found[0]):
         return None  # unregistered, or a subclass with its own forward (timm's StdConv2d, Conv2dSame)
-    kind = _registered(base)
-    return kind if kind is not None and kind.supports(module) else None
+    return found[1] if found[1].supports(module) else None
 
 
 def why_no_kind(module: nn.Module) -> str:
     """Why ``layer_kind(module)`` is ``None``, in words (for coverage reports)."""
-    base = registered_base(module)
-    name = type(module).__name__
-    if base is None:
+    found, name = _base(module), type(module).__name__
+    if found is None:
         return f"no LayerKind is registered for {name}"
-    if getattr(type(module), "forward", None) is not getattr(base, "forward", None):
-        return f"{name} subclasses {base.__name__} with its own forward (register a LayerKind for {name})"
-    kind = _registered(base)
-    assert kind is not None
-    return kind.unsupported(module)
+    if _own_forward(module, found[0]):
+        return f"{name} subclasses {found[0].__name__} with its own forward (register a LayerKind for {name})"
+    return found[1].unsupported(module)
 
 
 def declared_refusal(module: nn.Module) -> str | None:
     """Why DP refuses ``module``, if its registered kind says so."""
-    kind = _base_kind(module)
-    return kind.per_sample_refusal if kind is not None else None
+    found = _base(module)
+    return found[1].per_sample_refusal if found is not None else None
 
 
 def explained(module: nn.Module | None, reason: str | None) -> str | None:
     """``reason``, or the registry's own where ``module``'s registered kind declines it."""
-    if reason is None or module is None or layer_kind(module) is not None or registered_base(module) is None:
+    if reason is None or module is None or layer_kind(module) is not None or _base(module) is None:
         return reason
     return why_no_kind(module)
 
 
 class LayerKind:
-    """How one layer type presents its calls and gradients to rules.
-
-    A capability a layer type lacks raises ``NotImplementedError``; ``provides`` tells.
-    ``per_sample_refusal`` says why DP refuses the layer, where it does.
-    """
+    """How one layer type presents its calls and gradients to rules. A capability it lacks raises
+    ``NotImplementedError`` (``provides`` tells); ``per_sample_refusal`` says why DP refuses it, if it does."""
 
     per_sample_refusal: str | None = None
     weight_name = "weight"  # the attribute holding the weight matrix W
@@ -111,12 +100,9 @@ class LayerKind:
         return f"this configuration of {type(module).__name__} is not supported"
 
     def blocks(self, module: nn.Module) -> int:
-        """How many independent blocks ``W̃`` has (a grouped convolution: its ``groups``).
-
-        With ``k > 1`` blocks, ``W̃`` is block diagonal and the Kronecker view carries a leading
-        block dimension: rows ``(k, samples, in/k [+1])`` and ``(k, samples, out/k)``, ``grad_matrix``
-        ``(k, out/k, in/k [+1])``.
-        """
+        """How many independent blocks ``W̃`` has (a grouped convolution: its ``groups``). With ``k > 1``,
+        ``W̃`` is block diagonal and the Kronecker view carries a leading block dimension: rows
+        ``(k, samples, in/k [+1])`` and ``(k, samples, out/k)``, ``grad_matrix`` ``(k, out/k, in/k [+1])``."""
         return 1
 
     def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
@@ -157,11 +143,9 @@ class LayerKind:
         return _batch_of(call)
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
-        """Each sample's gradient of ``module``'s parameters ``names`` from one call.
-
-        This generic version runs ``torch.func``'s ``vmap(grad(...))`` over the module's forward (exact
-        where a sample's output depends on its input alone); kinds override it with a closed form.
-        """
+        """Each sample's gradient of ``module``'s parameters ``names`` from one call: here ``torch.func``'s
+        ``vmap(grad(...))`` over the forward (exact where a sample's output depends on its input alone);
+        kinds override it with a closed form."""
         return Materialized(_functional_per_sample_grads(module, call, names))
 
 
@@ -170,8 +154,7 @@ class PerSample:
 
     def sq_norms(self) -> Tensor:
         """Each sample's squared gradient norm over the parameters: ``(batch,)``."""
-        grads = self.grads()
-        return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]).sum(0)
+        return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in self.grads().values()]).sum(0)
 
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
         """``sum_i weights[i] * (sample i's gradient)`` for each parameter."""
@@ -190,42 +173,35 @@ class Materialized(PerSample):
         return self._grads
 
 
-def _names_of(module: nn.Module) -> tuple[str, str]:
-    """The attribute names of ``module``'s weight matrix and bias, cached per type."""
-    cls = type(module)
-    names = _NAMES.get(cls)
-    if names is None:
-        kind = _base_kind(module)
-        names = (kind.weight_name, kind.bias_name) if kind is not None else ("weight", "bias")
-        _NAMES[cls] = names
-    return names
-
-
 _NAMES: dict[type, tuple[str, str]] = {}
 
 
-def _attribute(module: nn.Module, name: str) -> Any:
+def _attribute(module: nn.Module, which: int) -> Any:
+    """``module``'s weight (``which=0``) or bias (1), by the names its kind gives (cached per type)."""
+    names = _NAMES.get(type(module))
+    if names is None:
+        found = _base(module)
+        names = _NAMES[type(module)] = (found[1].weight_name, found[1].bias_name) if found else ("weight", "bias")
     # A registered parameter straight from ``_parameters``: nn.Module.__getattr__ is slower.
-    param = module._parameters.get(name)
-    return param if param is not None else getattr(module, name, None)
+    param = module._parameters.get(names[which])
+    return param if param is not None else getattr(module, names[which], None)
 
 
 def weight_of(module: nn.Module) -> Tensor:
     """The weight matrix of ``module`` (``module.weight``, or the attribute its kind names)."""
-    name = _names_of(module)[0]
-    weight = _attribute(module, name)
-    assert isinstance(weight, Tensor), f"{type(module).__name__}.{name} is not a tensor"
+    weight = _attribute(module, 0)
+    assert isinstance(weight, Tensor), f"{type(module).__name__}.{_NAMES[type(module)][0]} is not a tensor"
     return weight
 
 
 def weight_or_none(module: nn.Module) -> Tensor | None:
-    weight = _attribute(module, _names_of(module)[0])
+    weight = _attribute(module, 0)
     return weight if isinstance(weight, Tensor) else None
 
 
 def bias_of(module: nn.Module) -> Tensor | None:
     """The bias of ``module`` (``module.bias``, or the attribute its kind names), else ``None``."""
-    bias = _attribute(module, _names_of(module)[1])
+    bias = _attribute(module, 1)
     return bias if isinstance(bias, Tensor) else None
 
 
@@ -255,25 +231,28 @@ def _with_ones(rows: Tensor, homogeneous: bool) -> Tensor:
     return torch.cat([rows, rows.new_ones(*rows.shape[:-1], 1)], dim=-1) if homogeneous else rows
 
 
-def _with_bias(matrix: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
-    """A weight gradient ``(out, in)`` with the bias gradient appended as its last column where ``homogeneous``."""
-    if not homogeneous:
-        return matrix
-    assert bias is not None and bias.grad is not None
-    return torch.cat((matrix, bias.grad.reshape(-1, 1)), dim=1)
-
-
 class _WeightMatrix(LayerKind):
     """A kind whose ``W̃`` is its weight (flattened after the first dimension) and bias, in ``blocks`` blocks."""
+
+    transposed = False  # the weight is stored (in, out / blocks, *kernel)
+
+    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
+        if not self.transposed:
+            return super().matrix_shape(module, homogeneous)
+        shape = weight_of(module).shape
+        return int(shape[1]), shape[0] // self.blocks(module) * math.prod(shape[2:]) + int(homogeneous)
 
     def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
         """The weight's gradient as ``W̃``'s columns, ``(out, in)``."""
         return grad if grad.dim() == 2 else grad.reshape(grad.shape[0], -1)
 
     def grad_matrix(self, module: nn.Module, homogeneous: bool) -> Tensor:
-        grad = weight_of(module).grad
+        grad, bias = weight_of(module).grad, bias_of(module)
         assert grad is not None
-        matrix = _with_bias(self._weight_grad(module, grad), bias_of(module), homogeneous)
+        matrix = self._weight_grad(module, grad)
+        if homogeneous:  # the bias gradient as the last column
+            assert bias is not None and bias.grad is not None
+            matrix = torch.cat((matrix, bias.grad.reshape(-1, 1)), dim=1)
         blocks = self.blocks(module)
         return matrix if blocks == 1 else matrix.reshape(blocks, -1, matrix.shape[1])
 
@@ -299,30 +278,14 @@ class _WeightMatrix(LayerKind):
             grad.copy_(matrix.reshape(grad.shape))
 
 
-class _MatrixPerSample(_WeightMatrix):
-    """A matrix on rows: inputs ``(batch, positions, in)`` and output gradients ``(batch, positions, out)``
-    give every per-sample quantity (see ``MatrixRows``)."""
-
-    transposed = False  # the weight is stored (in, out)
-
-    def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
-        raise NotImplementedError
-
-    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
-        x, g = self._sample_rows(module, call)
-        return MatrixRows(x, g, names, weight_of(module).shape, self.transposed)
-
-
 class MatrixRows(PerSample):
     """A matrix layer's per-sample gradients from inputs ``x`` ``(batch, positions, in)`` and output
     gradients ``g`` ``(batch, positions, out)`` (any strides): sample ``b``'s weight gradient is
-    ``sum_t g_bt x_btᵀ``, its bias gradient ``sum_t g_bt``.
-
-    The squared norm is the cheaper exact form: the ghost norm (Gram matrices over the positions),
-    or the gradient itself (``formed``, ``(batch, out, in)``) where it is no larger than the rows
-    (``positions * (in + out) >= in * out``), then kept for the sums. Otherwise the clipped sum is
-    Book-Keeping's one product ``gᵀ diag(c) x``. Given ``formed``, ``x`` and ``g`` are not needed.
-    """
+    ``sum_t g_bt x_btᵀ``, its bias gradient ``sum_t g_bt``. The squared norm is the cheaper exact form:
+    the ghost norm (Gram matrices over the positions), or the gradient itself (``formed``, ``(batch, out,
+    in)``) where it is no larger than the rows (``positions * (in + out) >= in * out``), then kept for the
+    sums. Otherwise the clipped sum is Book-Keeping's one product ``gᵀ diag(c) x``. Given ``formed``,
+    ``x`` and ``g`` are not needed."""
 
     def __init__(
         self,
@@ -335,21 +298,16 @@ class MatrixRows(PerSample):
         formed: Tensor | None = None,
         bias_rows: Tensor | None = None,
     ) -> None:
-        weight, bias = "weight" in names, "bias" in names
+        self.weight, self.bias = "weight" in names, "bias" in names
         assert (x is not None and g is not None) or (
-            (formed is not None or not weight) and (bias_rows is not None or not bias)
+            (formed is not None or not self.weight) and (bias_rows is not None or not self.bias)
         )
         self.x, self.g = x, g
-        self.weight, self.bias = weight, bias
+        self.names = [n for n in ("weight", "bias") if n in names]  # the parameters it holds the gradients of
         self.weight_shape = weight_shape
         self.transposed = transposed  # the weight is stored (in, out), as Hugging Face's Conv1D
         self.formed = formed  # (batch, out, in): each sample's weight gradient, once formed
         self._bias_rows = bias_rows
-
-    @property
-    def names(self) -> list[str]:
-        """The parameters it holds the gradients of (``"weight"``, ``"bias"``)."""
-        return [n for n, on in (("weight", self.weight), ("bias", self.bias)) if on]
 
     @property
     def like(self) -> Tensor:
@@ -392,24 +350,20 @@ class MatrixRows(PerSample):
             squared = (torch.bmm(g, g.transpose(1, 2)) * torch.bmm(x, x.transpose(1, 2))).sum((1, 2))
         return squared if total is None else squared + total
 
-    def _weight_sum(self, weights: Tensor) -> Tensor:
-        """``sum_b weights[b] * (sample b's weight gradient)``, ``(out, in)``."""
-        if self.formed is not None:
-            return torch.tensordot(weights, self.formed, dims=1)
-        x, g = self.x, self.g
-        assert x is not None and g is not None
-        scale = weights[:, None, None]
-        if x.shape[2] < g.shape[2]:
-            x = x * scale
-        else:
-            g = g * scale
-        return g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
-
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
         weights = weights.to(self.like)
         sums = {}
         if self.weight:
-            matrix = self._weight_sum(weights)
+            if self.formed is not None:
+                matrix = torch.tensordot(weights, self.formed, dims=1)
+            else:  # one product, the weights on the narrower side of the rows
+                x, g = self.x, self.g
+                assert x is not None and g is not None
+                if x.shape[2] < g.shape[2]:
+                    x = x * weights[:, None, None]
+                else:
+                    g = g * weights[:, None, None]
+                matrix = g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
             sums["weight"] = (matrix.T if self.transposed else matrix).reshape(self.weight_shape)
         if self.bias:
             sums["bias"] = weights @ self.bias_rows
@@ -437,9 +391,7 @@ class MatrixRows(PerSample):
     def grads(self) -> dict[str, Tensor]:
         grads = {}
         if self.weight:
-            matrix = self.form()
-            if self.transposed:
-                matrix = matrix.transpose(1, 2)
+            matrix = self.form().transpose(1, 2) if self.transposed else self.form()
             grads["weight"] = matrix.reshape(matrix.shape[0], *self.weight_shape)
         if self.bias:
             grads["bias"] = self.bias_rows
@@ -473,7 +425,7 @@ def merged_rows(per_call: list[MatrixRows]) -> MatrixRows:
 
 
 @register_layer(nn.Linear)
-class LinearKind(_MatrixPerSample):
+class LinearKind(_WeightMatrix):
     """``nn.Linear``: every leading dimension of the input is a sample dimension."""
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
@@ -487,15 +439,16 @@ class LinearKind(_MatrixPerSample):
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
         return sum(x.shape[0] if x.dim() > 1 else 1 for x in entry.inputs())
 
-    def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
+    def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
         if x.dim() == 1:
             x, g = x[None], g[None]
-        return x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+        x, g = x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+        return MatrixRows(x, g, names, weight_of(module).shape, self.transposed)
 
 
 @register_layer(nn.Conv1d, nn.Conv2d, nn.Conv3d)
-class ConvKind(_MatrixPerSample):
+class ConvKind(_WeightMatrix):
     """``nn.Conv1d/2d/3d``: a linear map on unfolded input patches, one row per output position (any
     padding mode); a grouped convolution is ``groups`` independent blocks."""
 
@@ -503,53 +456,47 @@ class ConvKind(_MatrixPerSample):
         assert isinstance(module, nn.modules.conv._ConvNd)
         return int(module.groups)
 
-    def _patches(self, module: nn.Module, x: Tensor) -> Tensor:
-        """``(batch, positions, C * prod(kernel))`` rows, in the weight's layout (channels outermost)."""
+    def _patches(self, module: nn.Module, x: Tensor, call: Call) -> Tensor:
+        """``call``'s batched input ``x`` as rows ``(batch, positions, C * prod(kernel))``, channels outermost."""
         assert isinstance(module, nn.modules.conv._ConvNd)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, conv_padding(module), mode=mode)  # pad as the layer does
         return _windows(x, module.kernel_size, module.stride, module.dilation)
 
-    def _spatial(self, module: nn.Module) -> int:
-        assert isinstance(module, nn.modules.conv._ConvNd)
-        return len(module.kernel_size)
-
     def _split(self, module: nn.Module, rows: Tensor) -> Tensor:
         """``(..., groups * n)`` -> ``(groups, ..., n)``; unchanged for ``groups=1``."""
         groups = self.blocks(module)
-        if groups == 1:
-            return rows
-        return rows.reshape(*rows.shape[:-1], groups, -1).movedim(-2, 0)
+        return rows if groups == 1 else rows.reshape(*rows.shape[:-1], groups, -1).movedim(-2, 0)
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        dims = self._spatial(module) + 2
-        patches = [self._patches(module, _statistics_dtype(_batched(x, dims))) for x in entry.inputs()]
+        dims = weight_of(module).dim()  # a batched input's (B, C, *spatial), as the weight's (out, in, *kernel)
+        patches = [
+            self._patches(module, _statistics_dtype(_batched(x, dims)), call)
+            for x, call in zip(entry.inputs(), entry.calls, strict=True)
+        ]
         return _with_ones(self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches])), homogeneous)
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
-        dims = self._spatial(module) + 2
+        dims = weight_of(module).dim()
         grads = [_statistics_dtype(_batched(g, dims)) for g in entry.grad_outputs()]
         return self._split(module, torch.cat([g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1]) for g in grads]))
 
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
-        dims = self._spatial(module) + 2
+        dims = weight_of(module).dim()
         return sum(x.shape[0] if x.dim() == dims else 1 for x in entry.inputs())
-
-    def _sample_rows(self, module: nn.Module, call: Call) -> tuple[Tensor, Tensor]:
-        dims = self._spatial(module) + 2
-        x = _statistics_dtype(_batched(call.input, dims))
-        g = _statistics_dtype(_batched(_grad_output(call), dims))
-        return self._patches(module, x), g.flatten(2).transpose(1, 2)
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         groups = self.blocks(module)
         rows = _conv_rows(module, call, names) if groups == 1 else None
         if rows is not None:
             return rows
-        if groups == 1:
-            return super().per_sample(module, call, names)
+        dims = weight_of(module).dim()
+        x = self._patches(module, _statistics_dtype(_batched(call.input, dims)), call)
+        g = _statistics_dtype(_batched(_grad_output(call), dims)).flatten(2).transpose(1, 2)
+        if groups == 1:  # (a 3-D convolution)
+            return MatrixRows(x, g, names, weight_of(module).shape)
         # (B, T, G * n) -> (B, G, T, n): each group a matrix on its own rows
-        x, g = (t.reshape(t.shape[0], t.shape[1], groups, -1).transpose(1, 2) for t in self._sample_rows(module, call))
+        x, g = (t.reshape(t.shape[0], t.shape[1], groups, -1).transpose(1, 2) for t in (x, g))
         return BlockRows(x, g, names, weight_of(module).shape)
 
 
@@ -567,12 +514,11 @@ def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRow
     elif any(conv_padding(module)):  # other modes, or "same" (perhaps uneven)
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, conv_padding(module), mode=mode)
-    weight, bias = "weight" in names, "bias" in names
     batch, channels, outputs = x.shape[0], x.shape[1], g.shape[1]
     kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
     positions, inputs = math.prod(g.shape[2:]), channels * math.prod(kernel)
-    bias_rows = g.flatten(2).sum(2) if bias else None
-    if weight and _forms(positions, inputs, outputs):
+    bias_rows = g.flatten(2).sum(2) if "bias" in names else None
+    if "weight" in names and _forms(positions, inputs, outputs):
         shape = (batch * outputs, channels, *kernel)
         formed = torch.ops.aten.convolution_backward(
             g.reshape(1, batch * outputs, *g.shape[2:]),
@@ -658,27 +604,15 @@ class ConvTransposeKind(ConvKind):
     def unsupported(self, module: nn.Module) -> str:
         return f"{type(module).__name__} with padding_mode={module.padding_mode!r} is not supported"
 
-    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
-        assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        groups = module.groups
-        per_group = module.in_channels // groups * math.prod(module.kernel_size)
-        return module.out_channels // groups, per_group + int(homogeneous)
+    transposed = True
 
-    def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        dims = self._spatial(module) + 2
-        patches = []
-        for call in entry.calls:
-            x = _statistics_dtype(_batched(call.input, dims))
-            patches.append(self._upsampled_patches(module, x, _output_size(call)))
-        return _with_ones(self._split(module, torch.cat([r.reshape(-1, r.shape[-1]) for r in patches])), homogeneous)
-
-    def _upsampled_patches(self, module: nn.Module, x: Tensor, output_size: Sequence[int] | None) -> Tensor:
+    def _patches(self, module: nn.Module, x: Tensor, call: Call) -> Tensor:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        spatial = len(module.kernel_size)
-        sizes = x.shape[2:]
+        spatial, sizes = len(module.kernel_size), x.shape[2:]
         up = x.new_zeros(*x.shape[:2], *[(n - 1) * s + 1 for n, s in zip(sizes, module.stride, strict=True)])
         every_stride = (slice(None), slice(None), *[slice(None, None, s) for s in module.stride])
         up[every_stride] = x
+        output_size = call.args[1] if len(call.args) > 1 else call.kwargs.get("output_size")
         pads: list[int] = []
         for d in reversed(range(spatial)):  # F.pad lists the last dimension first
             k, s, p, dil = module.kernel_size[d], module.stride[d], int(module.padding[d]), module.dilation[d]
@@ -691,32 +625,19 @@ class ConvTransposeKind(ConvKind):
 
     per_sample = LayerKind.per_sample  # torch.func's, exact (no closed form here yet)
 
-    def _as_conv(self, module: nn.Module, weight: Tensor) -> Tensor:
-        """``W (C_in, C_out / g, *k)`` -> the equivalent convolution's ``W' (C_out, C_in / g, *k)``."""
-        groups, spatial = self.blocks(module), self._spatial(module)
-        w = weight.reshape(groups, -1, *weight.shape[1:]).transpose(1, 2)
-        return w.flip(list(range(3, 3 + spatial))).reshape(-1, *w.shape[2:])
-
-    def _from_conv(self, module: nn.Module, weight: Tensor) -> Tensor:
-        """The inverse of ``_as_conv``."""
-        groups, spatial = self.blocks(module), self._spatial(module)
-        w = weight.reshape(groups, -1, *weight.shape[1:]).flip(list(range(3, 3 + spatial))).transpose(1, 2)
-        return w.reshape(-1, *w.shape[2:])
-
     def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
+        # W (C_in, C_out / g, *k) -> the equivalent convolution's W' (C_out, C_in / g, *k), flattened
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        return self._as_conv(module, grad).reshape(module.out_channels, -1)
+        w = grad.reshape(self.blocks(module), -1, *grad.shape[1:]).transpose(1, 2)
+        w = w.flip(list(range(3, 3 + len(module.kernel_size))))
+        return w.reshape(module.out_channels, -1)
 
     def _copy_weight_grad(self, module: nn.Module, grad: Tensor, matrix: Tensor) -> None:
         assert isinstance(module, nn.modules.conv._ConvTransposeNd)
-        conv_shape = (module.out_channels, grad.shape[0] // self.blocks(module), *grad.shape[2:])
-        grad.copy_(self._from_conv(module, matrix.reshape(conv_shape)))
-
-
-def _output_size(call: Call) -> Sequence[int] | None:
-    """The ``output_size`` a transposed convolution was called with, if any."""
-    size = call.args[1] if len(call.args) > 1 else call.kwargs.get("output_size")
-    return None if size is None else [int(n) for n in size]
+        groups = self.blocks(module)
+        w = matrix.reshape(groups, module.out_channels // groups, grad.shape[0] // groups, *grad.shape[2:])
+        w = w.flip(list(range(3, 3 + len(module.kernel_size)))).transpose(1, 2)
+        grad.copy_(w.reshape(grad.shape))
 
 
 @register_layer(nn.MultiheadAttention)
@@ -747,9 +668,8 @@ class MultiheadAttentionKind(_WeightMatrix):
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
         per_call = []
         for call in entry.calls:
-            rows = [
-                _with_ones(_statistics_dtype(x.reshape(-1, x.shape[-1])), homogeneous) for x in _attention_inputs(call)
-            ]
+            inputs = [*call.args[:3], *(call.kwargs[n] for n in ("query", "key", "value")[len(call.args) :])]
+            rows = [_with_ones(_statistics_dtype(x.reshape(-1, x.shape[-1])), homogeneous) for x in inputs]
             width = max(r.shape[0] for r in rows)
             rows = [  # scaled so that (1 / width) sum x xᵀ is the mean over its own rows
                 r
@@ -777,22 +697,11 @@ class AttentionOutputKind(LayerKind):
         )
 
 
-def _attention_inputs(call: Call) -> tuple[Tensor, Tensor, Tensor]:
-    """``(query, key, value)`` of an ``nn.MultiheadAttention`` call, positional or keyword."""
-    names = ("query", "key", "value")
-    found = [call.args[i] if i < len(call.args) else call.kwargs[n] for i, n in enumerate(names)]
-    return found[0], found[1], found[2]
-
-
 @register_layer("transformers.pytorch_utils.Conv1D")
 class TransposedLinearKind(LinearKind):
     """Hugging Face's ``Conv1D`` (GPT-2): ``y = x W + b``, a ``nn.Linear`` with its weight stored ``(in, out)``."""
 
     transposed = True
-
-    def matrix_shape(self, module: nn.Module, homogeneous: bool) -> tuple[int, int]:
-        weight = weight_of(module)
-        return int(weight.shape[1]), int(weight.shape[0]) + int(homogeneous)
 
     def _weight_grad(self, module: nn.Module, grad: Tensor) -> Tensor:
         return grad.T
@@ -884,10 +793,9 @@ class EmbeddingBagKind(EmbeddingKind):
             scale = weights.to(g) if weights is not None else g.new_ones(bags.shape)
         else:
             assert offsets is not None
-            if module.include_last_offset:
-                starts, ends = offsets[:-1], offsets[1:]
-            else:
-                starts, ends = offsets, torch.cat([offsets[1:], offsets.new_tensor([index.numel()])])
+            if not module.include_last_offset:
+                offsets = torch.cat([offsets, offsets.new_tensor([index.numel()])])
+            starts, ends = offsets[:-1], offsets[1:]
             lengths = ends - starts
             bag = torch.repeat_interleave(torch.arange(len(starts), device=index.device), lengths)
             position = torch.arange(index.numel(), device=index.device) - starts[bag]

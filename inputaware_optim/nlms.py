@@ -11,24 +11,19 @@ from torch import nn
 from .base import evaluate_closure
 from .distributed import all_reduce_sum_, local_tensor, sharded
 from .inputs import Call, Captured, Inputs
-from .layers import Layer, bias_of, explained, weight_of
+from .kronecker import FactorSums
+from .layers import bias_of, explained, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
 __all__ = ["NLMS"]
 
 
-class InputPower(Reduction):
+class InputPower(FactorSums):
     """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number."""
 
-    def __init__(self, layers: list[Layer]) -> None:
-        self.layers = {module: layer for layer in layers for module in layer.modules()}
-
     def wants(self, module: nn.Module) -> bool:
-        return module in self.layers
-
-    def keys(self, module: nn.Module) -> tuple[torch.Tensor, ...]:
-        return (weight_of(module),)
+        return module in self.layers  # (unlike the Kronecker factors', a layer of width 0 too)
 
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]

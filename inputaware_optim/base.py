@@ -35,7 +35,7 @@ from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
 from .hooks import InputsHook, InputsHookHandle, Reads, StepHooks, When
 from .inputs import Inputs
-from .layers import Layer, bias_of, layer_kind, weight_of, weight_or_none, why_no_kind
+from .layers import Layer, bias_of, explained, layer_kind, weight_of, weight_or_none, why_no_kind
 from .reduction import Reduction
 
 __all__ = ["InputAwareOptimizer", "evaluate_closure"]
@@ -480,16 +480,17 @@ class InputAwareOptimizer(Optimizer):
             return f"{type(self).__name__} (reads the calls of {type(module).__name__})", None, False
         return f"stock {self._stock.__name__}", None, False
 
-    def _layer_treatment(
-        self, param: Tensor, module: nn.Module | None, layers: list[Layer], capability: str, what: str
-    ) -> tuple[str, str | None, bool]:
-        """The treatment by a rule that acts on the layers it was given (``what`` names the action)."""
-        for layer in layers:
+    def _layer_treatment(self, param: Tensor, module: nn.Module | None, what: str) -> tuple[str, str | None, bool]:
+        """The treatment by a rule that acts on its ``reads_capability`` layers (``what`` names the action)."""
+        capability = self.reads_capability
+        assert capability is not None
+        for layer in self._layers(capability):
             if weight_of(layer.module) is param:
                 return f"{what} ({type(layer.module).__name__})", None, False
             if layer.homogeneous and bias_of(layer.module) is param:
                 return f"{what} (bias column of {type(layer.module).__name__})", None, False
-        return f"stock {self._stock.__name__}", *self._uncovered(param, module, capability)
+        reason, fallback = self._uncovered(param, module, capability)
+        return f"stock {self._stock.__name__}", explained(module, reason), fallback
 
     def _uncovered(self, param: Tensor, module: nn.Module | None, capability: str) -> tuple[str, bool]:
         """Why a rule acting on layers with ``capability`` leaves ``param`` to the stock update, and

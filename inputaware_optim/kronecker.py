@@ -29,7 +29,7 @@ from .distributed import (
     sharded,
 )
 from .inputs import Inputs
-from .layers import ConvKind, Layer, LinearKind, bias_of, explained, layer_kind, weight_of
+from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
@@ -128,11 +128,7 @@ class KroneckerRule(InputAwareSGD):
         return f"a Kronecker factor of size {size} exceeds max_dim={self._max_dim} (memory ~ size², time ~ size³)"
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        layers = self._layers(self.reads_capability)
-        what, reason, fallback = self._layer_treatment(
-            param, module, layers, self.reads_capability, f"{type(self).__name__}: Kronecker"
-        )
-        return what, explained(module, reason), fallback
+        return self._layer_treatment(param, module, f"{type(self).__name__}: Kronecker")
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)

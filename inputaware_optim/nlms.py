@@ -12,7 +12,7 @@ from .base import evaluate_closure
 from .distributed import all_reduce_sum_, local_tensor, sharded
 from .inputs import Call, Captured, Inputs
 from .kronecker import FactorSums
-from .layers import bias_of, explained, weight_of
+from .layers import bias_of, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
@@ -74,9 +74,7 @@ class NLMS(InputAwareSGD):
         self._warn_if_no_layers("input_rows", "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)")
 
     def _treatment(self, param: torch.Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        layers = self._layers("input_rows")
-        what, reason, fallback = self._layer_treatment(param, module, layers, "input_rows", "NLMS: input-normalized")
-        return what, explained(module, reason), fallback
+        return self._layer_treatment(param, module, "NLMS: input-normalized")
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_power": InputPower(self._layers("input_rows"))}

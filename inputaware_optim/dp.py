@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, NoReturn, TypeGuard
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.linalg import vector_norm
 from torch.nn.utils import parametrize
 from torch.profiler import record_function
 
@@ -43,15 +44,8 @@ from .sgd import InputAwareSGD
 
 __all__ = ["DPSGD", "DPAdamW"]
 
-_BATCH_NORMS = (
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.SyncBatchNorm,
-    nn.LazyBatchNorm1d,
-    nn.LazyBatchNorm2d,
-    nn.LazyBatchNorm3d,
-)
+_BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_BATCH_NORMS += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
 
 
 class _PerSampleClipping(InputAwareOptimizer):
@@ -87,9 +81,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
         self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)  # the defaults of new param groups
-        self._expected_batch_size = expected_batch_size
-        self._batch_dim = batch_dim
-        self._sample_rate = sample_rate
+        self._expected_batch_size, self._batch_dim, self._sample_rate = expected_batch_size, batch_dim, sample_rate
         self._privacy_history: list[tuple[float, float | None, int]] = []
         # Seeded from the global RNG (reproducible under torch.manual_seed); drawing from it leaves the
         # global stream (dropout, data order) undisturbed.
@@ -157,11 +149,10 @@ class _PerSampleClipping(InputAwareOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, the noise generator and privacy history with it (0.2's step count: taken to
         be at the loaded noise multiplier, as 0.2's ``epsilon`` counted them)."""
-        generator_state = state_dict.get("noise_generator")
         own = ("noise_generator", "privacy_steps", "privacy_history")
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in own})
-        if generator_state is not None:
-            self._generator.set_state(generator_state)
+        if state_dict.get("noise_generator") is not None:
+            self._generator.set_state(state_dict["noise_generator"])
         if "privacy_history" in state_dict:
             self._privacy_history = [
                 (float(sigma), None if rate is None else float(rate), int(steps))
@@ -182,11 +173,29 @@ class _PerSampleClipping(InputAwareOptimizer):
         clip, sigma, _ = self._privacy
         self._set_group_defaults(max_grad_norm=clip, noise_multiplier=sigma)
         self._group_privacy()
-        _refuse_sharded_without_closed_form(self)
+        name, trained = type(self).__name__, {p for p in self._params() if p.requires_grad}
+        meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
+        if meshes - {1}:  # HSDP: the batch count and the noise would be combined over one mesh dimension only
+            raise NotImplementedError(
+                f"{name} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
+                "uses): its batch count and noise must be combined over every data-parallel rank"
+            )
+        names = {m: n for n, m in unwrap_model(self.model).named_modules()}
+        for module in self._modules_to_capture(trained):  # a sharded module: by name, if it has no closed form
+            if not any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
+                continue
+            kind = layer_kind(module)
+            if kind is None or not kind.provides("per_sample"):
+                raise NotImplementedError(
+                    f"{name} cannot compute per-sample gradients of {names.get(module, '?')} "
+                    "under FSDP2: only layers with closed-form per-sample gradients "
+                    "(nn.Linear, nn.Conv*d, nn.Embedding, ...) may be sharded; the generic vmap(grad) needs the whole "
+                    "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
+                )
         for module in self._modules_to_capture(self._params()):
             if isinstance(module, _BATCH_NORMS):
                 raise ValueError(
-                    f"{type(self).__name__} cannot clip per-sample gradients through {type(module).__name__} "
+                    f"{name} cannot clip per-sample gradients through {type(module).__name__} "
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
         self._refuse_unsupported_layers()
@@ -223,19 +232,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         return f"{type(self).__name__}: per-sample clipping ({how})", None, False
 
     def _build_reductions(self) -> dict[str, Reduction]:
-        _, _, reduction = self._privacy
-        owner = weakref.ref(self)  # the reduction lives in the capture, which this optimizer owns
-
-        def clip() -> float:  # read when each backward pass ends: a schedule may have changed it
-            optimizer = owner()
-            assert optimizer is not None
-            return optimizer._group_privacy()[0]
-
-        # Every parameter of the groups: which of them require grad is read when each pass ends.
-        params = set(self._params())
-        return {
-            "_clipped": ClippedSums(self.capture, params, clip, reduction, self._expected_batch_size, self._batch_dim)
-        }
+        return {"_clipped": ClippedSums(self)}
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
@@ -258,11 +255,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         private = self._private_gradients(inputs)
         for param, grad in private.items():
             assert param.grad is not None
-            if grad is param.grad:  # written in place
-                continue
             if param.grad.is_sparse:  # the noised estimate is dense: every row moves
                 param.grad = grad.to(param.dtype)
-            else:  # under FSDP2, ``grad`` is this rank's shard
+            elif grad is not param.grad:  # not written in place; under FSDP2, ``grad`` is this rank's shard
                 local_tensor(param.grad).copy_(grad)
         super().step(inputs=inputs)
         if private:  # a step with no gradient releases nothing
@@ -278,9 +273,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         totals = inputs.reduced(self._clipped)
         data_parallel = self.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
-        for entry in totals.values():
-            if "error" in entry:
-                self._raise_kept(*entry["error"])
+        error = next((entry["error"] for entry in totals.values() if "error" in entry), None)
+        if error is not None:
+            self._raise_kept(*error)
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
@@ -289,7 +284,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
         batch = self._step_batch(present, totals, clip)
         if distributed:
-            return self._private_gradients_over_ranks(targets, totals, present, batch, clip * sigma, data_parallel)
+            return self._private_gradients_over_ranks(targets, totals, batch, clip * sigma, data_parallel)
         divisor = self._divisor(batch)
         with record_function("DP: noise"):
             return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
@@ -329,19 +324,11 @@ class _PerSampleClipping(InputAwareOptimizer):
         return float(batch)
 
     def _private_gradients_over_ranks(
-        self,
-        targets: list[Tensor],
-        totals: dict[Tensor, Any],
-        present: list[Tensor],
-        batch: float,
-        std: float,
-        data_parallel: Any,
+        self, targets: list[Tensor], totals: dict[Tensor, Any], batch: float, std: float, data_parallel: Any
     ) -> dict[Tensor, Tensor]:
         """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
-
-        A module this rank's samples never reached (a branch, an expert) has a zero gradient for
-        each of them; another rank's may have reached it. Every rank adds the same list."""
-        dtype = totals[present[0]]["sum"].dtype if present else None
+        Every rank adds the same list: zeros for a module its samples never reached (a branch, an expert)."""
+        dtype = next((totals[p]["sum"].dtype for p in targets if p in totals), None)
         sums = {
             p: totals[p]["sum"].clone()
             if p in totals
@@ -429,9 +416,7 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _check_sums_add_up(self, targets: list[Tensor], totals: dict[Tensor, Any], dtypes: frozenset[Any]) -> None:
         """Refuse a gradient the per-sample gradients do not add up to: part of it could not be clipped.
-
-        Each parameter's gap is measured against the whole gradient's norm (a gradient that is zero
-        up to rounding, say a bias a normalization cancels, must not fail on its rounding)."""
+        Gaps are measured against the whole gradient's norm (a bias a normalization cancels is zero up to rounding)."""
         compared = {  # param -> (the per-sample sum, the gradient), as compared
             p: (totals[p]["unclipped"], self._clipped.probes.project(p, p.grad))
             for p in targets
@@ -439,33 +424,24 @@ class _PerSampleClipping(InputAwareOptimizer):
         }
         exact = all(d == torch.float64 for d in dtypes) and all(g.dtype == torch.float64 for _, g in compared.values())
         pairs = [  # per parameter: the gap's norm and the gradient's, read at once below
-            torch.stack(
-                [torch.linalg.vector_norm(plain.to(grad.dtype) - grad), torch.linalg.vector_norm(grad)]
-            ).double()
+            torch.stack([vector_norm(plain.to(grad.dtype) - grad), vector_norm(grad)]).double()
             for plain, grad in compared.values()
         ]
         if len({p.device for p in pairs}) == 1:
             values = torch.stack(pairs).tolist()
         else:  # parameters on several devices: one read each
             values = [pair.tolist() for pair in pairs]
-        gaps = {param: gap for param, (gap, _) in zip(compared, values, strict=True)}
         # Under autocast autograd rounds each weight gradient to bfloat16 (or float16) while the
         # per-sample sums add in float32: the gap is then up to about half an eps of the lowest dtype
         # the backward ran in (0.1-0.2% measured in bfloat16; a tied weight: 5-50%).
         tolerance = 1e-9 if exact else max([1e-3, *(torch.finfo(d).eps for d in dtypes)])
         whole = math.sqrt(sum(norm * norm for _, norm in values))
-        wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
+        wrong = {p: gap for p, (gap, _) in zip(compared, values, strict=True) if not gap <= tolerance * whole + 1e-30}
         if wrong:
-            self._refuse_unexplained(compared, gaps, wrong, whole, tolerance, torch.float16 in dtypes)
+            self._refuse_unexplained(compared, wrong, whole, tolerance, torch.float16 in dtypes)
 
     def _refuse_unexplained(
-        self,
-        compared: dict[Tensor, Any],
-        gaps: dict[Tensor, float],
-        wrong: list[Tensor],
-        whole: float,
-        tolerance: float,
-        float16: bool,
+        self, compared: dict[Tensor, Any], wrong: dict[Tensor, float], whole: float, tolerance: float, float16: bool
     ) -> NoReturn:
         """Raise the refusal of a gradient its per-sample gradients do not add up to, naming the likely cause."""
         name = type(self).__name__
@@ -481,7 +457,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "No parameter was changed"
             )
         owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
-        worst = max(gaps[p] for p in wrong) / max(whole, 1e-30)
+        worst = max(wrong.values()) / max(whole, 1e-30)
         raise RuntimeError(
             f"{name}: the per-sample gradients of {owners or 'a module'} do not add up to the gradient backward "
             f"computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be clipped per sample. "
@@ -522,22 +498,18 @@ class ClippedSums(Reduction):
     grad_outputs = True
     keeps_inputs = True  # under activation checkpointing, the inputs of the re-run in backward
 
-    def __init__(
-        self,
-        capture: Any,
-        trained: set[Tensor],
-        clip: Callable[[], float],
-        reduction: str,
-        expected_batch_size: int | None,
-        batch_dim: int = 0,
-    ) -> None:
+    def __init__(self, optimizer: _PerSampleClipping) -> None:
+        owner = weakref.ref(optimizer)  # the reduction lives in the capture, which the optimizer owns
+        # The clip is read when each backward pass ends: a schedule may have changed it.
+        self.clip: Callable[[], float] = lambda: owner()._group_privacy()[0]  # type: ignore[union-attr]
         # The add-up check: in one process only (under data parallelism the gradient is averaged already).
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
         self.passes = itertools.count()  # a token per backward pass
-        self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
-        self.capture = capture
-        self.name = capture.name
+        self.reduction, self.expected = optimizer._privacy[2], optimizer._expected_batch_size
+        capture = self.capture = optimizer.capture
+        self.batch_dim, self.name = optimizer._batch_dim, capture.name
+        trained = set(optimizer._params())  # all of the groups': which require grad is read when each pass ends
         self.names: dict[nn.Module, list[str]] = {}  # parameters only this module owns
         self.shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules own
         for module in capture.modules:
@@ -967,29 +939,6 @@ def _merged(per_call: list[PerSample]) -> PerSample:
         return merged_rows(per_call)  # type: ignore[arg-type]
     grads = [p.grads() for p in per_call]
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
-
-
-def _refuse_sharded_without_closed_form(optimizer: InputAwareOptimizer) -> None:
-    """Refuse HSDP, and a sharded (FSDP2) module without closed-form per-sample gradients, by name."""
-    names = {m: n for n, m in unwrap_model(optimizer.model).named_modules()}
-    trained = {p for p in optimizer._params() if p.requires_grad}
-    meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
-    if meshes - {1}:  # HSDP: the batch count and the noise would be combined over one mesh dimension only
-        raise NotImplementedError(
-            f"{type(optimizer).__name__} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
-            "uses): its batch count and noise must be combined over every data-parallel rank"
-        )
-    for module in optimizer._modules_to_capture(trained):
-        if not any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
-            continue
-        kind = layer_kind(module)
-        if kind is None or not kind.provides("per_sample"):
-            raise NotImplementedError(
-                f"{type(optimizer).__name__} cannot compute per-sample gradients of {names.get(module, '?')} "
-                "under FSDP2: only layers with closed-form per-sample gradients "
-                "(nn.Linear, nn.Conv*d, nn.Embedding, ...) may be sharded; the generic vmap(grad) needs the whole "
-                "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
-            )
 
 
 def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:

@@ -18,27 +18,14 @@ from torch.linalg import vector_norm
 from torch.nn.utils import parametrize
 from torch.profiler import record_function
 
+from . import layers
 from ._torch import tree_flatten
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
 from .distributed import all_reduce_sum_, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
-from .layers import (
-    GENERIC,
-    BlockRows,
-    IndexedRows,
-    LayerKind,
-    Materialized,
-    MatrixRows,
-    PerSample,
-    _functional_per_sample_grads,
-    _grad_output,
-    _statistics_dtype,
-    declared_refusal,
-    layer_kind,
-    merged_rows,
-)
+from .layers import Materialized, MatrixRows, PerSample, layer_kind
 from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
 
@@ -181,11 +168,10 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "uses): its batch count and noise must be combined over every data-parallel rank"
             )
         names = {m: n for n, m in unwrap_model(self.model).named_modules()}
-        for module in self._modules_to_capture(trained):  # a sharded module: by name, if it has no closed form
-            if not any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
-                continue
+        for module in self._modules_to_capture(trained):
             kind = layer_kind(module)
-            if kind is None or not kind.provides("per_sample"):
+            closed = kind is not None and kind.provides("per_sample")
+            if not closed and any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
                 raise NotImplementedError(
                     f"{name} cannot compute per-sample gradients of {names.get(module, '?')} "
                     "under FSDP2: only layers with closed-form per-sample gradients "
@@ -335,10 +321,9 @@ class _PerSampleClipping(InputAwareOptimizer):
             else torch.zeros(p.shape, dtype=dtype or p.dtype, device=local_tensor(p).device)
             for p in targets
         }
-        generator = self._generator
         if std > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks (replicas stay identical), as in one process
-                noise = torch.randn(total.shape, generator=generator, device=generator.device)
+                noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
                 total.add_(noise.to(total.device, total.dtype), alpha=std)
         count = torch.tensor(float(batch), dtype=torch.float64)
         captured = torch.tensor([float(p in totals) for p in targets], dtype=torch.float64)  # ranks that saw each
@@ -387,9 +372,8 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _uncaptured(self, params: list[Tensor]) -> RuntimeError:
         capture = self.capture
-        where = ", ".join(dict.fromkeys(capture.name(m) for p in params for m in capture.owners(p))) or (
-            "a module the optimizer does not capture"
-        )
+        where = ", ".join(dict.fromkeys(capture.name(m) for p in params for m in capture.owners(p)))
+        where = where or "a module the optimizer does not capture"
         return RuntimeError(
             f"{type(self).__name__} cannot compute per-sample gradients of {len(params)} parameter(s) with a "
             f"gradient: no forward call of {where} is in that gradient (a weight used without calling its "
@@ -544,7 +528,7 @@ class ClippedSums(Reduction):
         try:
             return self._finish(entries)
         except Exception as error:
-            where, cause = (error.where, error.error) if isinstance(error, _Located) else (None, error)
+            where, cause = error.args if isinstance(error, _Located) else (None, error)
             reached = {c.module for _, c in entries}
             params = [m._parameters[n] for m in reached for n in self.names.get(m, ())]
             params += [p for p, uses in self.shared.items() if any(m in reached for m, _ in uses)]
@@ -565,18 +549,14 @@ class ClippedSums(Reduction):
             _add_into(unclipped, plain)
         # This pass, by a token of its own: which forwards it holds, and through which modules.
         modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
+        every = [c for calls in by_forward.values() for module_calls in calls.values() for c in module_calls]
+        tensors = [t for c in every for t in (*(c.grad_outputs or ()), *c.args) if isinstance(t, Tensor)]
         common = {
             "samples": float(sum(samples.values())),
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
             "clips": frozenset({clip}),
-            "dtypes": frozenset(  # those the backward ran in (bfloat16 under autocast), for the add-up check
-                t.dtype
-                for calls in by_forward.values()
-                for module_calls in calls.values()
-                for call in module_calls
-                for t in (*(call.grad_outputs or ()), *call.args)
-                if isinstance(t, Tensor) and t.is_floating_point()
-            ),
+            # Those the backward ran in (bfloat16 under autocast), for the add-up check.
+            "dtypes": frozenset(t.dtype for t in tensors if t.is_floating_point()),
         }
         return {p: {"sum": total, "unclipped": unclipped.get(p), **common} for p, total in out.items()}
 
@@ -598,9 +578,9 @@ class ClippedSums(Reduction):
         sizes = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
         if not sizes or count in sizes or any(m is capture.root for m in calls):
             return count  # agrees, or the model is itself a layer whose call says what its samples are
-        layers = ", ".join(capture.name(m) for m in list(calls)[:3])
+        called = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
-            f"the layers called in one forward ({layers}, ...) hold {count} samples along dim {batch_dim}, but no "
+            f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
             f"tensor argument of the model has {count} there (it has {sorted(sizes)}): a layer sees the batch along "
             "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
             "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
@@ -612,14 +592,8 @@ class ClippedSums(Reduction):
             return b
         if "error" in a:
             return a
-        return {
-            "sum": a["sum"] + b["sum"],
-            "unclipped": add_statistics(a["unclipped"], b["unclipped"]),
-            "samples": a["samples"] + b["samples"],
-            "passes": {**a["passes"], **b["passes"]},
-            "clips": a["clips"] | b["clips"],
-            "dtypes": a["dtypes"] | b["dtypes"],
-        }
+        out = {k: a[k] + b[k] for k in ("sum", "samples")} | {k: a[k] | b[k] for k in ("passes", "clips", "dtypes")}
+        return out | {"unclipped": add_statistics(a["unclipped"], b["unclipped"])}
 
     def _per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         """One call's per-sample gradients: a closed form (on the call with the batch moved first), or
@@ -629,20 +603,17 @@ class ClippedSums(Reduction):
             return kind.per_sample(module, _batch_first(call, self.batch_dim), names)
         if _is_layer_norm(module):
             return _layer_norm_per_sample(module, _batch_first(call, self.batch_dim), names)
-        return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
+        return Materialized(layers._functional_per_sample_grads(module, call, names, self.batch_dim))
 
     def _empty_sums(self, calls: dict[nn.Module, list[Call]]) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
         """Zero sums for every parameter a forward without samples reaches (the step adds the noise alone)."""
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
         params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
-        sums: dict[Tensor, Tensor] = {}
-        plain: dict[Tensor, Tensor] = {}
-        for param in params:
-            dtype = torch.promote_types(param.dtype, torch.float32)
-            sums[param] = torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
-            if self.verify:
-                plain[param] = self.probes.project(param, sums[param])
-        return sums, plain
+        sums = {
+            p: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=local_tensor(p).device)
+            for p in params
+        }
+        return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {})
 
     def _clipped_sums(
         self, calls: dict[nn.Module, list[Call]], scale: float, clip: float
@@ -654,11 +625,9 @@ class ClippedSums(Reduction):
             for piece in pieces:
                 with self._at(piece.module, piece.calls, calls):
                     norms.append(piece.per.sq_norms())
-            squared = sum(n.double() for n in norms)
-            assert isinstance(squared, Tensor)
+            squared: Tensor = sum(n.double() for n in norms)  # type: ignore[assignment]
             if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
-                squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))
-                assert isinstance(squared, Tensor)
+                squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))  # type: ignore[assignment]
         weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
@@ -739,11 +708,7 @@ def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bo
 
 
 class _Located(Exception):
-    """An error of the per-sample code, with the module and call it came from."""
-
-    def __init__(self, where: str, error: Exception) -> None:
-        super().__init__(where)
-        self.where, self.error = where, error
+    """An error of the per-sample code, as ``(where, error)``: the module and call it came from, and the error."""
 
 
 class _Probes:
@@ -771,10 +736,10 @@ class _Probes:
             if per.transposed:
                 self.transposed.add(weight)
             return per.projected_sums(self._directions(weight, per.outputs, per.like))
-        if isinstance(per, BlockRows) and per.weight:
-            weight = params["weight"]
-            directions = self._directions(weight, per.g.shape[-1], per.g)
-            projected = per.g @ directions  # (batch, blocks, positions, 4)
+        if isinstance(per, layers.BlockRows) and per.weight:
+            projected = per.g @ self._directions(
+                params["weight"], per.g.shape[-1], per.g
+            )  # (batch, blocks, positions, 4)
             out = {"weight": torch.einsum("bjtk,bjti->jki", projected, per.x)}
             if per.bias:
                 out["bias"] = per.g.sum((0, 2)).reshape(-1)
@@ -803,8 +768,8 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
     reaches = any(p in trained for p in module.parameters())
     kind = layer_kind(module)
     unknown = [n for n in own if kind is not None and n not in (kind.weight_name, kind.bias_name)]
-    if declared_refusal(module) is not None and reaches:
-        return declared_refusal(module)
+    if layers.declared_refusal(module) is not None and reaches:
+        return layers.declared_refusal(module)
     if getattr(module, "scale_grad_by_freq", False) and own:
         return (
             "scale_grad_by_freq=True divides each row's gradient by how often the whole batch used it, so a "
@@ -841,16 +806,14 @@ def _layer_norm_per_sample(module: nn.LayerNorm, call: Call, names: Sequence[str
     """``nn.LayerNorm``'s per-sample gradients: weight ``sum_t g_bt * x̂_bt`` (``x̂`` the input normalized,
     without the affine part), bias ``sum_t g_bt``, over the positions ``t`` before the normalized dimensions."""
     shape = tuple(module.normalized_shape)
-    x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
+    x, g = layers._statistics_dtype(call.input), layers._statistics_dtype(layers._grad_output(call))
     if x.dim() == len(shape):  # one sample, unbatched
         x, g = x[None], g[None]
-    batch = x.shape[0]
     grads = {}
     if "weight" in names:
-        normalized = F.layer_norm(x, shape, None, None, module.eps)
-        grads["weight"] = (g * normalized).reshape(batch, -1, *shape).sum(1)
+        grads["weight"] = (g * F.layer_norm(x, shape, None, None, module.eps)).reshape(len(x), -1, *shape).sum(1)
     if "bias" in names:
-        grads["bias"] = g.reshape(batch, -1, *shape).sum(1)
+        grads["bias"] = g.reshape(len(x), -1, *shape).sum(1)
     return Materialized(grads)
 
 
@@ -860,27 +823,24 @@ def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:
 
 
 def _robust_sq_norms(per: PerSample, squared: Tensor) -> Tensor:
-    """``squared`` (``per.sq_norms()``), recomputed in float64 where it overflowed (an infinite norm
-    would clip the sample to nothing)."""
+    """``squared`` (``per.sq_norms()``), recomputed in float64 where it overflowed (an infinite norm clips to 0)."""
     if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
         return squared.double()
     if isinstance(per, MatrixRows):
         wide: PerSample = per.widened()
-    elif isinstance(per, IndexedRows):
-        wide = IndexedRows(per.index, per.g.double(), per.num_rows)
+    elif isinstance(per, layers.IndexedRows):
+        wide = layers.IndexedRows(per.index, per.g.double(), per.num_rows)
     else:
         wide = Materialized({n: g.double() for n, g in per.grads().items()})
     return wide.sq_norms()
 
 
 def _samples_of(module: nn.Module, call: Call) -> int:
-    """How many samples one call holds (its kind's count; the common case without a pytree)."""
-    kind = layer_kind(module) or GENERIC
-    if type(kind).samples is LayerKind.samples and call.args and type(call.args[0]) is Tensor:
-        if call.args[0].dim() == 0:
-            return kind.samples(module, call)  # its error
-        return int(call.args[0].shape[0])
-    return kind.samples(module, call)
+    """How many samples one call holds: its kind's count (read directly in the common case, without a pytree)."""
+    kind, first = layer_kind(module) or layers.GENERIC, call.args[0] if call.args else None
+    if type(kind).samples is layers.LayerKind.samples and type(first) is Tensor and first.dim() > 0:
+        return int(first.shape[0])
+    return kind.samples(module, call)  # (a 0-d input: its error)
 
 
 def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
@@ -898,8 +858,7 @@ def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
             "input expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter "
             "was changed"
         )
-    counts = Counter(size for found_sizes in sizes.values() for size in found_sizes)
-    batch = counts.most_common(1)[0][0]
+    batch = Counter(size for found_sizes in sizes.values() for size in found_sizes).most_common(1)[0][0]
     odd = {names(m): sorted(s) for m, s in sizes.items() if s != {batch}}
     raise RuntimeError(
         f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. "
@@ -924,11 +883,9 @@ def _batch_first(call: Call, batch_dim: int) -> Call:
         batched = isinstance(x, Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch
         return x.movedim(batch_dim, 0) if batched else x
 
-    args = tuple(moved(a) for a in call.args)
+    grads = None if call.grad_outputs is None else [moved(g) for g in call.grad_outputs]
     kwargs = {k: moved(v) for k, v in call.kwargs.items()}
-    grads = call.grad_outputs
-    slot = None if grads is None else [moved(g) for g in grads]
-    return Call(call.module, args, kwargs, slot, call.forward)
+    return Call(call.module, tuple(moved(a) for a in call.args), kwargs, grads, call.forward)
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:
@@ -936,7 +893,7 @@ def _merged(per_call: list[PerSample]) -> PerSample:
     if len(per_call) == 1:
         return per_call[0]
     if all(isinstance(p, MatrixRows) for p in per_call):
-        return merged_rows(per_call)  # type: ignore[arg-type]
+        return layers.merged_rows(per_call)  # type: ignore[arg-type]
     grads = [p.grads() for p in per_call]
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
 

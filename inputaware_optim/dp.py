@@ -429,8 +429,13 @@ class _PerSampleClipping(InputAwareOptimizer):
     ) -> NoReturn:
         """Raise the refusal of a gradient its per-sample gradients do not add up to, naming the likely cause."""
         name = type(self).__name__
-        factor = _common_factor(list(compared.values()), tolerance)
-        if factor is not None:
+        # The gradient a factor c (neither 1 nor 0) times the per-sample sums, as after a gradient clip?
+        pairs = [(plain.double(), grad.double()) for plain, grad in compared.values()]
+        square = sum(float(plain.pow(2).sum()) for plain, _ in pairs)
+        factor = sum(float((plain * grad).sum()) for plain, grad in pairs) / square if square != 0.0 else 1.0
+        residual = math.sqrt(sum(float((grad - factor * plain).pow(2).sum()) for plain, grad in pairs))
+        whole_grad = math.sqrt(sum(float(grad.pow(2).sum()) for _, grad in pairs))
+        if not (abs(factor - 1.0) <= tolerance or factor <= 0.0 or residual > tolerance * whole_grad):
             raise RuntimeError(
                 f"{name}: the gradient backward computed is the sum of the per-sample gradients times "
                 f"{factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient clip does. "
@@ -460,21 +465,6 @@ class _PerSampleClipping(InputAwareOptimizer):
         )
 
 
-def _common_factor(compared: list[tuple[Tensor, Tensor]], tolerance: float) -> float | None:
-    """``c`` if every gradient is ``c`` (neither 1 nor 0) times its per-sample sum, up to ``tolerance``
-    of the whole, as after a gradient clip; else ``None``."""
-    pairs = [(plain.double(), grad.double()) for plain, grad in compared]
-    square = sum(float(plain.pow(2).sum()) for plain, _ in pairs)
-    if square == 0.0:
-        return None
-    factor = sum(float((plain * grad).sum()) for plain, grad in pairs) / square
-    residual = math.sqrt(sum(float((grad - factor * plain).pow(2).sum()) for plain, grad in pairs))
-    whole = math.sqrt(sum(float(grad.pow(2).sum()) for _, grad in pairs))
-    if abs(factor - 1.0) <= tolerance or factor <= 0.0 or residual > tolerance * whole:
-        return None
-    return factor
-
-
 class ClippedSums(Reduction):
     """DP's reduction: when a backward pass is complete, the calls of each forward of the model are
     one set of samples, each clipped over every parameter; what is kept is the clipped sum per parameter."""
@@ -500,7 +490,10 @@ class ClippedSums(Reduction):
             for name, param in module._parameters.items():
                 if param is None or param not in trained:
                     continue
-                innermost = _innermost(capture.owners(param))
+                every = capture.owners(param)  # a parent among them uses it through the child: left out
+                innermost = [
+                    m for m in every if not any(o is not m and any(o is d for d in m.modules()) for o in every)
+                ]
                 owners = [(m, n) for m in innermost for n, q in m._parameters.items() if q is param]
                 if module not in [m for m, _ in owners]:
                     continue  # a parent that reaches it only through a child owner (BERT's MLM bias)
@@ -712,11 +705,9 @@ class _Located(Exception):
 
 
 class _Probes:
-    """The per-sample gradients' sum, for the add-up check: a weight's projected on a few fixed random
+    """The per-sample gradients' sum, for the add-up check: a weight's projected on 4 fixed random
     output directions ``P`` (``Pᵀ sum_t g_t x_tᵀ = sum_t (Pᵀ g_t) x_tᵀ``, ``O(N (in + out))``; a difference
     ``D`` with ``Pᵀ D = 0`` has probability zero), everything else summed exactly."""
-
-    DIRECTIONS = 4
 
     def __init__(self) -> None:
         self.directions: dict[Tensor, Tensor] = {}  # weight -> P, fixed for the optimizer's life
@@ -726,8 +717,8 @@ class _Probes:
     def _directions(self, param: Tensor, outputs: int, like: Tensor) -> Tensor:
         directions = self.directions.get(param)
         if directions is None:
-            drawn = torch.randn(outputs, self.DIRECTIONS, generator=self.generator, dtype=torch.float64)
-            directions = self.directions[param] = (drawn / math.sqrt(self.DIRECTIONS)).to(like.device, like.dtype)
+            drawn = torch.randn(outputs, 4, generator=self.generator, dtype=torch.float64)
+            directions = self.directions[param] = (drawn / math.sqrt(4)).to(like.device, like.dtype)
         return directions if directions.dtype == like.dtype else directions.to(like.dtype)
 
     def plain_sums(self, per: PerSample, params: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
@@ -737,9 +728,7 @@ class _Probes:
                 self.transposed.add(weight)
             return per.projected_sums(self._directions(weight, per.outputs, per.like))
         if isinstance(per, layers.BlockRows) and per.weight:
-            projected = per.g @ self._directions(
-                params["weight"], per.g.shape[-1], per.g
-            )  # (batch, blocks, positions, 4)
+            projected = per.g @ self._directions(params["weight"], per.g.shape[-1], per.g)  # (b, blocks, t, 4)
             out = {"weight": torch.einsum("bjtk,bjti->jki", projected, per.x)}
             if per.bias:
                 out["bias"] = per.g.sum((0, 2)).reshape(-1)
@@ -815,11 +804,6 @@ def _layer_norm_per_sample(module: nn.LayerNorm, call: Call, names: Sequence[str
     if "bias" in names:
         grads["bias"] = g.reshape(len(x), -1, *shape).sum(1)
     return Materialized(grads)
-
-
-def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:
-    """The owners of a parameter that are not parents of another (a parent uses it through the child)."""
-    return [m for m in owners if not any(o is not m and any(o is d for d in m.modules()) for o in owners)]
 
 
 def _robust_sq_norms(per: PerSample, squared: Tensor) -> Tensor:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import numbers
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn, TypeGuard
 
 import torch
@@ -70,8 +69,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)  # the defaults of new param groups
         self._expected_batch_size, self._batch_dim, self._sample_rate = expected_batch_size, batch_dim, sample_rate
         self._privacy_history: list[tuple[float, float | None, int]] = []
-        # Seeded from the global RNG (reproducible under torch.manual_seed); drawing from it leaves the
-        # global stream (dropout, data order) undisturbed.
+        # Seeded from the global RNG (reproducible under torch.manual_seed); drawing leaves its stream undisturbed.
         self._generator = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
         super().__init__(model, params, lr=lr, **kwargs)
         self.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
@@ -490,10 +488,8 @@ class ClippedSums(Reduction):
             for name, param in module._parameters.items():
                 if param is None or param not in trained:
                     continue
-                every = capture.owners(param)  # a parent among them uses it through the child: left out
-                innermost = [
-                    m for m in every if not any(o is not m and any(o is d for d in m.modules()) for o in every)
-                ]
+                own = capture.owners(param)  # a parent among them uses it through the child: left out
+                innermost = [m for m in own if not any(o is not m and any(o is d for d in m.modules()) for o in own)]
                 owners = [(m, n) for m in innermost for n, q in m._parameters.items() if q is param]
                 if module not in [m for m, _ in owners]:
                     continue  # a parent that reaches it only through a child owner (BERT's MLM bias)
@@ -598,6 +594,9 @@ class ClippedSums(Reduction):
             return _layer_norm_per_sample(module, _batch_first(call, self.batch_dim), names)
         return Materialized(layers._functional_per_sample_grads(module, call, names, self.batch_dim))
 
+    def _share(self, module: nn.Module, call: Call, name: str) -> Tensor:
+        return self._per_sample(module, call, [name]).grads()[name]
+
     def _empty_sums(self, calls: dict[nn.Module, list[Call]]) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
         """Zero sums for every parameter a forward without samples reaches (the step adds the noise alone)."""
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
@@ -614,10 +613,7 @@ class ClippedSums(Reduction):
         """One forward's samples clipped (each over every parameter) and summed; when ``verify``, unclipped too."""
         with record_function("DP: per-sample norms"):
             pieces = self._pieces(calls)
-            norms = []
-            for piece in pieces:
-                with self._at(piece.module, piece.calls, calls):
-                    norms.append(piece.per.sq_norms())
+            norms = [self._located(piece.module, piece.calls, calls, piece.per.sq_norms) for piece in pieces]
             squared: Tensor = sum(n.double() for n in norms)  # type: ignore[assignment]
             if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
                 squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))  # type: ignore[assignment]
@@ -626,13 +622,12 @@ class ClippedSums(Reduction):
         plain: dict[Tensor, Tensor] = {}
         with record_function("DP: clipped sums"):
             for piece in pieces:
-                with self._at(piece.module, piece.calls, calls):
-                    clipped = piece.per.weighted_sum(weights)
+                clipped = self._located(piece.module, piece.calls, calls, piece.per.weighted_sum, weights)
                 _add_into(sums, {piece.params[n]: t for n, t in clipped.items()}, promote=True)
         with record_function("DP: add-up sums"):
             for piece in pieces if self.verify else ():
-                with self._at(piece.module, piece.calls, calls):
-                    unclipped = self.probes.plain_sums(piece.per, piece.params, len(weights))
+                args = (piece.per, piece.params, len(weights))
+                unclipped = self._located(piece.module, piece.calls, calls, self.probes.plain_sums, *args)
                 _add_into(plain, {piece.params[n]: t for n, t in unclipped.items()})
         return sums, plain
 
@@ -642,32 +637,25 @@ class ClippedSums(Reduction):
         for module, module_calls in calls.items():
             names = self._trained_names(module)
             if names:
-                per_call = []
-                for call in module_calls:
-                    with self._at(module, [call], calls):
-                        per_call.append(self._per_sample(module, call, names))
-                with self._at(module, module_calls, calls):
-                    merged = _merged(per_call)
+                per_call = [self._located(module, [c], calls, self._per_sample, module, c, names) for c in module_calls]
+                merged = self._located(module, module_calls, calls, _merged, per_call)
                 pieces.append(_Piece(merged, {n: module._parameters[n] for n in names}, module, module_calls))  # type: ignore[misc]
         for param, uses in self.shared.items():  # a weight several modules use: add their shares
             if not param.requires_grad:
                 continue
-            shares = []
-            for m, n in uses:
-                for call in calls.get(m, ()):
-                    with self._at(m, [call], calls):
-                        shares.append(self._per_sample(m, call, [n]).grads()[n])
+            shares = [self._located(m, [c], calls, self._share, m, c, n) for m, n in uses for c in calls.get(m, ())]
             if shares:
                 every = [c for m, _ in uses for c in calls.get(m, ())]
                 per = Materialized({"shared": torch.stack(shares).sum(0)})
                 pieces.append(_Piece(per, {"shared": param}, uses[0][0], every))
         return pieces
 
-    @contextlib.contextmanager
-    def _at(self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]]) -> Iterator[None]:
-        """An error of the per-sample code inside, raised as ``_Located`` at ``module``'s ``failed`` calls."""
+    def _located(
+        self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]], compute: Any, *args: Any
+    ) -> Any:
+        """``compute(*args)``, an error in it raised as ``_Located`` at ``module``'s ``failed`` calls."""
         try:
-            yield
+            return compute(*args)
         except _Located:
             raise
         except Exception as error:
@@ -900,25 +888,20 @@ def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction
 class DPSGD(_PerSampleClipping, InputAwareSGD):
     r"""SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).
 
-    ``DPSGD(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean",
-    expected_batch_size=None, batch_dim=0, sample_rate=None, generator=None, params=None, **sgd_kwargs)``
-
-    Each step replaces every parameter's gradient by its differentially private estimate (Abadi et
-    al. 2016), then applies the stock update:
+    Each step replaces every parameter's gradient by its differentially private estimate (Abadi et al. 2016),
+    then applies the stock update (SGD's keywords are passed on, ``**sgd_kwargs``):
 
     .. math::
         \tilde g = \frac{1}{B}\Big(\sum_{i=1}^{B} g_i \min\big(1, \tfrac{C}{\lVert g_i\rVert}\big)
             + \mathcal N(0, \sigma^2 C^2 I)\Big)
 
-    where :math:`g_i` is sample :math:`i`'s gradient over *all* parameters of the optimizer,
-    :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier`` (with
-    ``loss_reduction="sum"`` the division by :math:`B` is left out). Per-sample gradients come from
-    each captured call's inputs and output gradients within the one backward pass (closed forms for
-    the common layers, ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they
-    add up to the gradient backward computed. ``max_grad_norm`` and ``noise_multiplier`` are read
-    from the param groups, equal in all (a schedule may change them between steps). What is
-    refused, gradient accumulation, DDP and FSDP2, and the accounting: see the DP guide
-    (``docs/dp.md``).
+    where :math:`g_i` is sample :math:`i`'s gradient over *all* parameters of the optimizer (with
+    ``loss_reduction="sum"`` the division by :math:`B` is left out). Per-sample gradients come from each captured
+    call's inputs and output gradients within the one backward pass (closed forms for the common layers,
+    ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they add up to the gradient backward
+    computed. ``max_grad_norm`` and ``noise_multiplier`` are read from the param groups, equal in all (a schedule
+    may change them between steps). What is refused, gradient accumulation, DDP and FSDP2, and the accounting: see
+    the DP guide (``docs/dp.md``).
 
     Args:
         model: The model.

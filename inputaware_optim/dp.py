@@ -30,6 +30,8 @@ from .sgd import InputAwareSGD
 
 __all__ = ["DPSGD", "DPAdamW"]
 
+_Calls = dict[nn.Module, list[Call]]  # one forward's calls, by module
+_Sums = tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]  # clipped and unclipped sums, by parameter
 _BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 _BATCH_NORMS += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
 
@@ -126,10 +128,8 @@ class _PerSampleClipping(InputAwareOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The stock state dict plus the noise generator's state (a resumed run never redraws the same
         noise, which would cancel when updates are differenced) and the privacy history."""
-        state = super().state_dict()
-        state["noise_generator"] = self._generator.get_state()
-        state["privacy_history"] = [list(entry) for entry in self._privacy_history]
-        return state
+        history = [list(entry) for entry in self._privacy_history]
+        return super().state_dict() | {"noise_generator": self._generator.get_state(), "privacy_history": history}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, the noise generator and privacy history with it (0.2's step count: taken to
@@ -186,8 +186,7 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _group_privacy(self) -> tuple[float, float]:
         """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now, checked equal in all."""
-        first = self.param_groups[0]
-        clip, sigma = first["max_grad_norm"], first["noise_multiplier"]
+        clip, sigma = self.param_groups[0]["max_grad_norm"], self.param_groups[0]["noise_multiplier"]
         for index, group in enumerate(self.param_groups):
             _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
             if (group["max_grad_norm"], group["noise_multiplier"]) != (clip, sigma):
@@ -313,12 +312,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
         Every rank adds the same list: zeros for a module its samples never reached (a branch, an expert)."""
         dtype = next((totals[p]["sum"].dtype for p in targets if p in totals), None)
-        sums = {
-            p: totals[p]["sum"].clone()
-            if p in totals
-            else torch.zeros(p.shape, dtype=dtype or p.dtype, device=local_tensor(p).device)
-            for p in targets
-        }
+        sums = {p: totals[p]["sum"].clone() if p in totals else _zeros(p, dtype or p.dtype) for p in targets}
         if std > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks (replicas stay identical), as in one process
                 noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
@@ -445,6 +439,10 @@ class _PerSampleClipping(InputAwareOptimizer):
             )
         owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
         worst = max(wrong.values()) / max(whole, 1e-30)
+        hint = (
+            "; under float16 autocast, a loss scale too small for these gradients, which backward rounded "
+            "in float16's subnormal range (a GradScaler with a larger init_scale, or bfloat16)"
+        )
         raise RuntimeError(
             f"{name}: the per-sample gradients of {owners or 'a module'} do not add up to the gradient backward "
             f"computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be clipped per sample. "
@@ -452,14 +450,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             "F.linear(h, embed.weight): call the module instead), the gradient was changed after backward "
             "(clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's max_grad_norm, manual edits: leave "
             "it as backward made it), or a gradient penalty (torch.autograd.grad(..., create_graph=True) then "
-            "backward), whose double-backward terms mix samples"
-            + (
-                "; under float16 autocast, a loss scale too small for these gradients, which backward rounded "
-                "in float16's subnormal range (a GradScaler with a larger init_scale, or bfloat16)"
-                if float16
-                else ""
-            )
-            + ". No parameter was changed"
+            f"backward), whose double-backward terms mix samples{hint if float16 else ''}. No parameter was changed"
         )
 
 
@@ -549,17 +540,17 @@ class ClippedSums(Reduction):
         }
         return {p: {"sum": total, "unclipped": unclipped.get(p), **common} for p, total in out.items()}
 
-    def _by_forward(self, entries: Sequence[tuple[Call, Any]]) -> dict[Any, dict[nn.Module, list[Call]]]:
+    def _by_forward(self, entries: Sequence[tuple[Call, Any]]) -> dict[Any, _Calls]:
         """The calls of a pass by the model's forward they came from, then by module (frozen ones left out)."""
         shared = {m for param, uses in self.shared.items() if param.requires_grad for m, _ in uses}
         trains = {m: bool(self._trained_names(m)) or m in shared for m in {c.module for _, c in entries}}
-        by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
+        by_forward: dict[Any, _Calls] = {}
         for _, call in entries:
             if trains[call.module]:
                 by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
         return by_forward
 
-    def _samples(self, forward: Any, calls: dict[nn.Module, list[Call]]) -> int:
+    def _samples(self, forward: Any, calls: _Calls) -> int:
         """The samples of one forward; refused where no tensor argument of the model has that many."""
         batch_dim, capture = self.batch_dim, self.capture
         count = _samples({m: [_batch_first(c, batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
@@ -597,19 +588,14 @@ class ClippedSums(Reduction):
     def _share(self, module: nn.Module, call: Call, name: str) -> Tensor:
         return self._per_sample(module, call, [name]).grads()[name]
 
-    def _empty_sums(self, calls: dict[nn.Module, list[Call]]) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+    def _empty_sums(self, calls: _Calls) -> _Sums:
         """Zero sums for every parameter a forward without samples reaches (the step adds the noise alone)."""
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
         params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
-        sums = {
-            p: torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32), device=local_tensor(p).device)
-            for p in params
-        }
+        sums = {p: _zeros(p, torch.promote_types(p.dtype, torch.float32)) for p in params}
         return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {})
 
-    def _clipped_sums(
-        self, calls: dict[nn.Module, list[Call]], scale: float, clip: float
-    ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+    def _clipped_sums(self, calls: _Calls, scale: float, clip: float) -> _Sums:
         """One forward's samples clipped (each over every parameter) and summed; when ``verify``, unclipped too."""
         with record_function("DP: per-sample norms"):
             pieces = self._pieces(calls)
@@ -631,7 +617,7 @@ class ClippedSums(Reduction):
                 _add_into(plain, {piece.params[n]: t for n, t in unclipped.items()})
         return sums, plain
 
-    def _pieces(self, calls: dict[nn.Module, list[Call]]) -> list[_Piece]:
+    def _pieces(self, calls: _Calls) -> list[_Piece]:
         """One forward's per-sample gradients: a piece per module (its calls merged) and per shared weight."""
         pieces = []
         for module, module_calls in calls.items():
@@ -650,9 +636,7 @@ class ClippedSums(Reduction):
                 pieces.append(_Piece(per, {"shared": param}, uses[0][0], every))
         return pieces
 
-    def _located(
-        self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]], compute: Any, *args: Any
-    ) -> Any:
+    def _located(self, module: nn.Module, failed: list[Call], calls: _Calls, compute: Any, *args: Any) -> Any:
         """``compute(*args)``, an error in it raised as ``_Located`` at ``module``'s ``failed`` calls."""
         try:
             return compute(*args)
@@ -678,6 +662,10 @@ class _Piece(NamedTuple):
     params: dict[str, Tensor]  # name in ``per`` -> parameter
     module: nn.Module  # where an error in it is located
     calls: list[Call]
+
+
+def _zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
 
 
 def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bool = False) -> None:
@@ -815,7 +803,7 @@ def _samples_of(module: nn.Module, call: Call) -> int:
     return kind.samples(module, call)  # (a 0-d input: its error)
 
 
-def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
+def _samples(calls: _Calls, names: Any) -> int:
     """The batch size of one forward, which every call in it must share."""
     sizes = {m: {_samples_of(m, c) for c in cs} for m, cs in calls.items()}
     found = set().union(*sizes.values())

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .capture import _wrapper_chain
+
 __all__ = [
     "all_ranks_sum",
     "all_reduce_sum_",
@@ -30,18 +32,11 @@ def data_parallel_group(model: nn.Module) -> Any:
     wrapper's, or that of the mesh FSDP2 shards its parameters over; else ``None``."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .capture import _wrapper_chain
-
     for wrapper in _wrapper_chain(model):
-        if isinstance(wrapper, DistributedDataParallel):
+        if isinstance(wrapper, nn.parallel.DistributedDataParallel):
             return wrapper.process_group
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)  # a DTensor parameter: FSDP2 shards over this mesh
-        if mesh is not None:
-            return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
-    return None
+    mesh = next((p.device_mesh for p in model.parameters() if sharded(p)), None)  # type: ignore[attr-defined]
+    return None if mesh is None else mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
 
 
 def all_reduce_sum_(tensors: Sequence[Tensor], group: Any) -> None:

@@ -393,11 +393,8 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _check_sums_add_up(self, targets: list[Tensor], totals: dict[Tensor, Any], dtypes: frozenset[Any]) -> None:
         """Refuse a gradient the per-sample gradients do not add up to: part of it could not be clipped.
         Gaps are measured against the whole gradient's norm (a bias a normalization cancels is zero up to rounding)."""
-        compared = {  # param -> (the per-sample sum, the gradient), as compared
-            p: (totals[p]["unclipped"], self._clipped.probes.project(p, p.grad))
-            for p in targets
-            if totals[p]["unclipped"] is not None and p.grad is not None
-        }
+        checked = [p for p in targets if totals[p]["unclipped"] is not None and p.grad is not None]
+        compared = {p: (totals[p]["unclipped"], self._clipped.probes.project(p, p.grad)) for p in checked}  # type: ignore[arg-type]
         exact = all(d == torch.float64 for d in dtypes) and all(g.dtype == torch.float64 for _, g in compared.values())
         pairs = [  # per parameter: the gap's norm and the gradient's, read at once below
             torch.stack([vector_norm(plain.to(grad.dtype) - grad), vector_norm(grad)]).double()

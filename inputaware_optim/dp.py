@@ -426,13 +426,12 @@ class _PerSampleClipping(InputAwareOptimizer):
         whole_grad = math.sqrt(sum(float(grad.pow(2).sum()) for _, grad in pairs))
         if not (abs(factor - 1.0) <= tolerance or factor <= 0.0 or residual > tolerance * whole_grad):
             raise RuntimeError(
-                f"{name}: the gradient backward computed is the sum of the per-sample gradients times "
-                f"{factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient clip does. "
-                "Trainers do it by a setting: Lightning's Trainer(gradient_clip_val=...) (leave it None), Hugging "
-                "Face's TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), Accelerate's "
-                "accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call out). "
-                f"{name} clips each sample's gradient itself and must see the gradient as backward made it. "
-                "No parameter was changed"
+                f"{name}: the gradient backward computed is the sum of the per-sample gradients times {factor:.4g}, "
+                "for every parameter alike: it was rescaled after backward, as a gradient clip does. Trainers do it by "
+                "a setting: Lightning's Trainer(gradient_clip_val=...) (leave it None), Hugging Face's "
+                "TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), Accelerate's "
+                f"accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call out). {name} clips "
+                "each sample's gradient itself and must see the gradient as backward made it. No parameter was changed"
             )
         owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
         worst = max(wrong.values()) / max(whole, 1e-30)
@@ -784,12 +783,10 @@ def _robust_sq_norms(per: PerSample, squared: Tensor) -> Tensor:
     if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
         return squared.double()
     if isinstance(per, MatrixRows):
-        wide: PerSample = per.widened()
-    elif isinstance(per, layers.IndexedRows):
-        wide = layers.IndexedRows(per.index, per.g.double(), per.num_rows)
-    else:
-        wide = Materialized({n: g.double() for n, g in per.grads().items()})
-    return wide.sq_norms()
+        return per.widened().sq_norms()
+    if isinstance(per, layers.IndexedRows):
+        return layers.IndexedRows(per.index, per.g.double(), per.num_rows).sq_norms()
+    return Materialized({n: g.double() for n, g in per.grads().items()}).sq_norms()
 
 
 def _samples_of(module: nn.Module, call: Call) -> int:
@@ -810,19 +807,17 @@ def _samples(calls: _Calls, names: Any) -> int:
     if found == {1, batch}:
         shared = ", ".join(names(m) for m, s in sizes.items() if 1 in s)
         raise RuntimeError(
-            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: broadcast "
-            "over the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that "
-            "input expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter "
-            "was changed"
+            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: broadcast over "
+            "the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that input "
+            "expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter was changed"
         )
     batch = Counter(size for found_sizes in sizes.values() for size in found_sizes).most_common(1)[0][0]
     odd = {names(m): sorted(s) for m, s in sizes.items() if s != {batch}}
     raise RuntimeError(
-        f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. "
-        "Either those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over the "
-        "samples: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), or some "
-        "layers see the batch along another dimension (sequence-first tensors: see batch_dim). No parameter was "
-        "changed"
+        f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. Either "
+        "those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over the samples: "
+        "leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), or some layers see the "
+        "batch along another dimension (sequence-first tensors: see batch_dim). No parameter was changed"
     )
 
 
@@ -907,7 +902,5 @@ class DPSGD(_PerSampleClipping, InputAwareSGD):
 class DPAdamW(_PerSampleClipping, InputAwareAdamW):
     """AdamW with per-sample gradient clipping and Gaussian noise (DP-Adam with decoupled weight decay).
 
-    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, ...)``: the arguments,
-    the private gradient and its guarantees are `DPSGD`'s; the update is ``torch.optim.AdamW``'s, its
-    keywords passed on (``**adamw_kwargs``).
-    """
+    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, ...)``: the arguments, the private
+    gradient and its guarantees are `DPSGD`'s; the update is ``torch.optim.AdamW``'s, its keywords passed on."""

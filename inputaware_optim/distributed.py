@@ -1,12 +1,6 @@
-"""Data-parallel synchronization of the statistics rules build from inputs.
-
-Each rank captures its own batch, so a rule whose update depends on input statistics must combine
-them over the ranks that average gradients (a ``DistributedDataParallel`` wrapper's group, or
-FSDP2's mesh), or the replicas would drift apart. Under FSDP2 a parameter is a DTensor sharded on
-its rows (dim 0) over a 1-D mesh, so a layer's ``W̃ = [W | b]`` is too, and a rule acting on each row
-alone (FOOF's ``G̃ A⁻¹``) needs only this rank's rows: the helpers here read and write them.
-``computed_once`` runs work every rank would repeat (factor inversions) once and broadcasts it.
-"""
+"""Data parallelism: input statistics combined over the ranks that average gradients (a DDP wrapper's group,
+or FSDP2's mesh), or the replicas would drift apart; this rank's rows of ``W̃ = [W | b]`` under FSDP2 (sharded
+on dim 0 over a 1-D mesh), all a row-wise rule (FOOF's ``G̃ A⁻¹``) needs; work every rank would repeat, done once."""
 
 from __future__ import annotations
 
@@ -16,6 +10,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from .capture import _wrapper_chain
 
 __all__ = [
     "all_ranks_sum",
@@ -36,18 +32,11 @@ def data_parallel_group(model: nn.Module) -> Any:
     wrapper's, or that of the mesh FSDP2 shards its parameters over; else ``None``."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
-    from torch.nn.parallel import DistributedDataParallel
-
-    from .capture import _wrapper_chain
-
     for wrapper in _wrapper_chain(model):
-        if isinstance(wrapper, DistributedDataParallel):
+        if isinstance(wrapper, nn.parallel.DistributedDataParallel):
             return wrapper.process_group
-    for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)  # a DTensor parameter: FSDP2 shards over this mesh
-        if mesh is not None:
-            return mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
-    return None
+    mesh = next((p.device_mesh for p in model.parameters() if sharded(p)), None)  # type: ignore[attr-defined]
+    return None if mesh is None else mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
 
 
 def all_reduce_sum_(tensors: Sequence[Tensor], group: Any) -> None:
@@ -117,22 +106,21 @@ def row_range(t: Tensor) -> slice:
 
 def local_matrix_rows(weight: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
     """This rank's rows of ``G̃ = [grad W | grad b]`` (weight flattened past dim 0; bias last when ``homogeneous``)."""
-    assert weight.grad is not None
-    grad = local_tensor(weight.grad)
-    matrix = grad.reshape(grad.shape[0], math.prod(weight.shape[1:]))
-    if homogeneous:
-        assert bias is not None and bias.grad is not None
-        matrix = torch.cat([matrix, local_tensor(bias.grad).reshape(-1, 1)], dim=1)
-    return matrix
+    return _matrix_rows(weight, bias, homogeneous, local_tensor)
 
 
 def full_matrix_rows(weight: Tensor, bias: Tensor | None, homogeneous: bool) -> Tensor:
     """All of ``G̃``, gathered from every rank's rows (one all-gather of the weight's, one of the bias's gradient)."""
+    return _matrix_rows(weight, bias, homogeneous, lambda t: t.full_tensor())  # type: ignore[attr-defined]
+
+
+def _matrix_rows(weight: Tensor, bias: Tensor | None, homogeneous: bool, read: Callable[[Tensor], Tensor]) -> Tensor:
     assert weight.grad is not None
-    matrix = weight.grad.full_tensor().reshape(weight.shape[0], -1)  # type: ignore[attr-defined]
+    grad = read(weight.grad)
+    matrix = grad.reshape(grad.shape[0], math.prod(weight.shape[1:]))
     if homogeneous:
         assert bias is not None and bias.grad is not None
-        matrix = torch.cat([matrix, bias.grad.full_tensor().reshape(-1, 1)], dim=1)  # type: ignore[attr-defined]
+        matrix = torch.cat([matrix, read(bias.grad).reshape(-1, 1)], dim=1)
     return matrix
 
 
@@ -161,8 +149,7 @@ def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:
     loads = [0.0] * world
     owners = [0] * len(costs)
     for job in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        rank = min(range(world), key=lambda r: (loads[r], r))
-        owners[job] = rank
+        owners[job] = rank = min(range(world), key=lambda r: (loads[r], r))
         loads[rank] += costs[job]
     return owners
 
@@ -170,11 +157,10 @@ def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:
 def computed_once(
     jobs: Sequence[Callable[[], Tensor]], likes: Sequence[Tensor], costs: Sequence[float], group: Any
 ) -> list[Tensor]:
-    """Every job's result on every rank of ``group``, each job computed on one rank (``owners_by_cost``)
-    and broadcast (once per rank and dtype). Job ``j`` returns a tensor like ``likes[j]``; every rank
-    passes the same jobs. A job that raises on its rank is run again by every rank, so all raise its
-    error (after the collectives, so no rank is left waiting). Without a group, every job runs here.
-    """
+    """Every job's result on every rank of ``group``, each computed on one rank (``owners_by_cost``) and
+    broadcast (once per rank and dtype); job ``j`` returns a tensor like ``likes[j]``, every rank passes the
+    same jobs. A job that raises on its rank is run again by every rank after the collectives (no rank is left
+    waiting), so all raise its error. Without a group, every job runs here."""
     dist = torch.distributed
     if group is None or not jobs or dist.get_world_size(group) == 1:
         return [job() for job in jobs]
@@ -193,18 +179,16 @@ def computed_once(
         for j in failed.nonzero().flatten().tolist():
             jobs[j]()  # raises here too, with the message its owner got
         raise RuntimeError(f"jobs {failed.nonzero().flatten().tolist()} failed on their ranks but not here")
-    for rank in range(world):
-        by_dtype: dict[torch.dtype, list[int]] = {}
-        for j in range(len(jobs)):
-            if owners[j] == rank:
-                by_dtype.setdefault(likes[j].dtype, []).append(j)
-        for dtype, members in by_dtype.items():
-            if rank == me:
-                flat = torch.cat([results[j].reshape(-1) for j in members])  # type: ignore[union-attr]
-            else:
-                flat = torch.empty(sum(likes[j].numel() for j in members), dtype=dtype, device=likes[members[0]].device)
-            dist.broadcast(flat, src=dist.get_global_rank(group, rank), group=group)
-            for j, part in zip(members, flat.split([likes[j].numel() for j in members]), strict=True):
-                results[j] = part.view(likes[j].shape).clone()  # not a view of them all
+    batches: dict[tuple[int, torch.dtype], list[int]] = {}  # a broadcast per rank and dtype, the same on every rank
+    for j in sorted(range(len(jobs)), key=lambda j: owners[j]):
+        batches.setdefault((owners[j], likes[j].dtype), []).append(j)
+    for (rank, dtype), members in batches.items():
+        if rank == me:
+            flat = torch.cat([results[j].reshape(-1) for j in members])  # type: ignore[union-attr]
+        else:
+            flat = torch.empty(sum(likes[j].numel() for j in members), dtype=dtype, device=likes[members[0]].device)
+        dist.broadcast(flat, src=dist.get_global_rank(group, rank), group=group)
+        for j, part in zip(members, flat.split([likes[j].numel() for j in members]), strict=True):
+            results[j] = part.view(likes[j].shape).clone()  # not a view of them all
     assert all(r is not None for r in results)
     return results  # type: ignore[return-value]

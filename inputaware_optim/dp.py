@@ -2,56 +2,38 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import numbers
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.linalg import vector_norm
 from torch.nn.utils import parametrize
 from torch.profiler import record_function
 
+from . import layers
 from ._torch import tree_flatten
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
 from .distributed import all_reduce_sum_, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
-from .layers import (
-    GENERIC,
-    BlockRows,
-    IndexedRows,
-    LayerKind,
-    Materialized,
-    MatrixRows,
-    PerSample,
-    _functional_per_sample_grads,
-    _grad_output,
-    _statistics_dtype,
-    declared_refusal,
-    layer_kind,
-    merged_rows,
-)
+from .layers import Materialized, MatrixRows, PerSample, layer_kind
 from .reduction import Reduction, add_statistics
 from .sgd import InputAwareSGD
 
 __all__ = ["DPSGD", "DPAdamW"]
 
-_BATCH_NORMS = (
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-    nn.SyncBatchNorm,
-    nn.LazyBatchNorm1d,
-    nn.LazyBatchNorm2d,
-    nn.LazyBatchNorm3d,
-)
+_Calls = dict[nn.Module, list[Call]]  # one forward's calls, by module
+_Sums = tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]  # clipped and unclipped sums, by parameter
+_BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+_BATCH_NORMS += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
 
 
 class _PerSampleClipping(InputAwareOptimizer):
@@ -87,12 +69,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
             raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
         self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)  # the defaults of new param groups
-        self._expected_batch_size = expected_batch_size
-        self._batch_dim = batch_dim
-        self._sample_rate = sample_rate
+        self._expected_batch_size, self._batch_dim, self._sample_rate = expected_batch_size, batch_dim, sample_rate
         self._privacy_history: list[tuple[float, float | None, int]] = []
-        # Seeded from the global RNG (reproducible under torch.manual_seed); drawing from it leaves the
-        # global stream (dropout, data order) undisturbed.
+        # Seeded from the global RNG (reproducible under torch.manual_seed); drawing leaves its stream undisturbed.
         self._generator = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
         super().__init__(model, params, lr=lr, **kwargs)
         self.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
@@ -149,19 +128,16 @@ class _PerSampleClipping(InputAwareOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """The stock state dict plus the noise generator's state (a resumed run never redraws the same
         noise, which would cancel when updates are differenced) and the privacy history."""
-        state = super().state_dict()
-        state["noise_generator"] = self._generator.get_state()
-        state["privacy_history"] = [list(entry) for entry in self._privacy_history]
-        return state
+        history = [list(entry) for entry in self._privacy_history]
+        return super().state_dict() | {"noise_generator": self._generator.get_state(), "privacy_history": history}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, the noise generator and privacy history with it (0.2's step count: taken to
         be at the loaded noise multiplier, as 0.2's ``epsilon`` counted them)."""
-        generator_state = state_dict.get("noise_generator")
         own = ("noise_generator", "privacy_steps", "privacy_history")
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in own})
-        if generator_state is not None:
-            self._generator.set_state(generator_state)
+        if state_dict.get("noise_generator") is not None:
+            self._generator.set_state(state_dict["noise_generator"])
         if "privacy_history" in state_dict:
             self._privacy_history = [
                 (float(sigma), None if rate is None else float(rate), int(steps))
@@ -182,19 +158,35 @@ class _PerSampleClipping(InputAwareOptimizer):
         clip, sigma, _ = self._privacy
         self._set_group_defaults(max_grad_norm=clip, noise_multiplier=sigma)
         self._group_privacy()
-        _refuse_sharded_without_closed_form(self)
+        name, trained = type(self).__name__, {p for p in self._params() if p.requires_grad}
+        meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
+        if meshes - {1}:  # HSDP: the batch count and the noise would be combined over one mesh dimension only
+            raise NotImplementedError(
+                f"{name} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
+                "uses): its batch count and noise must be combined over every data-parallel rank"
+            )
+        names = {m: n for n, m in unwrap_model(self.model).named_modules()}
+        for module in self._modules_to_capture(trained):
+            kind = layer_kind(module)
+            closed = kind is not None and kind.provides("per_sample")
+            if not closed and any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
+                raise NotImplementedError(
+                    f"{name} cannot compute per-sample gradients of {names.get(module, '?')} "
+                    "under FSDP2: only layers with closed-form per-sample gradients "
+                    "(nn.Linear, nn.Conv*d, nn.Embedding, ...) may be sharded; the generic vmap(grad) needs the whole "
+                    "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
+                )
         for module in self._modules_to_capture(self._params()):
             if isinstance(module, _BATCH_NORMS):
                 raise ValueError(
-                    f"{type(self).__name__} cannot clip per-sample gradients through {type(module).__name__} "
+                    f"{name} cannot clip per-sample gradients through {type(module).__name__} "
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
         self._refuse_unsupported_layers()
 
     def _group_privacy(self) -> tuple[float, float]:
         """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now, checked equal in all."""
-        first = self.param_groups[0]
-        clip, sigma = first["max_grad_norm"], first["noise_multiplier"]
+        clip, sigma = self.param_groups[0]["max_grad_norm"], self.param_groups[0]["noise_multiplier"]
         for index, group in enumerate(self.param_groups):
             _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
             if (group["max_grad_norm"], group["noise_multiplier"]) != (clip, sigma):
@@ -223,19 +215,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         return f"{type(self).__name__}: per-sample clipping ({how})", None, False
 
     def _build_reductions(self) -> dict[str, Reduction]:
-        _, _, reduction = self._privacy
-        owner = weakref.ref(self)  # the reduction lives in the capture, which this optimizer owns
-
-        def clip() -> float:  # read when each backward pass ends: a schedule may have changed it
-            optimizer = owner()
-            assert optimizer is not None
-            return optimizer._group_privacy()[0]
-
-        # Every parameter of the groups: which of them require grad is read when each pass ends.
-        params = set(self._params())
-        return {
-            "_clipped": ClippedSums(self.capture, params, clip, reduction, self._expected_batch_size, self._batch_dim)
-        }
+        return {"_clipped": ClippedSums(self)}
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
@@ -258,11 +238,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         private = self._private_gradients(inputs)
         for param, grad in private.items():
             assert param.grad is not None
-            if grad is param.grad:  # written in place
-                continue
             if param.grad.is_sparse:  # the noised estimate is dense: every row moves
                 param.grad = grad.to(param.dtype)
-            else:  # under FSDP2, ``grad`` is this rank's shard
+            elif grad is not param.grad:  # not written in place; under FSDP2, ``grad`` is this rank's shard
                 local_tensor(param.grad).copy_(grad)
         super().step(inputs=inputs)
         if private:  # a step with no gradient releases nothing
@@ -278,9 +256,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         totals = inputs.reduced(self._clipped)
         data_parallel = self.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
-        for entry in totals.values():
-            if "error" in entry:
-                self._raise_kept(*entry["error"])
+        error = next((entry["error"] for entry in totals.values() if "error" in entry), None)
+        if error is not None:
+            self._raise_kept(*error)
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
@@ -289,7 +267,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
         batch = self._step_batch(present, totals, clip)
         if distributed:
-            return self._private_gradients_over_ranks(targets, totals, present, batch, clip * sigma, data_parallel)
+            return self._private_gradients_over_ranks(targets, totals, batch, clip * sigma, data_parallel)
         divisor = self._divisor(batch)
         with record_function("DP: noise"):
             return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
@@ -329,29 +307,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         return float(batch)
 
     def _private_gradients_over_ranks(
-        self,
-        targets: list[Tensor],
-        totals: dict[Tensor, Any],
-        present: list[Tensor],
-        batch: float,
-        std: float,
-        data_parallel: Any,
+        self, targets: list[Tensor], totals: dict[Tensor, Any], batch: float, std: float, data_parallel: Any
     ) -> dict[Tensor, Tensor]:
         """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
-
-        A module this rank's samples never reached (a branch, an expert) has a zero gradient for
-        each of them; another rank's may have reached it. Every rank adds the same list."""
-        dtype = totals[present[0]]["sum"].dtype if present else None
-        sums = {
-            p: totals[p]["sum"].clone()
-            if p in totals
-            else torch.zeros(p.shape, dtype=dtype or p.dtype, device=local_tensor(p).device)
-            for p in targets
-        }
-        generator = self._generator
+        Every rank adds the same list: zeros for a module its samples never reached (a branch, an expert)."""
+        dtype = next((totals[p]["sum"].dtype for p in targets if p in totals), None)
+        sums = {p: totals[p]["sum"].clone() if p in totals else _zeros(p, dtype or p.dtype) for p in targets}
         if std > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks (replicas stay identical), as in one process
-                noise = torch.randn(total.shape, generator=generator, device=generator.device)
+                noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
                 total.add_(noise.to(total.device, total.dtype), alpha=std)
         count = torch.tensor(float(batch), dtype=torch.float64)
         captured = torch.tensor([float(p in totals) for p in targets], dtype=torch.float64)  # ranks that saw each
@@ -400,9 +364,8 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _uncaptured(self, params: list[Tensor]) -> RuntimeError:
         capture = self.capture
-        where = ", ".join(dict.fromkeys(capture.name(m) for p in params for m in capture.owners(p))) or (
-            "a module the optimizer does not capture"
-        )
+        where = ", ".join(dict.fromkeys(capture.name(m) for p in params for m in capture.owners(p)))
+        where = where or "a module the optimizer does not capture"
         return RuntimeError(
             f"{type(self).__name__} cannot compute per-sample gradients of {len(params)} parameter(s) with a "
             f"gradient: no forward call of {where} is in that gradient (a weight used without calling its "
@@ -429,59 +392,53 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _check_sums_add_up(self, targets: list[Tensor], totals: dict[Tensor, Any], dtypes: frozenset[Any]) -> None:
         """Refuse a gradient the per-sample gradients do not add up to: part of it could not be clipped.
-
-        Each parameter's gap is measured against the whole gradient's norm (a gradient that is zero
-        up to rounding, say a bias a normalization cancels, must not fail on its rounding)."""
-        compared = {  # param -> (the per-sample sum, the gradient), as compared
-            p: (totals[p]["unclipped"], self._clipped.probes.project(p, p.grad))
-            for p in targets
-            if totals[p]["unclipped"] is not None and p.grad is not None
-        }
+        Gaps are measured against the whole gradient's norm (a bias a normalization cancels is zero up to rounding)."""
+        checked = [p for p in targets if totals[p]["unclipped"] is not None and p.grad is not None]
+        compared = {p: (totals[p]["unclipped"], self._clipped.probes.project(p, p.grad)) for p in checked}  # type: ignore[arg-type]
         exact = all(d == torch.float64 for d in dtypes) and all(g.dtype == torch.float64 for _, g in compared.values())
         pairs = [  # per parameter: the gap's norm and the gradient's, read at once below
-            torch.stack(
-                [torch.linalg.vector_norm(plain.to(grad.dtype) - grad), torch.linalg.vector_norm(grad)]
-            ).double()
+            torch.stack([vector_norm(plain.to(grad.dtype) - grad), vector_norm(grad)]).double()
             for plain, grad in compared.values()
         ]
         if len({p.device for p in pairs}) == 1:
             values = torch.stack(pairs).tolist()
         else:  # parameters on several devices: one read each
             values = [pair.tolist() for pair in pairs]
-        gaps = {param: gap for param, (gap, _) in zip(compared, values, strict=True)}
         # Under autocast autograd rounds each weight gradient to bfloat16 (or float16) while the
         # per-sample sums add in float32: the gap is then up to about half an eps of the lowest dtype
         # the backward ran in (0.1-0.2% measured in bfloat16; a tied weight: 5-50%).
         tolerance = 1e-9 if exact else max([1e-3, *(torch.finfo(d).eps for d in dtypes)])
         whole = math.sqrt(sum(norm * norm for _, norm in values))
-        wrong = [p for p, gap in gaps.items() if not gap <= tolerance * whole + 1e-30]
+        wrong = {p: gap for p, (gap, _) in zip(compared, values, strict=True) if not gap <= tolerance * whole + 1e-30}
         if wrong:
-            self._refuse_unexplained(compared, gaps, wrong, whole, tolerance, torch.float16 in dtypes)
+            self._refuse_unexplained(compared, wrong, whole, tolerance, torch.float16 in dtypes)
 
     def _refuse_unexplained(
-        self,
-        compared: dict[Tensor, Any],
-        gaps: dict[Tensor, float],
-        wrong: list[Tensor],
-        whole: float,
-        tolerance: float,
-        float16: bool,
+        self, compared: dict[Tensor, Any], wrong: dict[Tensor, float], whole: float, tolerance: float, float16: bool
     ) -> NoReturn:
         """Raise the refusal of a gradient its per-sample gradients do not add up to, naming the likely cause."""
         name = type(self).__name__
-        factor = _common_factor(list(compared.values()), tolerance)
-        if factor is not None:
+        # The gradient a factor c (neither 1 nor 0) times the per-sample sums, as after a gradient clip?
+        pairs = [(plain.double(), grad.double()) for plain, grad in compared.values()]
+        square = sum(float(plain.pow(2).sum()) for plain, _ in pairs)
+        factor = sum(float((plain * grad).sum()) for plain, grad in pairs) / square if square != 0.0 else 1.0
+        residual = math.sqrt(sum(float((grad - factor * plain).pow(2).sum()) for plain, grad in pairs))
+        whole_grad = math.sqrt(sum(float(grad.pow(2).sum()) for _, grad in pairs))
+        if not (abs(factor - 1.0) <= tolerance or factor <= 0.0 or residual > tolerance * whole_grad):
             raise RuntimeError(
-                f"{name}: the gradient backward computed is the sum of the per-sample gradients times "
-                f"{factor:.4g}, for every parameter alike: it was rescaled after backward, as a gradient clip does. "
-                "Trainers do it by a setting: Lightning's Trainer(gradient_clip_val=...) (leave it None), Hugging "
-                "Face's TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), Accelerate's "
-                "accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call out). "
-                f"{name} clips each sample's gradient itself and must see the gradient as backward made it. "
-                "No parameter was changed"
+                f"{name}: the gradient backward computed is the sum of the per-sample gradients times {factor:.4g}, "
+                "for every parameter alike: it was rescaled after backward, as a gradient clip does. Trainers do it by "
+                "a setting: Lightning's Trainer(gradient_clip_val=...) (leave it None), Hugging Face's "
+                "TrainingArguments(max_grad_norm=1.0, its default: pass max_grad_norm=0), Accelerate's "
+                f"accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call out). {name} clips "
+                "each sample's gradient itself and must see the gradient as backward made it. No parameter was changed"
             )
         owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
-        worst = max(gaps[p] for p in wrong) / max(whole, 1e-30)
+        worst = max(wrong.values()) / max(whole, 1e-30)
+        hint = (
+            "; under float16 autocast, a loss scale too small for these gradients, which backward rounded "
+            "in float16's subnormal range (a GradScaler with a larger init_scale, or bfloat16)"
+        )
         raise RuntimeError(
             f"{name}: the per-sample gradients of {owners or 'a module'} do not add up to the gradient backward "
             f"computed (off by {worst:.1%} of the gradient's norm), so part of it cannot be clipped per sample. "
@@ -489,30 +446,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             "F.linear(h, embed.weight): call the module instead), the gradient was changed after backward "
             "(clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's max_grad_norm, manual edits: leave "
             "it as backward made it), or a gradient penalty (torch.autograd.grad(..., create_graph=True) then "
-            "backward), whose double-backward terms mix samples"
-            + (
-                "; under float16 autocast, a loss scale too small for these gradients, which backward rounded "
-                "in float16's subnormal range (a GradScaler with a larger init_scale, or bfloat16)"
-                if float16
-                else ""
-            )
-            + ". No parameter was changed"
+            f"backward), whose double-backward terms mix samples{hint if float16 else ''}. No parameter was changed"
         )
-
-
-def _common_factor(compared: list[tuple[Tensor, Tensor]], tolerance: float) -> float | None:
-    """``c`` if every gradient is ``c`` (neither 1 nor 0) times its per-sample sum, up to ``tolerance``
-    of the whole, as after a gradient clip; else ``None``."""
-    pairs = [(plain.double(), grad.double()) for plain, grad in compared]
-    square = sum(float(plain.pow(2).sum()) for plain, _ in pairs)
-    if square == 0.0:
-        return None
-    factor = sum(float((plain * grad).sum()) for plain, grad in pairs) / square
-    residual = math.sqrt(sum(float((grad - factor * plain).pow(2).sum()) for plain, grad in pairs))
-    whole = math.sqrt(sum(float(grad.pow(2).sum()) for _, grad in pairs))
-    if abs(factor - 1.0) <= tolerance or factor <= 0.0 or residual > tolerance * whole:
-        return None
-    return factor
 
 
 class ClippedSums(Reduction):
@@ -522,29 +457,26 @@ class ClippedSums(Reduction):
     grad_outputs = True
     keeps_inputs = True  # under activation checkpointing, the inputs of the re-run in backward
 
-    def __init__(
-        self,
-        capture: Any,
-        trained: set[Tensor],
-        clip: Callable[[], float],
-        reduction: str,
-        expected_batch_size: int | None,
-        batch_dim: int = 0,
-    ) -> None:
+    def __init__(self, optimizer: _PerSampleClipping) -> None:
+        owner = weakref.ref(optimizer)  # the reduction lives in the capture, which the optimizer owns
+        # The clip is read when each backward pass ends: a schedule may have changed it.
+        self.clip: Callable[[], float] = lambda: owner()._group_privacy()[0]  # type: ignore[union-attr]
         # The add-up check: in one process only (under data parallelism the gradient is averaged already).
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
         self.passes = itertools.count()  # a token per backward pass
-        self.clip, self.reduction, self.expected, self.batch_dim = clip, reduction, expected_batch_size, batch_dim
-        self.capture = capture
-        self.name = capture.name
+        self.reduction, self.expected = optimizer._privacy[2], optimizer._expected_batch_size
+        capture = self.capture = optimizer.capture
+        self.batch_dim, self.name = optimizer._batch_dim, capture.name
+        trained = set(optimizer._params())  # all of the groups': which require grad is read when each pass ends
         self.names: dict[nn.Module, list[str]] = {}  # parameters only this module owns
         self.shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules own
         for module in capture.modules:
             for name, param in module._parameters.items():
                 if param is None or param not in trained:
                     continue
-                innermost = _innermost(capture.owners(param))
+                own = capture.owners(param)  # a parent among them uses it through the child: left out
+                innermost = [m for m in own if not any(o is not m and any(o is d for d in m.modules()) for o in own)]
                 owners = [(m, n) for m in innermost for n, q in m._parameters.items() if q is param]
                 if module not in [m for m, _ in owners]:
                     continue  # a parent that reaches it only through a child owner (BERT's MLM bias)
@@ -572,7 +504,7 @@ class ClippedSums(Reduction):
         try:
             return self._finish(entries)
         except Exception as error:
-            where, cause = (error.where, error.error) if isinstance(error, _Located) else (None, error)
+            where, cause = error.args if isinstance(error, _Located) else (None, error)
             reached = {c.module for _, c in entries}
             params = [m._parameters[n] for m in reached for n in self.names.get(m, ())]
             params += [p for p, uses in self.shared.items() if any(m in reached for m, _ in uses)]
@@ -593,32 +525,28 @@ class ClippedSums(Reduction):
             _add_into(unclipped, plain)
         # This pass, by a token of its own: which forwards it holds, and through which modules.
         modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
+        every = [c for calls in by_forward.values() for module_calls in calls.values() for c in module_calls]
+        tensors = [t for c in every for t in (*(c.grad_outputs or ()), *c.args) if isinstance(t, Tensor)]
         common = {
             "samples": float(sum(samples.values())),
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
             "clips": frozenset({clip}),
-            "dtypes": frozenset(  # those the backward ran in (bfloat16 under autocast), for the add-up check
-                t.dtype
-                for calls in by_forward.values()
-                for module_calls in calls.values()
-                for call in module_calls
-                for t in (*(call.grad_outputs or ()), *call.args)
-                if isinstance(t, Tensor) and t.is_floating_point()
-            ),
+            # Those the backward ran in (bfloat16 under autocast), for the add-up check.
+            "dtypes": frozenset(t.dtype for t in tensors if t.is_floating_point()),
         }
         return {p: {"sum": total, "unclipped": unclipped.get(p), **common} for p, total in out.items()}
 
-    def _by_forward(self, entries: Sequence[tuple[Call, Any]]) -> dict[Any, dict[nn.Module, list[Call]]]:
+    def _by_forward(self, entries: Sequence[tuple[Call, Any]]) -> dict[Any, _Calls]:
         """The calls of a pass by the model's forward they came from, then by module (frozen ones left out)."""
         shared = {m for param, uses in self.shared.items() if param.requires_grad for m, _ in uses}
         trains = {m: bool(self._trained_names(m)) or m in shared for m in {c.module for _, c in entries}}
-        by_forward: dict[Any, dict[nn.Module, list[Call]]] = {}
+        by_forward: dict[Any, _Calls] = {}
         for _, call in entries:
             if trains[call.module]:
                 by_forward.setdefault(call.forward, {}).setdefault(call.module, []).append(call)
         return by_forward
 
-    def _samples(self, forward: Any, calls: dict[nn.Module, list[Call]]) -> int:
+    def _samples(self, forward: Any, calls: _Calls) -> int:
         """The samples of one forward; refused where no tensor argument of the model has that many."""
         batch_dim, capture = self.batch_dim, self.capture
         count = _samples({m: [_batch_first(c, batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
@@ -626,9 +554,9 @@ class ClippedSums(Reduction):
         sizes = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
         if not sizes or count in sizes or any(m is capture.root for m in calls):
             return count  # agrees, or the model is itself a layer whose call says what its samples are
-        layers = ", ".join(capture.name(m) for m in list(calls)[:3])
+        called = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
-            f"the layers called in one forward ({layers}, ...) hold {count} samples along dim {batch_dim}, but no "
+            f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
             f"tensor argument of the model has {count} there (it has {sorted(sizes)}): a layer sees the batch along "
             "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
             "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
@@ -640,14 +568,8 @@ class ClippedSums(Reduction):
             return b
         if "error" in a:
             return a
-        return {
-            "sum": a["sum"] + b["sum"],
-            "unclipped": add_statistics(a["unclipped"], b["unclipped"]),
-            "samples": a["samples"] + b["samples"],
-            "passes": {**a["passes"], **b["passes"]},
-            "clips": a["clips"] | b["clips"],
-            "dtypes": a["dtypes"] | b["dtypes"],
-        }
+        out = {k: a[k] + b[k] for k in ("sum", "samples")} | {k: a[k] | b[k] for k in ("passes", "clips", "dtypes")}
+        return out | {"unclipped": add_statistics(a["unclipped"], b["unclipped"])}
 
     def _per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         """One call's per-sample gradients: a closed form (on the call with the batch moved first), or
@@ -657,83 +579,63 @@ class ClippedSums(Reduction):
             return kind.per_sample(module, _batch_first(call, self.batch_dim), names)
         if _is_layer_norm(module):
             return _layer_norm_per_sample(module, _batch_first(call, self.batch_dim), names)
-        return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
+        return Materialized(layers._functional_per_sample_grads(module, call, names, self.batch_dim))
 
-    def _empty_sums(self, calls: dict[nn.Module, list[Call]]) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+    def _share(self, module: nn.Module, call: Call, name: str) -> Tensor:
+        return self._per_sample(module, call, [name]).grads()[name]
+
+    def _empty_sums(self, calls: _Calls) -> _Sums:
         """Zero sums for every parameter a forward without samples reaches (the step adds the noise alone)."""
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
         params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
-        sums: dict[Tensor, Tensor] = {}
-        plain: dict[Tensor, Tensor] = {}
-        for param in params:
-            dtype = torch.promote_types(param.dtype, torch.float32)
-            sums[param] = torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
-            if self.verify:
-                plain[param] = self.probes.project(param, sums[param])
-        return sums, plain
+        sums = {p: _zeros(p, torch.promote_types(p.dtype, torch.float32)) for p in params}
+        return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {})
 
-    def _clipped_sums(
-        self, calls: dict[nn.Module, list[Call]], scale: float, clip: float
-    ) -> tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]:
+    def _clipped_sums(self, calls: _Calls, scale: float, clip: float) -> _Sums:
         """One forward's samples clipped (each over every parameter) and summed; when ``verify``, unclipped too."""
         with record_function("DP: per-sample norms"):
             pieces = self._pieces(calls)
-            norms = []
-            for piece in pieces:
-                with self._at(piece.module, piece.calls, calls):
-                    norms.append(piece.per.sq_norms())
-            squared = sum(n.double() for n in norms)
-            assert isinstance(squared, Tensor)
+            norms = [self._located(piece.module, piece.calls, calls, piece.per.sq_norms) for piece in pieces]
+            squared: Tensor = sum(n.double() for n in norms)  # type: ignore[assignment]
             if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
-                squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))
-                assert isinstance(squared, Tensor)
+                squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))  # type: ignore[assignment]
         weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
         with record_function("DP: clipped sums"):
             for piece in pieces:
-                with self._at(piece.module, piece.calls, calls):
-                    clipped = piece.per.weighted_sum(weights)
+                clipped = self._located(piece.module, piece.calls, calls, piece.per.weighted_sum, weights)
                 _add_into(sums, {piece.params[n]: t for n, t in clipped.items()}, promote=True)
         with record_function("DP: add-up sums"):
             for piece in pieces if self.verify else ():
-                with self._at(piece.module, piece.calls, calls):
-                    unclipped = self.probes.plain_sums(piece.per, piece.params, len(weights))
+                args = (piece.per, piece.params, len(weights))
+                unclipped = self._located(piece.module, piece.calls, calls, self.probes.plain_sums, *args)
                 _add_into(plain, {piece.params[n]: t for n, t in unclipped.items()})
         return sums, plain
 
-    def _pieces(self, calls: dict[nn.Module, list[Call]]) -> list[_Piece]:
+    def _pieces(self, calls: _Calls) -> list[_Piece]:
         """One forward's per-sample gradients: a piece per module (its calls merged) and per shared weight."""
         pieces = []
         for module, module_calls in calls.items():
             names = self._trained_names(module)
             if names:
-                per_call = []
-                for call in module_calls:
-                    with self._at(module, [call], calls):
-                        per_call.append(self._per_sample(module, call, names))
-                with self._at(module, module_calls, calls):
-                    merged = _merged(per_call)
+                per_call = [self._located(module, [c], calls, self._per_sample, module, c, names) for c in module_calls]
+                merged = self._located(module, module_calls, calls, _merged, per_call)
                 pieces.append(_Piece(merged, {n: module._parameters[n] for n in names}, module, module_calls))  # type: ignore[misc]
         for param, uses in self.shared.items():  # a weight several modules use: add their shares
             if not param.requires_grad:
                 continue
-            shares = []
-            for m, n in uses:
-                for call in calls.get(m, ()):
-                    with self._at(m, [call], calls):
-                        shares.append(self._per_sample(m, call, [n]).grads()[n])
+            shares = [self._located(m, [c], calls, self._share, m, c, n) for m, n in uses for c in calls.get(m, ())]
             if shares:
                 every = [c for m, _ in uses for c in calls.get(m, ())]
                 per = Materialized({"shared": torch.stack(shares).sum(0)})
                 pieces.append(_Piece(per, {"shared": param}, uses[0][0], every))
         return pieces
 
-    @contextlib.contextmanager
-    def _at(self, module: nn.Module, failed: list[Call], calls: dict[nn.Module, list[Call]]) -> Iterator[None]:
-        """An error of the per-sample code inside, raised as ``_Located`` at ``module``'s ``failed`` calls."""
+    def _located(self, module: nn.Module, failed: list[Call], calls: _Calls, compute: Any, *args: Any) -> Any:
+        """``compute(*args)``, an error in it raised as ``_Located`` at ``module``'s ``failed`` calls."""
         try:
-            yield
+            return compute(*args)
         except _Located:
             raise
         except Exception as error:
@@ -758,6 +660,10 @@ class _Piece(NamedTuple):
     calls: list[Call]
 
 
+def _zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
+
+
 def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bool = False) -> None:
     """Add ``more`` into ``totals``, parameter by parameter (``promote``: in float32 at least)."""
     for param, total in more.items():
@@ -767,19 +673,13 @@ def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bo
 
 
 class _Located(Exception):
-    """An error of the per-sample code, with the module and call it came from."""
-
-    def __init__(self, where: str, error: Exception) -> None:
-        super().__init__(where)
-        self.where, self.error = where, error
+    """An error of the per-sample code, as ``(where, error)``: the module and call it came from, and the error."""
 
 
 class _Probes:
-    """The per-sample gradients' sum, for the add-up check: a weight's projected on a few fixed random
+    """The per-sample gradients' sum, for the add-up check: a weight's projected on 4 fixed random
     output directions ``P`` (``Pᵀ sum_t g_t x_tᵀ = sum_t (Pᵀ g_t) x_tᵀ``, ``O(N (in + out))``; a difference
     ``D`` with ``Pᵀ D = 0`` has probability zero), everything else summed exactly."""
-
-    DIRECTIONS = 4
 
     def __init__(self) -> None:
         self.directions: dict[Tensor, Tensor] = {}  # weight -> P, fixed for the optimizer's life
@@ -789,8 +689,8 @@ class _Probes:
     def _directions(self, param: Tensor, outputs: int, like: Tensor) -> Tensor:
         directions = self.directions.get(param)
         if directions is None:
-            drawn = torch.randn(outputs, self.DIRECTIONS, generator=self.generator, dtype=torch.float64)
-            directions = self.directions[param] = (drawn / math.sqrt(self.DIRECTIONS)).to(like.device, like.dtype)
+            drawn = torch.randn(outputs, 4, generator=self.generator, dtype=torch.float64)
+            directions = self.directions[param] = (drawn / math.sqrt(4)).to(like.device, like.dtype)
         return directions if directions.dtype == like.dtype else directions.to(like.dtype)
 
     def plain_sums(self, per: PerSample, params: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
@@ -799,10 +699,8 @@ class _Probes:
             if per.transposed:
                 self.transposed.add(weight)
             return per.projected_sums(self._directions(weight, per.outputs, per.like))
-        if isinstance(per, BlockRows) and per.weight:
-            weight = params["weight"]
-            directions = self._directions(weight, per.g.shape[-1], per.g)
-            projected = per.g @ directions  # (batch, blocks, positions, 4)
+        if isinstance(per, layers.BlockRows) and per.weight:
+            projected = per.g @ self._directions(params["weight"], per.g.shape[-1], per.g)  # (b, blocks, t, 4)
             out = {"weight": torch.einsum("bjtk,bjti->jki", projected, per.x)}
             if per.bias:
                 out["bias"] = per.g.sum((0, 2)).reshape(-1)
@@ -831,8 +729,8 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
     reaches = any(p in trained for p in module.parameters())
     kind = layer_kind(module)
     unknown = [n for n in own if kind is not None and n not in (kind.weight_name, kind.bias_name)]
-    if declared_refusal(module) is not None and reaches:
-        return declared_refusal(module)
+    if layers.declared_refusal(module) is not None and reaches:
+        return layers.declared_refusal(module)
     if getattr(module, "scale_grad_by_freq", False) and own:
         return (
             "scale_grad_by_freq=True divides each row's gradient by how often the whole batch used it, so a "
@@ -869,49 +767,37 @@ def _layer_norm_per_sample(module: nn.LayerNorm, call: Call, names: Sequence[str
     """``nn.LayerNorm``'s per-sample gradients: weight ``sum_t g_bt * x̂_bt`` (``x̂`` the input normalized,
     without the affine part), bias ``sum_t g_bt``, over the positions ``t`` before the normalized dimensions."""
     shape = tuple(module.normalized_shape)
-    x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
+    x, g = layers._statistics_dtype(call.input), layers._statistics_dtype(layers._grad_output(call))
     if x.dim() == len(shape):  # one sample, unbatched
         x, g = x[None], g[None]
-    batch = x.shape[0]
     grads = {}
     if "weight" in names:
-        normalized = F.layer_norm(x, shape, None, None, module.eps)
-        grads["weight"] = (g * normalized).reshape(batch, -1, *shape).sum(1)
+        grads["weight"] = (g * F.layer_norm(x, shape, None, None, module.eps)).reshape(len(x), -1, *shape).sum(1)
     if "bias" in names:
-        grads["bias"] = g.reshape(batch, -1, *shape).sum(1)
+        grads["bias"] = g.reshape(len(x), -1, *shape).sum(1)
     return Materialized(grads)
 
 
-def _innermost(owners: Sequence[nn.Module]) -> list[nn.Module]:
-    """The owners of a parameter that are not parents of another (a parent uses it through the child)."""
-    return [m for m in owners if not any(o is not m and any(o is d for d in m.modules()) for o in owners)]
-
-
 def _robust_sq_norms(per: PerSample, squared: Tensor) -> Tensor:
-    """``squared`` (``per.sq_norms()``), recomputed in float64 where it overflowed (an infinite norm
-    would clip the sample to nothing)."""
+    """``squared`` (``per.sq_norms()``), recomputed in float64 where it overflowed (an infinite norm clips to 0)."""
     if squared.dtype == torch.float64 or bool(torch.isfinite(squared).all()):
         return squared.double()
     if isinstance(per, MatrixRows):
-        wide: PerSample = per.widened()
-    elif isinstance(per, IndexedRows):
-        wide = IndexedRows(per.index, per.g.double(), per.num_rows)
-    else:
-        wide = Materialized({n: g.double() for n, g in per.grads().items()})
-    return wide.sq_norms()
+        return per.widened().sq_norms()
+    if isinstance(per, layers.IndexedRows):
+        return layers.IndexedRows(per.index, per.g.double(), per.num_rows).sq_norms()
+    return Materialized({n: g.double() for n, g in per.grads().items()}).sq_norms()
 
 
 def _samples_of(module: nn.Module, call: Call) -> int:
-    """How many samples one call holds (its kind's count; the common case without a pytree)."""
-    kind = layer_kind(module) or GENERIC
-    if type(kind).samples is LayerKind.samples and call.args and type(call.args[0]) is Tensor:
-        if call.args[0].dim() == 0:
-            return kind.samples(module, call)  # its error
-        return int(call.args[0].shape[0])
-    return kind.samples(module, call)
+    """How many samples one call holds: its kind's count (read directly in the common case, without a pytree)."""
+    kind, first = layer_kind(module) or layers.GENERIC, call.args[0] if call.args else None
+    if type(kind).samples is layers.LayerKind.samples and type(first) is Tensor and first.dim() > 0:
+        return int(first.shape[0])
+    return kind.samples(module, call)  # (a 0-d input: its error)
 
 
-def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
+def _samples(calls: _Calls, names: Any) -> int:
     """The batch size of one forward, which every call in it must share."""
     sizes = {m: {_samples_of(m, c) for c in cs} for m, cs in calls.items()}
     found = set().union(*sizes.values())
@@ -921,20 +807,17 @@ def _samples(calls: dict[nn.Module, list[Call]], names: Any) -> int:
     if found == {1, batch}:
         shared = ", ".join(names(m) for m, s in sizes.items() if 1 in s)
         raise RuntimeError(
-            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: broadcast "
-            "over the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that "
-            "input expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter "
-            "was changed"
+            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: broadcast over "
+            "the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that input "
+            "expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter was changed"
         )
-    counts = Counter(size for found_sizes in sizes.values() for size in found_sizes)
-    batch = counts.most_common(1)[0][0]
+    batch = Counter(size for found_sizes in sizes.values() for size in found_sizes).most_common(1)[0][0]
     odd = {names(m): sorted(s) for m, s in sizes.items() if s != {batch}}
     raise RuntimeError(
-        f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. "
-        "Either those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over the "
-        "samples: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), or some "
-        "layers see the batch along another dimension (sequence-first tensors: see batch_dim). No parameter was "
-        "changed"
+        f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. Either "
+        "those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over the samples: "
+        "leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), or some layers see the "
+        "batch along another dimension (sequence-first tensors: see batch_dim). No parameter was changed"
     )
 
 
@@ -952,11 +835,9 @@ def _batch_first(call: Call, batch_dim: int) -> Call:
         batched = isinstance(x, Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch
         return x.movedim(batch_dim, 0) if batched else x
 
-    args = tuple(moved(a) for a in call.args)
+    grads = None if call.grad_outputs is None else [moved(g) for g in call.grad_outputs]
     kwargs = {k: moved(v) for k, v in call.kwargs.items()}
-    grads = call.grad_outputs
-    slot = None if grads is None else [moved(g) for g in grads]
-    return Call(call.module, args, kwargs, slot, call.forward)
+    return Call(call.module, tuple(moved(a) for a in call.args), kwargs, grads, call.forward)
 
 
 def _merged(per_call: list[PerSample]) -> PerSample:
@@ -964,32 +845,9 @@ def _merged(per_call: list[PerSample]) -> PerSample:
     if len(per_call) == 1:
         return per_call[0]
     if all(isinstance(p, MatrixRows) for p in per_call):
-        return merged_rows(per_call)  # type: ignore[arg-type]
+        return layers.merged_rows(per_call)  # type: ignore[arg-type]
     grads = [p.grads() for p in per_call]
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
-
-
-def _refuse_sharded_without_closed_form(optimizer: InputAwareOptimizer) -> None:
-    """Refuse HSDP, and a sharded (FSDP2) module without closed-form per-sample gradients, by name."""
-    names = {m: n for n, m in unwrap_model(optimizer.model).named_modules()}
-    trained = {p for p in optimizer._params() if p.requires_grad}
-    meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
-    if meshes - {1}:  # HSDP: the batch count and the noise would be combined over one mesh dimension only
-        raise NotImplementedError(
-            f"{type(optimizer).__name__} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
-            "uses): its batch count and noise must be combined over every data-parallel rank"
-        )
-    for module in optimizer._modules_to_capture(trained):
-        if not any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
-            continue
-        kind = layer_kind(module)
-        if kind is None or not kind.provides("per_sample"):
-            raise NotImplementedError(
-                f"{type(optimizer).__name__} cannot compute per-sample gradients of {names.get(module, '?')} "
-                "under FSDP2: only layers with closed-form per-sample gradients "
-                "(nn.Linear, nn.Conv*d, nn.Embedding, ...) may be sharded; the generic vmap(grad) needs the whole "
-                "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
-            )
 
 
 def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:
@@ -1010,25 +868,20 @@ def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction
 class DPSGD(_PerSampleClipping, InputAwareSGD):
     r"""SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).
 
-    ``DPSGD(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, loss_reduction="mean",
-    expected_batch_size=None, batch_dim=0, sample_rate=None, generator=None, params=None, **sgd_kwargs)``
-
-    Each step replaces every parameter's gradient by its differentially private estimate (Abadi et
-    al. 2016), then applies the stock update:
+    Each step replaces every parameter's gradient by its differentially private estimate (Abadi et al. 2016),
+    then applies the stock update (SGD's keywords are passed on, ``**sgd_kwargs``):
 
     .. math::
         \tilde g = \frac{1}{B}\Big(\sum_{i=1}^{B} g_i \min\big(1, \tfrac{C}{\lVert g_i\rVert}\big)
             + \mathcal N(0, \sigma^2 C^2 I)\Big)
 
-    where :math:`g_i` is sample :math:`i`'s gradient over *all* parameters of the optimizer,
-    :math:`C` is ``max_grad_norm`` and :math:`\sigma` ``noise_multiplier`` (with
-    ``loss_reduction="sum"`` the division by :math:`B` is left out). Per-sample gradients come from
-    each captured call's inputs and output gradients within the one backward pass (closed forms for
-    the common layers, ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they
-    add up to the gradient backward computed. ``max_grad_norm`` and ``noise_multiplier`` are read
-    from the param groups, equal in all (a schedule may change them between steps). What is
-    refused, gradient accumulation, DDP and FSDP2, and the accounting: see the DP guide
-    (``docs/dp.md``).
+    where :math:`g_i` is sample :math:`i`'s gradient over *all* parameters of the optimizer (with
+    ``loss_reduction="sum"`` the division by :math:`B` is left out). Per-sample gradients come from each captured
+    call's inputs and output gradients within the one backward pass (closed forms for the common layers,
+    ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they add up to the gradient backward
+    computed. ``max_grad_norm`` and ``noise_multiplier`` are read from the param groups, equal in all (a schedule
+    may change them between steps). What is refused, gradient accumulation, DDP and FSDP2, and the accounting: see
+    the DP guide (``docs/dp.md``).
 
     Args:
         model: The model.
@@ -1049,7 +902,5 @@ class DPSGD(_PerSampleClipping, InputAwareSGD):
 class DPAdamW(_PerSampleClipping, InputAwareAdamW):
     """AdamW with per-sample gradient clipping and Gaussian noise (DP-Adam with decoupled weight decay).
 
-    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, ...)``: the arguments,
-    the private gradient and its guarantees are `DPSGD`'s; the update is ``torch.optim.AdamW``'s, its
-    keywords passed on (``**adamw_kwargs``).
-    """
+    ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, ...)``: the arguments, the private
+    gradient and its guarantees are `DPSGD`'s; the update is ``torch.optim.AdamW``'s, its keywords passed on."""

@@ -305,10 +305,9 @@ class InputAwareOptimizer(Optimizer):
         for index, param in enumerate(tensors):
             if isinstance(param, Tensor) and param not in self._model_params:
                 raise ValueError(
-                    f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) "
-                    f"is not a parameter of the model given to {type(self).__name__}. Every parameter must "
-                    "belong to the model so that the inputs of its module can be captured; give other "
-                    "tensors to a separate optimizer"
+                    f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) is not a "
+                    f"parameter of the model given to {type(self).__name__}. Every parameter must belong to the model "
+                    "so that the inputs of its module can be captured; give other tensors to a separate optimizer"
                 )
         super().add_param_group(param_group)
         if self._capture is None:  # in __init__: the capture is built once all groups are
@@ -528,9 +527,8 @@ class InputAwareOptimizer(Optimizer):
         if not fallbacks.fallbacks():
             return
         message = (
-            f"{type(self).__name__} updates {len(fallbacks.fallbacks())} weight matrices with the stock update "
-            f"instead of its rule: {fallbacks.describe_fallbacks()}. print(optimizer.coverage()) shows every "
-            "parameter"
+            f"{type(self).__name__} updates {len(fallbacks.fallbacks())} weight matrices with the stock update instead "
+            f"of its rule: {fallbacks.describe_fallbacks()}. print(optimizer.coverage()) shows every parameter"
         )
         if self._strict:
             self._coverage_checked = False

@@ -87,9 +87,8 @@ class NLMS(InputAwareSGD):
         meshes = {p.device_mesh.ndim for p in self._params() if sharded(p)}  # type: ignore[attr-defined]
         if meshes - {1}:  # HSDP: the input power would be averaged over one mesh dimension only
             raise NotImplementedError(
-                f"NLMS supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP uses): the "
-                "input power must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use "
-                "DistributedDataParallel"
+                f"NLMS supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP uses): the input power "
+                "must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use DistributedDataParallel"
             )
 
     @torch.no_grad()

@@ -1,10 +1,6 @@
-"""Capture: records the forward calls of chosen modules and follows their gradient.
-
-What a capture hands over for a parameter comes from exactly the forward calls whose gradient is
-in that parameter's ``.grad``; docs/capture.md states the semantics and the mechanism. What is kept
-is what readers declared: raw calls (``keep_calls``) and ``Reduction`` statistics; with neither, no
-hook is attached.
-"""
+"""Capture: records the forward calls of chosen modules and follows their gradient (docs/capture.md): a
+parameter gets exactly the calls whose gradient is in its ``.grad``. Only what readers declared is kept (raw
+calls: ``keep_calls``; ``Reduction`` statistics); with neither, no hook is attached."""
 
 from __future__ import annotations
 
@@ -32,67 +28,48 @@ Storage = Literal["reference", "clone", "cpu"]
 _STORAGES = ("reference", "clone", "cpu")
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Record:
     """One forward call on its way: what readers keep of it until its backward pass is complete."""
 
-    __slots__ = (
-        "args",
-        "check",
-        "deferred",
-        "forward",
-        "forward_kept",
-        "index",
-        "kept",
-        "kwargs",
-        "module",
-        "outputs",
-        "rearm",
-        "slot",
-        "task",
-        "waiting",
-    )
-
-    def __init__(self, module: nn.Module, index: int, forward: int) -> None:
-        self.module, self.index, self.forward = module, index, forward  # forward: which root forward
-        self.args: tuple[Any, ...] = ()
-        self.kwargs: dict[str, Any] | None = None
-        self.check: Any = None  # version counters (reference storage) or copy events (cpu)
-        self.slot: list[Any] | None = None  # output gradients, when a reader wants them
-        self.kept: list[Any] | None = None  # per reduction: forward() result, then backward()'s
-        self.task: int | None = None  # the backward pass that reached it
-        self.waiting = 0  # outputs whose gradient has not arrived yet
-        self.outputs = 0  # outputs that can carry a gradient
-        self.deferred = False  # some reader's forward waits for checkpointing's recomputation
-        # Reached by a pass that accumulates into none of its parameters' gradients (an input
-        # gradient): it waits for the next pass, its readers' forward results kept in forward_kept.
-        self.rearm = False
-        self.forward_kept: list[Any] | None = None
+    module: nn.Module
+    index: int
+    forward: int  # which root forward
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] | None = None
+    check: Any = None  # version counters (reference storage) or copy events (cpu)
+    slot: list[Any] | None = None  # output gradients, when a reader wants them
+    kept: list[Any] | None = None  # per reduction: forward() result, then backward()'s
+    task: int | None = None  # the backward pass that reached it
+    waiting: int = 0  # outputs whose gradient has not arrived yet
+    outputs: int = 0  # outputs that can carry a gradient
+    deferred: bool = False  # some reader's forward waits for checkpointing's recomputation
+    # Reached by a pass that accumulates into none of its parameters' gradients (an input
+    # gradient): it waits for the next pass, its readers' forward results kept in forward_kept.
+    rearm: bool = False
+    forward_kept: list[Any] | None = None
 
     def view(self) -> Call:
         return Call(self.module, _detached(self.args), _detached(self.kwargs or {}), self.slot, self.forward)
 
     def snapshot(self) -> _Record:
         """What a reader of raw calls sees, as a copy a later pass through this call leaves alone."""
-        copy = _Record(self.module, self.index, self.forward)
-        copy.args, copy.kwargs, copy.check = self.args, self.kwargs, self.check
-        copy.slot = None if self.slot is None else list(self.slot)
-        return copy
+        slot = None if self.slot is None else list(self.slot)
+        return _Record(self.module, self.index, self.forward, self.args, self.kwargs, self.check, slot)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Key:
     """What one parameter's gradient holds: its calls and reduced statistics (``param`` ``None``: a
     watched module that owns no parameter, whose calls count from their backward until released)."""
 
-    __slots__ = ("accumulator", "calls", "grad", "param", "released", "totals", "version")
-
-    def __init__(self, param: Tensor | None) -> None:
-        self.param = param
-        self.calls: list[_Record] = []
-        self.totals: dict[Reduction, Any] = {}
-        self.grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
-        self.released: weakref.ref[Tensor] | None = None  # the gradient whose calls the last step released
-        self.version = 0
-        self.accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
+    param: Tensor | None
+    calls: list[_Record] = dataclasses.field(default_factory=list)
+    totals: dict[Reduction, Any] = dataclasses.field(default_factory=dict)
+    grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
+    released: weakref.ref[Tensor] | None = None  # the gradient whose calls the last step released
+    version: int = 0
+    accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
 
     def state(self) -> Any:
         grad = self.param.grad if self.param is not None else None
@@ -123,7 +100,7 @@ class _Key:
             return _SKIPS
         if self.accumulator is None and not self.find_accumulator():
             return _ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
-        return _pass_reaches(self.accumulator)
+        return _torch.pass_reaches(self.accumulator)
 
     def find_accumulator(self) -> bool:
         """Look up (and keep) the parameter's ``AccumulateGrad`` node, outside compiled code's backward."""
@@ -142,20 +119,18 @@ class _Key:
             self.grad, self.version = weakref.ref(grad), grad._version
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Task:
     """One backward pass: the calls it reached, each gradient before it, and its loss scale (or ``None``)."""
 
-    __slots__ = ("accumulates", "before", "handles", "kinds", "records", "returned", "scale")
-
-    def __init__(self, scale: float | None) -> None:
-        self.records: list[_Record] = []
-        self.before: dict[_Key, Any] = {}
-        self.scale = scale
-        self.kinds: dict[_Key, str] = {}  # what the pass does with each reached key's gradient (_Key.reach)
-        self.returned: dict[_Key, Tensor] = {}  # the gradient torch.autograd.grad returns, per key
-        self.handles: list[RemovableHandle] = []  # the tensor hooks that see those gradients
-        # The pass accumulated into some .grad: it does into the others it reaches (not asked again).
-        self.accumulates = False
+    scale: float | None
+    records: list[_Record] = dataclasses.field(default_factory=list)
+    before: dict[_Key, Any] = dataclasses.field(default_factory=dict)
+    kinds: dict[_Key, str] = dataclasses.field(default_factory=dict)  # what the pass does with each key (reach)
+    returned: dict[_Key, Tensor] = dataclasses.field(default_factory=dict)  # what torch.autograd.grad returns
+    handles: list[RemovableHandle] = dataclasses.field(default_factory=list)  # the tensor hooks that see those
+    # The pass accumulated into some .grad: it does into the others it reaches (not asked again).
+    accumulates: bool = False
 
 
 class _Returned(NamedTuple):
@@ -168,18 +143,12 @@ class _Returned(NamedTuple):
     version: int
 
 
-def _inert_log(storage: Storage) -> _Log:
-    log = _Log(storage, False)
-    log.enabled, log.inert = False, True
-    return log
-
-
 class _Log:
     """The state the hooks write into (they hold this, never the Capture, so its finalizer can run)."""
 
-    def __init__(self, storage: Storage, grad_outputs: bool) -> None:
-        self.enabled = True
-        self.inert = False  # a copy's, made with the model: records nothing (see __reduce__)
+    def __init__(self, storage: Storage, grad_outputs: bool, inert: bool = False) -> None:
+        self.enabled = not inert
+        self.inert = inert  # a copy's, made with the model: records nothing (see __reduce__)
         self.storage = storage
         self.grad_outputs = grad_outputs  # raw output gradients (Call.grad_outputs)
         self.keep_calls = False
@@ -214,7 +183,7 @@ class _Log:
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy of the model (deepcopy, pickle, torch.save) carries our hooks but no capture: they
         # record nothing and come off at its next forward.
-        return (_inert_log, (self.storage,))
+        return (_Log, (self.storage, False, True))
 
     def set_readers(self, module: nn.Module, readers: tuple[Reduction, ...]) -> None:
         """Who reads ``module`` now, and what they need of each call. The parameters readers name
@@ -247,9 +216,7 @@ class _Log:
         for key in self.keys.values():
             if self.returned and self._adopt(key):
                 changed = True
-            if not key.holds():
-                continue
-            status = key.status()
+            status = key.status() if key.holds() else "same"
             if status == "replaced":
                 key.drop()
                 changed = True
@@ -340,15 +307,13 @@ class _Log:
         elif self.grad_outputs:
             record.slot = [None] * len(outputs)
         for position, t in enumerate(outputs):  # hooks that see the gradients reach its outputs
-            if not t.requires_grad:
-                continue
-            record.waiting += 1
-            record.outputs += 1
-            node = t.grad_fn
-            if node is None:  # a leaf returned as output
-                t.register_hook(functools.partial(self.arrive, record, position))
-            else:
-                node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
+            if t.requires_grad:
+                record.outputs += 1
+                if (node := t.grad_fn) is None:  # a leaf returned as output
+                    t.register_hook(functools.partial(self.arrive, record, position))
+                else:
+                    node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
+        record.waiting = record.outputs
         if module in self.producers:
             self._hook_produced(module, outputs[0])
         return None
@@ -374,7 +339,7 @@ class _Log:
         if not forward:  # no reader computes anything from the inputs
             record.kept = [None] * len(readers)
             return
-        frame = _checkpoint_frame() if keeps_inputs else None
+        frame = _torch.checkpoint_frame() if keeps_inputs else None
         if frame is not None:  # activation checkpointing: the inputs come back when recomputed
             record.deferred = True
             self.awaiting.setdefault((id(frame), record.module), collections.deque()).append(record)
@@ -403,7 +368,7 @@ class _Log:
         """Forward pre-hook: checkpointing's re-run in backward hands its inputs to readers that keep inputs."""
         if not self.awaiting or _graph_task_id() == -1 or not _recomputing_checkpointed_forward():
             return
-        frame = _checkpoint_frame()
+        frame = _torch.checkpoint_frame()
         queue = self.awaiting.get((id(frame), module))
         if not queue:
             return
@@ -430,7 +395,7 @@ class _Log:
         task = self.tasks.get(task_id)
         if task is None:  # the pass's first gradient to reach a recorded call
             task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
-            _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
+            _torch.queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
             self.refresh_keys()  # before the pass accumulates into any gradient (a later look: a rescaling)
         if record.task is None:
             self._join(record, task, task_id)
@@ -461,7 +426,7 @@ class _Log:
                     task.accumulates = True
                 elif kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
                     assert key.param is not None
-                    task.handles.append(key.param.register_hook(functools.partial(_note_returned, task, key)))
+                    task.handles.append(key.param.register_hook(functools.partial(task.returned.__setitem__, key)))
             rearm = rearm and kind != _ACCUMULATES
         record.rearm = rearm and not record.deferred and record.module is not _PENDING
 
@@ -480,7 +445,7 @@ class _Log:
 
     def end_backward(self, task_id: int, deferred: bool) -> None:
         if not deferred:  # run once more at the very end, after callbacks queued later (DDP, FSDP)
-            _queue_end_of_backward(functools.partial(self.end_backward, task_id, True))
+            _torch.queue_end_of_backward(functools.partial(self.end_backward, task_id, True))
             return
         task = self.tasks.pop(task_id, None)
         if task is None:
@@ -669,7 +634,6 @@ class _Log:
 
 
 _DEFERRED = object()  # a reader's forward result still to come (checkpointing's re-run)
-
 _PENDING = nn.Module()  # the module of a compiled call until its arguments are bound
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -677,9 +641,7 @@ _compiling = torch.compiler.is_compiling
 _set_grad_enabled = _torch.set_grad_enabled
 _graph_task_id = _torch.graph_task_id
 _functorch_level = _torch.functorch_level
-_queue_end_of_backward = _torch.queue_end_of_backward
 _recomputing_checkpointed_forward = _torch.recomputing_checkpointed_forward
-_checkpoint_frame = _torch.checkpoint_frame
 
 
 def _plain_math(compute: Any) -> Any:
@@ -700,12 +662,6 @@ def _plain_math(compute: Any) -> Any:
 
 _INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
 _ACCUMULATES, _RETURNS, _SKIPS = _torch.ACCUMULATES, _torch.RETURNS, _torch.SKIPS
-_pass_reaches = _torch.pass_reaches
-
-
-def _note_returned(task: _Task, key: _Key, grad: Tensor) -> None:
-    """Tensor hook for one pass of ``autograd.grad``: the gradient it returns."""
-    task.returned[key] = grad
 
 
 def _unscaled(grad: Tensor, scale: float) -> Tensor:
@@ -728,12 +684,9 @@ def _changed(now: Any, before: Any) -> bool:
 
 
 def _versions(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    return tuple(_version(t) for t in tree_flatten((args, kwargs))[0])
-
-
-def _version(t: Any) -> int | None:
-    """A tensor's version counter (inference tensors, which cannot change outside inference mode, have none)."""
-    return t._version if isinstance(t, Tensor) and not t.is_inference() else None
+    """Tensors' version counters (inference tensors, which cannot change outside inference mode, have none)."""
+    leaves = tree_flatten((args, kwargs))[0]
+    return tuple(t._version if isinstance(t, Tensor) and not t.is_inference() else None for t in leaves)
 
 
 def _copy_arguments(
@@ -842,12 +795,12 @@ def _drop_code_compiled_without_hooks(model: nn.Module, root: nn.Module) -> None
         )
 
 
-def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
+def _shutdown(log: _Log, handles: dict[Any, RemovableHandle]) -> None:
     # Compiled code that inlined the hooks guards on `enabled`: it stops recording into a log nobody reads.
     log.enabled = False
     log.clear()
     log.returned.clear()
-    for handle in handles:
+    for handle in handles.values():
         handle.remove()
     handles.clear()
 
@@ -863,8 +816,8 @@ class _Watching:
 
     def remove(self) -> None:
         capture = self.capture()
-        if capture is not None:
-            capture._end_watch(self)
+        if capture is not None and self in capture._watches:
+            capture._set_watches([w for w in capture._watches if w is not self])
 
 
 class Capture:
@@ -907,17 +860,14 @@ class Capture:
         self._name_modules()
         self._log = _Log(storage, grad_outputs)
         _LOGS[id(self._log)] = self._log
-        self._handles: list[RemovableHandle] = []
+        # Our hooks by (callback, id of the module or parameter): ("record", id(m)), ("recomputed", id(m)), ...
+        self._handles: dict[tuple[str, int], RemovableHandle] = {}
         self._owners: dict[Tensor, tuple[nn.Module, ...]] = {}
         self._modules: list[nn.Module] = []
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
         self._removed = False
         self._watches: list[_Watching] = []
-        # ids of the modules with our forward hook, with our pre-hook, and of parameters with our tensor hook
-        self._hooked: dict[int, RemovableHandle] = {}
-        self._prehooked: set[int] = set()
-        self._param_hooked: set[int] = set()
         if modules is None:
             modules = [m for m in self._root.modules() if any(p is not None for p in m._parameters.values())]
         self.add_modules(modules)
@@ -1057,45 +1007,37 @@ class Capture:
 
     def _sync_hooks(self) -> None:
         """Attach the hooks while something reads, take them off when nothing does."""
+        handles, log, root = self._handles, self._log, self._root
         if self._removed:
             return
         if not self.active:
-            for handle in self._handles:
+            for handle in handles.values():
                 handle.remove()
-            self._handles.clear()
-            self._hooked.clear()
-            self._prehooked.clear()
-            self._param_hooked.clear()
+            handles.clear()
             return
-        log = self._log
-        if not self._handles:
-            self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
-            _drop_code_compiled_without_hooks(self._model, self._root)
+        if not handles:
+            handles["open", id(root)] = root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True)
+            _drop_code_compiled_without_hooks(self._model, root)
         self._sync_forward_hooks()
-        for module in self._modules:
-            if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
-                self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
-                self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
+        for module in self._modules:  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
+            if ("recomputed", id(module)) not in handles and any(r.keeps_inputs for r in log.readers.get(module, ())):
+                handles["recomputed", id(module)] = module.register_forward_pre_hook(log.recomputed, with_kwargs=True)
         for module, readers in log.producers.items():  # parameters whose arriving gradients a reader audits
             for param in dict.fromkeys(p for r in readers for p in r.keys(module) if r.receives(module, p)):
-                if id(param) not in self._param_hooked and param.requires_grad:
-                    self._param_hooked.add(id(param))
-                    self._handles.append(param.register_hook(functools.partial(log.arrived, param)))
+                if ("arrived", id(param)) not in handles and param.requires_grad:
+                    handles["arrived", id(param)] = param.register_hook(functools.partial(log.arrived, param))
         for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
             if key.accumulator is None:
                 key.find_accumulator()
 
     def _sync_forward_hooks(self) -> None:
         """One forward hook on each watched module and each module a watch sees, none on others."""
-        hooked = {id(m): m for m in (*self._modules, *self._log.watchers)}
-        for ident in [i for i in self._hooked if i not in hooked]:  # a watch ended: its modules' hooks go
-            handle = self._hooked.pop(ident)
-            handle.remove()
-            self._handles.remove(handle)
-        for ident, module in hooked.items():
-            if ident not in self._hooked:
-                self._hooked[ident] = handle = module.register_forward_hook(self._log.record, with_kwargs=True)
-                self._handles.append(handle)
+        hooked = {("record", id(m)): m for m in (*self._modules, *self._log.watchers)}
+        for key in [k for k in self._handles if k[0] == "record" and k not in hooked]:  # a watch ended
+            self._handles.pop(key).remove()
+        for key, module in hooked.items():
+            if key not in self._handles:
+                self._handles[key] = module.register_forward_hook(self._log.record, with_kwargs=True)
 
     def watch(
         self,
@@ -1110,24 +1052,17 @@ class Capture:
         ``remove()`` on the returned handle ends the watch. A module not in the model raises ``ValueError``.
         """
         watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward)
-        self._watches.append(watching)
-        self._rebuild_watchers()
-        self._sync_hooks()
+        self._set_watches([*self._watches, watching])
         return watching  # type: ignore[return-value]
 
-    def _end_watch(self, watching: _Watching) -> None:
-        if watching in self._watches:
-            self._watches.remove(watching)
-            self._rebuild_watchers()
-            self._sync_hooks()
-
-    def _rebuild_watchers(self) -> None:
+    def _set_watches(self, watches: list[_Watching]) -> None:
         watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}
-        for watching in self._watches:
+        for watching in watches:
             for module in watching.modules:
                 watchers[module] = (*watchers.get(module, ()), watching.on_call)
-        self._log.watchers = watchers
-        self._log.openers = tuple(w.on_forward for w in self._watches if w.on_forward is not None)
+        self._watches, self._log.watchers = watches, watchers
+        self._log.openers = tuple(w.on_forward for w in watches if w.on_forward is not None)
+        self._sync_hooks()
 
     def owners(self, param: Tensor) -> tuple[nn.Module, ...]:
         """The watched modules that directly own ``param`` (empty if none)."""
@@ -1250,7 +1185,7 @@ class Capture:
         """Take the hooks off the model. What was captured stays readable until cleared."""
         self._log.enabled = False
         self._removed = True
-        for handle in self._handles:
+        for handle in self._handles.values():
             handle.remove()
         self._handles.clear()
 

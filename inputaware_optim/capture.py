@@ -5,13 +5,14 @@ calls: ``keep_calls``; ``Reduction`` statistics); with neither, no hook is attac
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -71,9 +72,10 @@ class _Key:
     version: int = 0
     accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
 
-    def state(self) -> Any:
+    def state(self) -> tuple[int, int, Tensor | None]:
+        """The gradient's id, version and itself (kept alive, it keeps its id): ``!=`` compares ids, never tensors."""
         grad = self.param.grad if self.param is not None else None
-        return None if grad is None else (grad, grad._version)
+        return (id(grad), -1 if grad is None else grad._version, grad)
 
     def holds(self) -> bool:
         return bool(self.calls or self.totals)
@@ -98,20 +100,16 @@ class _Key:
         """What the current pass does with this gradient: accumulates it, returns it (``autograd.grad``) or skips it."""
         if self.param is not None and not self.param.requires_grad:
             return _SKIPS
-        if self.accumulator is None and not self.find_accumulator():
+        if self.find_accumulator() is None:
             return _ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
         return _torch.pass_reaches(self.accumulator)
 
-    def find_accumulator(self) -> bool:
-        """Look up (and keep) the parameter's ``AccumulateGrad`` node, outside compiled code's backward."""
-        param = self.param
-        if param is None or not param.requires_grad:
-            return False
-        try:
-            self.accumulator = torch.autograd.graph.get_gradient_edge(param).node
-        except Exception:  # (a tensor subclass or mode without one)
-            return False
-        return True
+    def find_accumulator(self) -> Any:
+        """The parameter's ``AccumulateGrad`` node, looked up once (compiled code's backward cannot), or ``None``."""
+        if self.accumulator is None and self.param is not None and self.param.requires_grad:
+            with contextlib.suppress(Exception):  # (a tensor subclass or mode without one)
+                self.accumulator = torch.autograd.graph.get_gradient_edge(self.param).node
+        return self.accumulator
 
     def commit(self) -> None:
         grad = self.param.grad if self.param is not None else None
@@ -131,16 +129,6 @@ class _Task:
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)  # the tensor hooks that see those
     # The pass accumulated into some .grad: it does into the others it reaches (not asked again).
     accumulates: bool = False
-
-
-class _Returned(NamedTuple):
-    """The calls and statistics of a gradient ``autograd.grad`` returned, until it is assigned to ``.grad`` or dies."""
-
-    grad: weakref.ref[Tensor]
-    key: _Key
-    calls: list[_Record]
-    totals: dict[Reduction, Any]
-    version: int
 
 
 class _Log:
@@ -175,7 +163,8 @@ class _Log:
         self.compiled: dict[int, _Record] = {}
         # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
         self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
-        self.returned: dict[int, _Returned] = {}  # by id of the tensor
+        # What a gradient autograd.grad returned holds, by id of the tensor, until it is assigned to .grad or dies.
+        self.returned: dict[int, _Key] = {}
         self.rescaled = False  # some gradient was rescaled in place since the last commit
         self.watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}  # Capture.watch
         self.openers: tuple[Callable[..., Any], ...] = ()
@@ -246,23 +235,21 @@ class _Log:
         if grad is None or (key.grad is not None and key.grad() is grad):
             return False
         entry = self.returned.get(id(grad))
-        if entry is None or entry.key is not key or entry.grad() is not grad:
+        if entry is None or entry.param is not key.param or entry.grad is None or entry.grad() is not grad:
             return False
         del self.returned[id(grad)]
         self.filled = True
-        key.calls, key.totals = entry.calls, entry.totals
-        key.grad, key.version = entry.grad, entry.version
+        key.calls, key.totals, key.grad, key.version = entry.calls, entry.totals, entry.grad, entry.version
         return True
 
     def keep_returned(self, grad: Tensor, key: _Key, calls: list[_Record], totals: dict[Reduction, Any]) -> None:
         returned, ident = self.returned, id(grad)
 
-        def forget(_: Any) -> None:  # the tensor died (its id may be reused after this)
-            entry = returned.get(ident)
-            if entry is not None and entry.grad() is None:
+        def forget(ref: Any) -> None:  # the tensor died (its id may be reused after this)
+            if ident in returned and returned[ident].grad is ref:
                 del returned[ident]
 
-        returned[ident] = _Returned(weakref.ref(grad, forget), key, calls, totals, grad._version)
+        returned[ident] = _Key(key.param, calls, totals, weakref.ref(grad, forget), version=grad._version)
 
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.inert:
@@ -452,7 +439,7 @@ class _Log:
             return
         for handle in task.handles:
             handle.remove()
-        changed = {key for key, before in task.before.items() if key.param is None or _changed(key.state(), before)}
+        changed = {key for key, before in task.before.items() if key.param is None or key.state() != before}
         # Calls whose gradient went into no .grad wait for the next pass through them (a gradient penalty's
         # backward after its autograd.grad(create_graph=True)); if none comes, they go with their graph.
         waiting = {
@@ -506,8 +493,7 @@ class _Log:
                     "backward, so its per-call statistics are missing; run the module outside the checkpointed "
                     "region"
                 )
-                record.kept = None
-                record.deferred = False
+                record.kept, record.deferred = None, False
             elif record.waiting > 0:
                 self._reduce_backward(record, task.scale)
 
@@ -575,9 +561,7 @@ class _Log:
         if not (self.keep_calls or self.readers):
             return -1  # nothing reads any module now: no record
         key = next(self.counter)
-        record = _Record(_PENDING, key, self.forwards)
-        record.waiting = record.outputs = outputs
-        self.compiled[key] = record
+        self.compiled[key] = _Record(_PENDING, key, self.forwards, waiting=outputs, outputs=outputs)
         return key
 
     def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
@@ -625,10 +609,9 @@ class _Log:
             for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
                 key.drop()
             self.released_some, self.filled = self.filled, False
-        self.head = None
+        self.head = self.error = None
         self.compiled.clear()
         self.awaiting.clear()
-        self.error = None
         self.rescaled = False
         self.generation += 1
 
@@ -675,12 +658,6 @@ def _loss_scale(scaler: Any) -> float | None:
         return None
     scale = float(scaler.get_scale())
     return None if scale == 1.0 else scale
-
-
-def _changed(now: Any, before: Any) -> bool:
-    if now is None or before is None:
-        return now is not before
-    return now[0] is not before[0] or now[1] != before[1]
 
 
 def _versions(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -876,10 +853,9 @@ class Capture:
 
     def add_modules(self, modules: Iterable[nn.Module]) -> None:
         """Watch more modules of the model (each at most once); one not in the model raises ``ValueError``."""
-        modules = self._part_of_model(modules)
         log = self._log
-        for module in modules:
-            if any(m is module for m in self._modules):
+        for module in self._part_of_model(modules):
+            if module in self._watched:
                 continue
             self._modules.append(module)
             self._watched[module] = self.name(module)
@@ -1027,8 +1003,7 @@ class Capture:
                 if ("arrived", id(param)) not in handles and param.requires_grad:
                     handles["arrived", id(param)] = param.register_hook(functools.partial(log.arrived, param))
         for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
-            if key.accumulator is None:
-                key.find_accumulator()
+            key.find_accumulator()
 
     def _sync_forward_hooks(self) -> None:
         """One forward hook on each watched module and each module a watch sees, none on others."""

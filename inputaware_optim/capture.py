@@ -269,10 +269,8 @@ class _Log:
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not _grad_enabled():  # (the hot path: every call of every watched module)
             return None
-        watchers = self.watchers.get(module)
-        if watchers is not None:
-            for watcher in watchers:
-                watcher(module, args, kwargs, output)
+        for watcher in self.watchers.get(module, ()):
+            watcher(module, args, kwargs, output)
         if not self.enabled or module not in self.keys_of:
             return None  # (a module only a watcher sees)
         if _compiling():
@@ -306,7 +304,6 @@ class _Log:
         return None
 
     def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep a call's arguments for readers of raw calls: by reference with their versions, or a copy."""
         if self.storage == "reference":
             if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
                 record.check = None if args[0].is_inference() else args[0]._version
@@ -337,7 +334,6 @@ class _Log:
         )
 
     def _hook_produced(self, module: nn.Module, first: Tensor) -> None:
-        """A hook on the node of a call's first output, if it has one, for ``Reduction.produced``."""
         if first.requires_grad and first.grad_fn is not None:
             first.grad_fn.register_hook(functools.partial(self._produced, module))
 
@@ -703,23 +699,16 @@ def _open_call(like: Tensor, log_id: int, outputs: int) -> Tensor:
     return torch.tensor(key, dtype=torch.int64)
 
 
-@_open_call.register_fake
-def _(like: Tensor, log_id: int, outputs: int) -> Tensor:
-    return torch.empty((), dtype=torch.int64)
+_open_call.register_fake(lambda like, log_id, outputs: torch.empty((), dtype=torch.int64))
 
 
-# Declared as mutating ``grad`` (it does not) so the compiler keeps it; it stores a copy, as the
-# compiler may reuse the gradient's buffer.
+# Declared as mutating ``grad`` (it does not) so the compiler keeps it (and torch makes its fake); it
+# stores a copy, as the compiler may reuse the gradient's buffer.
 @torch.library.custom_op("inputaware_optim::store_grad", mutates_args=("grad",))
 def _store_grad_op(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
     log = _LOGS.get(log_id)
     if log is not None and log.enabled:
         log.arrive_compiled(int(key), index, grad.clone())
-
-
-@_store_grad_op.register_fake
-def _(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
-    return None
 
 
 class _GradTap(torch.autograd.Function):
@@ -915,10 +904,9 @@ class Capture:
 
         The first call starts keeping them (the latest 256 eager forwards with grad enabled); ``None`` for
         a forward not kept (before that, compiled, or under ``no_grad``)."""
-        log = self._log
-        if log.input_shapes is None:
-            log.input_shapes = {}
-        return None if forward is None else log.input_shapes.get(forward)
+        if self._log.input_shapes is None:
+            self._log.input_shapes = {}
+        return None if forward is None else self._log.input_shapes.get(forward)
 
     @property
     def keep_calls(self) -> bool:

@@ -1011,9 +1011,8 @@ class Capture:
         """Call ``on_call(module, args, kwargs, output)`` after every call (grad enabled) of each of ``modules``
         and ``on_forward(root, args, kwargs)`` before every forward, through the capture's own hooks.
 
-        The callbacks must not hold the tool that registered them, so its finalizer can run.
-        ``remove()`` on the returned handle ends the watch. A module not in the model raises ``ValueError``.
-        """
+        The callbacks must not hold the tool that registered them, so its finalizer can run. ``remove()`` on
+        the returned handle ends the watch. A module not in the model raises ``ValueError``."""
         watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward)
         self._set_watches([*self._watches, watching])
         return watching  # type: ignore[return-value]

@@ -453,20 +453,17 @@ class _Log:
         finished = self._finish_reductions(counted)
         snapshots = {id(r): r.snapshot() for r in task.records if self.keep_calls and id(r) in waiting and returned}
         self._release_records(task, waiting)
-        self._hand_returned(task, changed, snapshots, finished)
-        self._commit(task, changed, finished)
+        self._commit(task, changed, snapshots, finished)
 
-    def _hand_returned(self, task: _Task, changed: set[_Key], snapshots: dict[int, _Record], finished: Any) -> None:
-        """The calls of a gradient ``autograd.grad`` returned go with it."""
+    def _commit(self, task: _Task, changed: set[_Key], snapshots: dict[int, _Record], finished: Any) -> None:
+        """The gradients the pass changed now hold its calls and their statistics; a gradient ``autograd.grad``
+        returned holds its own (until assigned to ``.grad``)."""
         for key, grad in task.returned.items():
             if key not in changed and key.param is not None:
                 kept = [r for r in task.records if key in self.keys_of.get(r.module, ())] if self.keep_calls else []
                 totals = {r: t[key.param] for r, t in finished if key.param in t}
                 self.keep_returned(grad, key, [snapshots.get(id(r), r) for r in kept], totals)
         task.returned.clear()
-
-    def _commit(self, task: _Task, changed: set[_Key], finished: list[tuple[Reduction, dict[Tensor, Any]]]) -> None:
-        """The gradients the pass changed now hold its calls and their statistics."""
         self.filled = self.filled or bool(changed)
         for key in changed:
             key.commit()
@@ -1107,11 +1104,10 @@ class Capture:
         """The watched modules that own a parameter with a gradient but no call in it (say, a weight used
         without calling its module, as ``nn.MultiheadAttention`` does with ``out_proj``)."""
         self.refresh()
-        log = self._log
         return {
             self.name(m): m
             for m in self._modules
-            if not any(k.holds() for k in log.keys_of[m])
+            if not any(k.holds() for k in self._log.keys_of[m])
             and any(p is not None and p.grad is not None for p in m._parameters.values())
         }
 

@@ -559,16 +559,13 @@ class _Log:
 
     def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
         self._bind_compiled()
-        if key < 0:
-            return  # opened while nothing read
         record = self.compiled.get(key)
-        if record is None:
+        if record is None and key >= 0:  # (a key of -1: opened while nothing read)
             self.error = (
                 "a call recorded by compiled code reached backward after the capture had released it "
                 "(its step() or clear() came between the forward and the backward)"
             )
-            return
-        if record.module is _PENDING:
+        if record is None or record.module is _PENDING:
             return
         if record.task is None and record.kept is None and self.readers.get(record.module):
             # First gradient of the call: the readers' forward, from the kept arguments.

@@ -286,9 +286,8 @@ class _Log:
         record = _Record(module, next(self.counter), self.forwards)
         if self.keep_calls:
             self._keep_arguments(record, args, kwargs)
-        readers = self.readers.get(module)
-        if readers:
-            self._read_forward(record, readers, args, kwargs, output, len(outputs))
+        if self.readers.get(module):
+            self._read_forward(record, args, kwargs, output, len(outputs))
         elif self.grad_outputs:
             record.slot = [None] * len(outputs)
         for position, t in enumerate(outputs):  # hooks that see the gradients reach its outputs
@@ -313,10 +312,9 @@ class _Log:
             args, kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
         record.args, record.kwargs = args, kwargs or None
 
-    def _read_forward(
-        self, record: _Record, readers: tuple[Reduction, ...], args: Any, kwargs: Any, output: Any, count: int
-    ) -> None:
+    def _read_forward(self, record: _Record, args: Any, kwargs: Any, output: Any, count: int) -> None:
         """The readers' forward on a call, now or (inputs kept under checkpointing) when recomputed."""
+        readers = self.readers[record.module]
         wants_grads, keeps_inputs, forward, _ = self.needs[record.module]
         if self.grad_outputs or wants_grads:
             record.slot = [None] * count
@@ -656,9 +654,7 @@ def _versions(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
     return tuple(t._version if isinstance(t, Tensor) and not t.is_inference() else None for t in leaves)
 
 
-def _copy_arguments(
-    args: tuple[Any, ...], kwargs: dict[str, Any], storage: str, compiling: bool
-) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+def _copy_arguments(args: Any, kwargs: Any, storage: str, compiling: bool) -> tuple[Any, Any, Any]:
     events: list[Any] = []
 
     def copy(t: Tensor) -> Tensor:

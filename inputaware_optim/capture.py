@@ -303,13 +303,12 @@ class _Log:
         return None
 
     def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.storage == "reference":
-            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-                record.check = None if args[0].is_inference() else args[0]._version
-            else:
-                record.check = _versions(args, kwargs)
-        else:
+        if self.storage != "reference":
             args, kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
+        elif not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+            record.check = None if args[0].is_inference() else args[0]._version
+        else:
+            record.check = _versions(args, kwargs)
         record.args, record.kwargs = args, kwargs or None
 
     def _read_forward(self, record: _Record, args: Any, kwargs: Any, output: Any, count: int) -> None:
@@ -349,13 +348,13 @@ class _Log:
         """Forward pre-hook: checkpointing's re-run in backward hands its inputs to readers that keep inputs."""
         if not self.awaiting or _graph_task_id() == -1 or not _recomputing_checkpointed_forward():
             return
-        frame = _torch.checkpoint_frame()
-        queue = self.awaiting.get((id(frame), module))
+        where = (id(_torch.checkpoint_frame()), module)
+        queue = self.awaiting.get(where)
         if not queue:
             return
         record = queue.popleft()  # a region re-runs its calls in their forward order
         if not queue:
-            del self.awaiting[(id(frame), module)]
+            del self.awaiting[where]
         readers = self.readers.get(module, ())
         if record.kept is None or len(readers) != len(record.kept):
             return  # a reader came or went since: the pass's end reports what is missing
@@ -816,8 +815,7 @@ class Capture:
         self._name_modules()
         self._log = _Log(storage, grad_outputs)
         _LOGS[id(self._log)] = self._log
-        # Our hooks by (callback, id of the module or parameter): ("record", id(m)), ("recomputed", id(m)), ...
-        self._handles: dict[tuple[str, int], RemovableHandle] = {}
+        self._handles: dict[tuple[str, int], RemovableHandle] = {}  # by (callback, id of its module or parameter)
         self._owners: dict[Tensor, tuple[nn.Module, ...]] = {}
         self._modules: list[nn.Module] = []
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
@@ -1048,10 +1046,9 @@ class Capture:
 
     def _gradients_rescaled(self) -> None:
         """The optimizer rescaled the gradients in place (unscaling): they still hold the same calls."""
-        for key in self._log.keys.values():
-            grad = key.param.grad if key.param is not None else None
-            if key.holds() and grad is not None and key.grad is not None and key.grad() is grad:
-                key.version = grad._version
+        for param, key in self._log.keys.items():
+            if key.holds() and param.grad is not None and key.grad is not None and key.grad() is param.grad:
+                key.version = param.grad._version
 
     def calls(self) -> list[Call]:
         """The calls whose gradient the parameters hold now, in capture order (tensors detached).
@@ -1089,8 +1086,7 @@ class Capture:
 
     def _live_inputs(self) -> Inputs:
         """``Inputs`` that read the capture at each access (used for the duration of one step)."""
-        warned: set[int] = set()  # (each step warns of a module once: a fallback is said at every step it happens)
-        on_missing = functools.partial(self._warn_missing, warned)
+        on_missing = functools.partial(self._warn_missing, set())  # (a module once per step, at every step it happens)
         return Inputs(self._committed, self._owners, self._watched, on_missing=on_missing, reduced=self)
 
     def uncaptured(self) -> dict[str, nn.Module]:

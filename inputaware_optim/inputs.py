@@ -238,8 +238,7 @@ class Inputs(Mapping[nn.Module, Captured]):
             elif len(modules) == 1:
                 found = self._by_module.get(modules[0])
             else:
-                wanted = {id(m) for m in modules}
-                found = [c for c in self._current() if id(c.module) in wanted]
+                found = [c for c in self._calls if any(c.module is m for m in modules)]
             if found:
                 return Captured(found)
             if modules and key.grad is not None and self._on_missing is not None:

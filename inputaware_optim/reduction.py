@@ -87,9 +87,7 @@ class Reduction:
         """This reduction over raw calls, as the hooks would have computed it (one backward pass)."""
         entries = []
         with torch.no_grad():
-            for call in calls:
-                if not self.wants(call.module):
-                    continue
+            for call in (c for c in calls if self.wants(c.module)):
                 if self.grad_outputs and call.grad_outputs is None:
                     raise RuntimeError(
                         f"{type(self).__name__} needs output gradients, but {call!r} has none: capture "

@@ -960,9 +960,7 @@ class Capture:
     def _sync_hooks(self) -> None:
         """Attach the hooks while something reads, take them off when nothing does."""
         handles, log, root = self._handles, self._log, self._root
-        if self._removed:
-            return
-        if not self.active:
+        if self._removed or not self.active:  # (removed: they are off for good)
             for handle in handles.values():
                 handle.remove()
             handles.clear()
@@ -1132,9 +1130,7 @@ class Capture:
         """Take the hooks off the model. What was captured stays readable until cleared."""
         self._log.enabled = False
         self._removed = True
-        for handle in self._handles.values():
-            handle.remove()
-        self._handles.clear()
+        self._sync_hooks()
 
     def __enter__(self) -> Capture:
         return self

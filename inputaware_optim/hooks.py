@@ -167,8 +167,7 @@ class StepHooks:
 
     def evaluate_closure(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
         """Run the closure now if a hook due reads what it produces; the step gets one that returns its loss."""
-        due = [e for e in self._entries if e.due(self.step)]
-        if closure is None or not any(e.when == "pre" or e.updates for e in due):
+        if closure is None or not any(e.when == "pre" or e.updates for e in self._entries if e.due(self.step)):
             return closure  # (a post hook reading updates needs the gradients before the update)
         with torch.enable_grad():
             loss = closure()

@@ -1,21 +1,18 @@
-"""Capture: records the forward calls of chosen modules and follows their gradient.
-
-What a capture hands over for a parameter comes from exactly the forward calls whose gradient is
-in that parameter's ``.grad``; docs/capture.md states the semantics and the mechanism. What is kept
-is what readers declared: raw calls (``keep_calls``) and ``Reduction`` statistics; with neither, no
-hook is attached.
-"""
+"""Capture: records the forward calls of chosen modules and follows their gradient (docs/capture.md): a
+parameter gets exactly the calls whose gradient is in its ``.grad``. Only what readers declared is kept (raw
+calls: ``keep_calls``; ``Reduction`` statistics); with neither, no hook is attached."""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -32,71 +29,53 @@ Storage = Literal["reference", "clone", "cpu"]
 _STORAGES = ("reference", "clone", "cpu")
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Record:
     """One forward call on its way: what readers keep of it until its backward pass is complete."""
 
-    __slots__ = (
-        "args",
-        "check",
-        "deferred",
-        "forward",
-        "forward_kept",
-        "index",
-        "kept",
-        "kwargs",
-        "module",
-        "outputs",
-        "rearm",
-        "slot",
-        "task",
-        "waiting",
-    )
-
-    def __init__(self, module: nn.Module, index: int, forward: int) -> None:
-        self.module, self.index, self.forward = module, index, forward  # forward: which root forward
-        self.args: tuple[Any, ...] = ()
-        self.kwargs: dict[str, Any] | None = None
-        self.check: Any = None  # version counters (reference storage) or copy events (cpu)
-        self.slot: list[Any] | None = None  # output gradients, when a reader wants them
-        self.kept: list[Any] | None = None  # per reduction: forward() result, then backward()'s
-        self.task: int | None = None  # the backward pass that reached it
-        self.waiting = 0  # outputs whose gradient has not arrived yet
-        self.outputs = 0  # outputs that can carry a gradient
-        self.deferred = False  # some reader's forward waits for checkpointing's recomputation
-        # Reached by a pass that accumulates into none of its parameters' gradients (an input
-        # gradient): it waits for the next pass, its readers' forward results kept in forward_kept.
-        self.rearm = False
-        self.forward_kept: list[Any] | None = None
+    module: nn.Module
+    index: int
+    forward: int  # which root forward
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] | None = None
+    check: Any = None  # version counters (reference storage) or copy events (cpu)
+    slot: list[Any] | None = None  # output gradients, when a reader wants them
+    kept: list[Any] | None = None  # per reduction: forward() result, then backward()'s
+    task: int | None = None  # the backward pass that reached it
+    waiting: int = 0  # outputs whose gradient has not arrived yet
+    outputs: int = 0  # outputs that can carry a gradient
+    deferred: bool = False  # some reader's forward waits for checkpointing's recomputation
+    # Reached by a pass that accumulates into none of its parameters' gradients (an input
+    # gradient): it waits for the next pass, its readers' forward results kept in forward_kept.
+    rearm: bool = False
+    forward_kept: list[Any] | None = None
 
     def view(self) -> Call:
         return Call(self.module, _detached(self.args), _detached(self.kwargs or {}), self.slot, self.forward)
 
     def snapshot(self) -> _Record:
         """What a reader of raw calls sees, as a copy a later pass through this call leaves alone."""
-        copy = _Record(self.module, self.index, self.forward)
-        copy.args, copy.kwargs, copy.check = self.args, self.kwargs, self.check
-        copy.slot = None if self.slot is None else list(self.slot)
-        return copy
+        slot = None if self.slot is None else list(self.slot)
+        return _Record(self.module, self.index, self.forward, self.args, self.kwargs, self.check, slot)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Key:
     """What one parameter's gradient holds: its calls and reduced statistics (``param`` ``None``: a
     watched module that owns no parameter, whose calls count from their backward until released)."""
 
-    __slots__ = ("accumulator", "calls", "grad", "param", "released", "totals", "version")
+    param: Tensor | None
+    calls: list[_Record] = dataclasses.field(default_factory=list)
+    totals: dict[Reduction, Any] = dataclasses.field(default_factory=dict)
+    grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
+    released: weakref.ref[Tensor] | None = None  # the gradient whose calls the last step released
+    version: int = 0
+    accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
 
-    def __init__(self, param: Tensor | None) -> None:
-        self.param = param
-        self.calls: list[_Record] = []
-        self.totals: dict[Reduction, Any] = {}
-        self.grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
-        self.released: weakref.ref[Tensor] | None = None  # the gradient whose calls the last step released
-        self.version = 0
-        self.accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
-
-    def state(self) -> Any:
+    def state(self) -> tuple[int, int, Tensor | None]:
+        """The gradient's id, version and itself (kept alive, it keeps its id): ``!=`` compares ids, never tensors."""
         grad = self.param.grad if self.param is not None else None
-        return None if grad is None else (grad, grad._version)
+        return (id(grad), -1 if grad is None else grad._version, grad)
 
     def holds(self) -> bool:
         return bool(self.calls or self.totals)
@@ -121,20 +100,16 @@ class _Key:
         """What the current pass does with this gradient: accumulates it, returns it (``autograd.grad``) or skips it."""
         if self.param is not None and not self.param.requires_grad:
             return _SKIPS
-        if self.accumulator is None and not self.find_accumulator():
+        if self.find_accumulator() is None:
             return _ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
-        return _pass_reaches(self.accumulator)
+        return _torch.pass_reaches(self.accumulator)
 
-    def find_accumulator(self) -> bool:
-        """Look up (and keep) the parameter's ``AccumulateGrad`` node, outside compiled code's backward."""
-        param = self.param
-        if param is None or not param.requires_grad:
-            return False
-        try:
-            self.accumulator = torch.autograd.graph.get_gradient_edge(param).node
-        except Exception:  # (a tensor subclass or mode without one)
-            return False
-        return True
+    def find_accumulator(self) -> Any:
+        """The parameter's ``AccumulateGrad`` node, looked up once (compiled code's backward cannot), or ``None``."""
+        if self.accumulator is None and self.param is not None and self.param.requires_grad:
+            with contextlib.suppress(Exception):  # (a tensor subclass or mode without one)
+                self.accumulator = torch.autograd.graph.get_gradient_edge(self.param).node
+        return self.accumulator
 
     def commit(self) -> None:
         grad = self.param.grad if self.param is not None else None
@@ -142,44 +117,26 @@ class _Key:
             self.grad, self.version = weakref.ref(grad), grad._version
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _Task:
     """One backward pass: the calls it reached, each gradient before it, and its loss scale (or ``None``)."""
 
-    __slots__ = ("accumulates", "before", "handles", "kinds", "records", "returned", "scale")
-
-    def __init__(self, scale: float | None) -> None:
-        self.records: list[_Record] = []
-        self.before: dict[_Key, Any] = {}
-        self.scale = scale
-        self.kinds: dict[_Key, str] = {}  # what the pass does with each reached key's gradient (_Key.reach)
-        self.returned: dict[_Key, Tensor] = {}  # the gradient torch.autograd.grad returns, per key
-        self.handles: list[RemovableHandle] = []  # the tensor hooks that see those gradients
-        # The pass accumulated into some .grad: it does into the others it reaches (not asked again).
-        self.accumulates = False
-
-
-class _Returned(NamedTuple):
-    """The calls and statistics of a gradient ``autograd.grad`` returned, until it is assigned to ``.grad`` or dies."""
-
-    grad: weakref.ref[Tensor]
-    key: _Key
-    calls: list[_Record]
-    totals: dict[Reduction, Any]
-    version: int
-
-
-def _inert_log(storage: Storage) -> _Log:
-    log = _Log(storage, False)
-    log.enabled, log.inert = False, True
-    return log
+    scale: float | None
+    records: list[_Record] = dataclasses.field(default_factory=list)
+    before: dict[_Key, Any] = dataclasses.field(default_factory=dict)
+    kinds: dict[_Key, str] = dataclasses.field(default_factory=dict)  # what the pass does with each key (reach)
+    returned: dict[_Key, Tensor] = dataclasses.field(default_factory=dict)  # what torch.autograd.grad returns
+    handles: list[RemovableHandle] = dataclasses.field(default_factory=list)  # the tensor hooks that see those
+    # The pass accumulated into some .grad: it does into the others it reaches (not asked again).
+    accumulates: bool = False
 
 
 class _Log:
     """The state the hooks write into (they hold this, never the Capture, so its finalizer can run)."""
 
-    def __init__(self, storage: Storage, grad_outputs: bool) -> None:
-        self.enabled = True
-        self.inert = False  # a copy's, made with the model: records nothing (see __reduce__)
+    def __init__(self, storage: Storage, grad_outputs: bool, inert: bool = False) -> None:
+        self.enabled = not inert
+        self.inert = inert  # a copy's, made with the model: records nothing (see __reduce__)
         self.storage = storage
         self.grad_outputs = grad_outputs  # raw output gradients (Call.grad_outputs)
         self.keep_calls = False
@@ -206,7 +163,8 @@ class _Log:
         self.compiled: dict[int, _Record] = {}
         # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
         self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
-        self.returned: dict[int, _Returned] = {}  # by id of the tensor
+        # What a gradient autograd.grad returned holds, by id of the tensor, until it is assigned to .grad or dies.
+        self.returned: dict[int, _Key] = {}
         self.rescaled = False  # some gradient was rescaled in place since the last commit
         self.watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}  # Capture.watch
         self.openers: tuple[Callable[..., Any], ...] = ()
@@ -214,7 +172,7 @@ class _Log:
     def __reduce__(self) -> tuple[Any, ...]:
         # A copy of the model (deepcopy, pickle, torch.save) carries our hooks but no capture: they
         # record nothing and come off at its next forward.
-        return (_inert_log, (self.storage,))
+        return (_Log, (self.storage, False, True))
 
     def set_readers(self, module: nn.Module, readers: tuple[Reduction, ...]) -> None:
         """Who reads ``module`` now, and what they need of each call. The parameters readers name
@@ -247,9 +205,7 @@ class _Log:
         for key in self.keys.values():
             if self.returned and self._adopt(key):
                 changed = True
-            if not key.holds():
-                continue
-            status = key.status()
+            status = key.status() if key.holds() else "same"
             if status == "replaced":
                 key.drop()
                 changed = True
@@ -279,23 +235,21 @@ class _Log:
         if grad is None or (key.grad is not None and key.grad() is grad):
             return False
         entry = self.returned.get(id(grad))
-        if entry is None or entry.key is not key or entry.grad() is not grad:
+        if entry is None or entry.param is not key.param or entry.grad is None or entry.grad() is not grad:
             return False
         del self.returned[id(grad)]
         self.filled = True
-        key.calls, key.totals = entry.calls, entry.totals
-        key.grad, key.version = entry.grad, entry.version
+        key.calls, key.totals, key.grad, key.version = entry.calls, entry.totals, entry.grad, entry.version
         return True
 
     def keep_returned(self, grad: Tensor, key: _Key, calls: list[_Record], totals: dict[Reduction, Any]) -> None:
         returned, ident = self.returned, id(grad)
 
-        def forget(_: Any) -> None:  # the tensor died (its id may be reused after this)
-            entry = returned.get(ident)
-            if entry is not None and entry.grad() is None:
+        def forget(ref: Any) -> None:  # the tensor died (its id may be reused after this)
+            if ident in returned and returned[ident].grad is ref:
                 del returned[ident]
 
-        returned[ident] = _Returned(weakref.ref(grad, forget), key, calls, totals, grad._version)
+        returned[ident] = _Key(key.param, calls, totals, weakref.ref(grad, forget), version=grad._version)
 
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.inert:
@@ -315,10 +269,8 @@ class _Log:
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not _grad_enabled():  # (the hot path: every call of every watched module)
             return None
-        watchers = self.watchers.get(module)
-        if watchers is not None:
-            for watcher in watchers:
-                watcher(module, args, kwargs, output)
+        for watcher in self.watchers.get(module, ()):
+            watcher(module, args, kwargs, output)
         if not self.enabled or module not in self.keys_of:
             return None  # (a module only a watcher sees)
         if _compiling():
@@ -334,47 +286,41 @@ class _Log:
         record = _Record(module, next(self.counter), self.forwards)
         if self.keep_calls:
             self._keep_arguments(record, args, kwargs)
-        readers = self.readers.get(module)
-        if readers:
-            self._read_forward(record, readers, args, kwargs, output, len(outputs))
+        if self.readers.get(module):
+            self._read_forward(record, args, kwargs, output, len(outputs))
         elif self.grad_outputs:
             record.slot = [None] * len(outputs)
         for position, t in enumerate(outputs):  # hooks that see the gradients reach its outputs
-            if not t.requires_grad:
-                continue
-            record.waiting += 1
-            record.outputs += 1
-            node = t.grad_fn
-            if node is None:  # a leaf returned as output
-                t.register_hook(functools.partial(self.arrive, record, position))
-            else:
-                node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
+            if t.requires_grad:
+                record.outputs += 1
+                if (node := t.grad_fn) is None:  # a leaf returned as output
+                    t.register_hook(functools.partial(self.arrive, record, position))
+                else:
+                    node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
+        record.waiting = record.outputs
         if module in self.producers:
             self._hook_produced(module, outputs[0])
         return None
 
     def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Keep a call's arguments for readers of raw calls: by reference with their versions, or a copy."""
-        if self.storage == "reference":
-            if not kwargs and len(args) == 1 and type(args[0]) is Tensor:
-                record.check = None if args[0].is_inference() else args[0]._version
-            else:
-                record.check = _versions(args, kwargs)
-        else:
+        if self.storage != "reference":
             args, kwargs, record.check = _copy_arguments(args, kwargs, self.storage, False)
+        elif not kwargs and len(args) == 1 and type(args[0]) is Tensor:
+            record.check = None if args[0].is_inference() else args[0]._version
+        else:
+            record.check = _versions(args, kwargs)
         record.args, record.kwargs = args, kwargs or None
 
-    def _read_forward(
-        self, record: _Record, readers: tuple[Reduction, ...], args: Any, kwargs: Any, output: Any, count: int
-    ) -> None:
+    def _read_forward(self, record: _Record, args: Any, kwargs: Any, output: Any, count: int) -> None:
         """The readers' forward on a call, now or (inputs kept under checkpointing) when recomputed."""
+        readers = self.readers[record.module]
         wants_grads, keeps_inputs, forward, _ = self.needs[record.module]
         if self.grad_outputs or wants_grads:
             record.slot = [None] * count
         if not forward:  # no reader computes anything from the inputs
             record.kept = [None] * len(readers)
             return
-        frame = _checkpoint_frame() if keeps_inputs else None
+        frame = _torch.checkpoint_frame() if keeps_inputs else None
         if frame is not None:  # activation checkpointing: the inputs come back when recomputed
             record.deferred = True
             self.awaiting.setdefault((id(frame), record.module), collections.deque()).append(record)
@@ -385,7 +331,6 @@ class _Log:
         )
 
     def _hook_produced(self, module: nn.Module, first: Tensor) -> None:
-        """A hook on the node of a call's first output, if it has one, for ``Reduction.produced``."""
         if first.requires_grad and first.grad_fn is not None:
             first.grad_fn.register_hook(functools.partial(self._produced, module))
 
@@ -403,13 +348,13 @@ class _Log:
         """Forward pre-hook: checkpointing's re-run in backward hands its inputs to readers that keep inputs."""
         if not self.awaiting or _graph_task_id() == -1 or not _recomputing_checkpointed_forward():
             return
-        frame = _checkpoint_frame()
-        queue = self.awaiting.get((id(frame), module))
+        where = (id(_torch.checkpoint_frame()), module)
+        queue = self.awaiting.get(where)
         if not queue:
             return
         record = queue.popleft()  # a region re-runs its calls in their forward order
         if not queue:
-            del self.awaiting[(id(frame), module)]
+            del self.awaiting[where]
         readers = self.readers.get(module, ())
         if record.kept is None or len(readers) != len(record.kept):
             return  # a reader came or went since: the pass's end reports what is missing
@@ -430,7 +375,7 @@ class _Log:
         task = self.tasks.get(task_id)
         if task is None:  # the pass's first gradient to reach a recorded call
             task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
-            _queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
+            _torch.queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
             self.refresh_keys()  # before the pass accumulates into any gradient (a later look: a rescaling)
         if record.task is None:
             self._join(record, task, task_id)
@@ -461,7 +406,7 @@ class _Log:
                     task.accumulates = True
                 elif kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
                     assert key.param is not None
-                    task.handles.append(key.param.register_hook(functools.partial(_note_returned, task, key)))
+                    task.handles.append(key.param.register_hook(functools.partial(task.returned.__setitem__, key)))
             rearm = rearm and kind != _ACCUMULATES
         record.rearm = rearm and not record.deferred and record.module is not _PENDING
 
@@ -480,14 +425,14 @@ class _Log:
 
     def end_backward(self, task_id: int, deferred: bool) -> None:
         if not deferred:  # run once more at the very end, after callbacks queued later (DDP, FSDP)
-            _queue_end_of_backward(functools.partial(self.end_backward, task_id, True))
+            _torch.queue_end_of_backward(functools.partial(self.end_backward, task_id, True))
             return
         task = self.tasks.pop(task_id, None)
         if task is None:
             return
         for handle in task.handles:
             handle.remove()
-        changed = {key for key, before in task.before.items() if key.param is None or _changed(key.state(), before)}
+        changed = {key for key, before in task.before.items() if key.param is None or key.state() != before}
         # Calls whose gradient went into no .grad wait for the next pass through them (a gradient penalty's
         # backward after its autograd.grad(create_graph=True)); if none comes, they go with their graph.
         waiting = {
@@ -505,20 +450,17 @@ class _Log:
         finished = self._finish_reductions(counted)
         snapshots = {id(r): r.snapshot() for r in task.records if self.keep_calls and id(r) in waiting and returned}
         self._release_records(task, waiting)
-        self._hand_returned(task, changed, snapshots, finished)
-        self._commit(task, changed, finished)
+        self._commit(task, changed, snapshots, finished)
 
-    def _hand_returned(self, task: _Task, changed: set[_Key], snapshots: dict[int, _Record], finished: Any) -> None:
-        """The calls of a gradient ``autograd.grad`` returned go with it."""
+    def _commit(self, task: _Task, changed: set[_Key], snapshots: dict[int, _Record], finished: Any) -> None:
+        """The gradients the pass changed now hold its calls and their statistics; a gradient ``autograd.grad``
+        returned holds its own (until assigned to ``.grad``)."""
         for key, grad in task.returned.items():
             if key not in changed and key.param is not None:
                 kept = [r for r in task.records if key in self.keys_of.get(r.module, ())] if self.keep_calls else []
                 totals = {r: t[key.param] for r, t in finished if key.param in t}
                 self.keep_returned(grad, key, [snapshots.get(id(r), r) for r in kept], totals)
         task.returned.clear()
-
-    def _commit(self, task: _Task, changed: set[_Key], finished: list[tuple[Reduction, dict[Tensor, Any]]]) -> None:
-        """The gradients the pass changed now hold its calls and their statistics."""
         self.filled = self.filled or bool(changed)
         for key in changed:
             key.commit()
@@ -541,8 +483,7 @@ class _Log:
                     "backward, so its per-call statistics are missing; run the module outside the checkpointed "
                     "region"
                 )
-                record.kept = None
-                record.deferred = False
+                record.kept, record.deferred = None, False
             elif record.waiting > 0:
                 self._reduce_backward(record, task.scale)
 
@@ -610,23 +551,18 @@ class _Log:
         if not (self.keep_calls or self.readers):
             return -1  # nothing reads any module now: no record
         key = next(self.counter)
-        record = _Record(_PENDING, key, self.forwards)
-        record.waiting = record.outputs = outputs
-        self.compiled[key] = record
+        self.compiled[key] = _Record(_PENDING, key, self.forwards, waiting=outputs, outputs=outputs)
         return key
 
     def arrive_compiled(self, key: int, position: int, grad: Tensor) -> None:
         self._bind_compiled()
-        if key < 0:
-            return  # opened while nothing read
         record = self.compiled.get(key)
-        if record is None:
+        if record is None and key >= 0:  # (a key of -1: opened while nothing read)
             self.error = (
                 "a call recorded by compiled code reached backward after the capture had released it "
                 "(its step() or clear() came between the forward and the backward)"
             )
-            return
-        if record.module is _PENDING:
+        if record is None or record.module is _PENDING:
             return
         if record.task is None and record.kept is None and self.readers.get(record.module):
             # First gradient of the call: the readers' forward, from the kept arguments.
@@ -660,16 +596,14 @@ class _Log:
             for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
                 key.drop()
             self.released_some, self.filled = self.filled, False
-        self.head = None
+        self.head = self.error = None
         self.compiled.clear()
         self.awaiting.clear()
-        self.error = None
         self.rescaled = False
         self.generation += 1
 
 
 _DEFERRED = object()  # a reader's forward result still to come (checkpointing's re-run)
-
 _PENDING = nn.Module()  # the module of a compiled call until its arguments are bound
 _grad_enabled = torch.is_grad_enabled
 _compiling = torch.compiler.is_compiling
@@ -677,9 +611,7 @@ _compiling = torch.compiler.is_compiling
 _set_grad_enabled = _torch.set_grad_enabled
 _graph_task_id = _torch.graph_task_id
 _functorch_level = _torch.functorch_level
-_queue_end_of_backward = _torch.queue_end_of_backward
 _recomputing_checkpointed_forward = _torch.recomputing_checkpointed_forward
-_checkpoint_frame = _torch.checkpoint_frame
 
 
 def _plain_math(compute: Any) -> Any:
@@ -700,12 +632,6 @@ def _plain_math(compute: Any) -> Any:
 
 _INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
 _ACCUMULATES, _RETURNS, _SKIPS = _torch.ACCUMULATES, _torch.RETURNS, _torch.SKIPS
-_pass_reaches = _torch.pass_reaches
-
-
-def _note_returned(task: _Task, key: _Key, grad: Tensor) -> None:
-    """Tensor hook for one pass of ``autograd.grad``: the gradient it returns."""
-    task.returned[key] = grad
 
 
 def _unscaled(grad: Tensor, scale: float) -> Tensor:
@@ -721,24 +647,13 @@ def _loss_scale(scaler: Any) -> float | None:
     return None if scale == 1.0 else scale
 
 
-def _changed(now: Any, before: Any) -> bool:
-    if now is None or before is None:
-        return now is not before
-    return now[0] is not before[0] or now[1] != before[1]
-
-
 def _versions(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    return tuple(_version(t) for t in tree_flatten((args, kwargs))[0])
+    """Tensors' version counters (inference tensors, which cannot change outside inference mode, have none)."""
+    leaves = tree_flatten((args, kwargs))[0]
+    return tuple(t._version if isinstance(t, Tensor) and not t.is_inference() else None for t in leaves)
 
 
-def _version(t: Any) -> int | None:
-    """A tensor's version counter (inference tensors, which cannot change outside inference mode, have none)."""
-    return t._version if isinstance(t, Tensor) and not t.is_inference() else None
-
-
-def _copy_arguments(
-    args: tuple[Any, ...], kwargs: dict[str, Any], storage: str, compiling: bool
-) -> tuple[tuple[Any, ...], dict[str, Any], Any]:
+def _copy_arguments(args: Any, kwargs: Any, storage: str, compiling: bool) -> tuple[Any, Any, Any]:
     events: list[Any] = []
 
     def copy(t: Tensor) -> Tensor:
@@ -773,23 +688,16 @@ def _open_call(like: Tensor, log_id: int, outputs: int) -> Tensor:
     return torch.tensor(key, dtype=torch.int64)
 
 
-@_open_call.register_fake
-def _(like: Tensor, log_id: int, outputs: int) -> Tensor:
-    return torch.empty((), dtype=torch.int64)
+_open_call.register_fake(lambda like, log_id, outputs: torch.empty((), dtype=torch.int64))
 
 
-# Declared as mutating ``grad`` (it does not) so the compiler keeps it; it stores a copy, as the
-# compiler may reuse the gradient's buffer.
+# Declared as mutating ``grad`` (it does not) so the compiler keeps it (and torch makes its fake); it
+# stores a copy, as the compiler may reuse the gradient's buffer.
 @torch.library.custom_op("inputaware_optim::store_grad", mutates_args=("grad",))
 def _store_grad_op(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
     log = _LOGS.get(log_id)
     if log is not None and log.enabled:
         log.arrive_compiled(int(key), index, grad.clone())
-
-
-@_store_grad_op.register_fake
-def _(grad: Tensor, key: Tensor, log_id: int, index: int) -> None:
-    return None
 
 
 class _GradTap(torch.autograd.Function):
@@ -842,12 +750,12 @@ def _drop_code_compiled_without_hooks(model: nn.Module, root: nn.Module) -> None
         )
 
 
-def _shutdown(log: _Log, handles: list[RemovableHandle]) -> None:
+def _shutdown(log: _Log, handles: dict[Any, RemovableHandle]) -> None:
     # Compiled code that inlined the hooks guards on `enabled`: it stops recording into a log nobody reads.
     log.enabled = False
     log.clear()
     log.returned.clear()
-    for handle in handles:
+    for handle in handles.values():
         handle.remove()
     handles.clear()
 
@@ -863,8 +771,8 @@ class _Watching:
 
     def remove(self) -> None:
         capture = self.capture()
-        if capture is not None:
-            capture._end_watch(self)
+        if capture is not None and self in capture._watches:
+            capture._set_watches([w for w in capture._watches if w is not self])
 
 
 class Capture:
@@ -907,17 +815,13 @@ class Capture:
         self._name_modules()
         self._log = _Log(storage, grad_outputs)
         _LOGS[id(self._log)] = self._log
-        self._handles: list[RemovableHandle] = []
+        self._handles: dict[tuple[str, int], RemovableHandle] = {}  # by (callback, id of its module or parameter)
         self._owners: dict[Tensor, tuple[nn.Module, ...]] = {}
         self._modules: list[nn.Module] = []
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
         self._removed = False
         self._watches: list[_Watching] = []
-        # ids of the modules with our forward hook, with our pre-hook, and of parameters with our tensor hook
-        self._hooked: dict[int, RemovableHandle] = {}
-        self._prehooked: set[int] = set()
-        self._param_hooked: set[int] = set()
         if modules is None:
             modules = [m for m in self._root.modules() if any(p is not None for p in m._parameters.values())]
         self.add_modules(modules)
@@ -926,10 +830,9 @@ class Capture:
 
     def add_modules(self, modules: Iterable[nn.Module]) -> None:
         """Watch more modules of the model (each at most once); one not in the model raises ``ValueError``."""
-        modules = self._part_of_model(modules)
         log = self._log
-        for module in modules:
-            if any(m is module for m in self._modules):
+        for module in self._part_of_model(modules):
+            if module in self._watched:
                 continue
             self._modules.append(module)
             self._watched[module] = self.name(module)
@@ -989,10 +892,9 @@ class Capture:
 
         The first call starts keeping them (the latest 256 eager forwards with grad enabled); ``None`` for
         a forward not kept (before that, compiled, or under ``no_grad``)."""
-        log = self._log
-        if log.input_shapes is None:
-            log.input_shapes = {}
-        return None if forward is None else log.input_shapes.get(forward)
+        if self._log.input_shapes is None:
+            self._log.input_shapes = {}
+        return None if forward is None else self._log.input_shapes.get(forward)
 
     @property
     def keep_calls(self) -> bool:
@@ -1057,45 +959,34 @@ class Capture:
 
     def _sync_hooks(self) -> None:
         """Attach the hooks while something reads, take them off when nothing does."""
-        if self._removed:
-            return
-        if not self.active:
-            for handle in self._handles:
+        handles, log, root = self._handles, self._log, self._root
+        if self._removed or not self.active:  # (removed: they are off for good)
+            for handle in handles.values():
                 handle.remove()
-            self._handles.clear()
-            self._hooked.clear()
-            self._prehooked.clear()
-            self._param_hooked.clear()
+            handles.clear()
             return
-        log = self._log
-        if not self._handles:
-            self._handles.append(self._root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True))
-            _drop_code_compiled_without_hooks(self._model, self._root)
+        if not handles:
+            handles["open", id(root)] = root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True)
+            _drop_code_compiled_without_hooks(self._model, root)
         self._sync_forward_hooks()
-        for module in self._modules:
-            if id(module) not in self._prehooked and any(r.keeps_inputs for r in log.readers.get(module, ())):
-                self._prehooked.add(id(module))  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
-                self._handles.append(module.register_forward_pre_hook(log.recomputed, with_kwargs=True))
+        for module in self._modules:  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
+            if ("recomputed", id(module)) not in handles and any(r.keeps_inputs for r in log.readers.get(module, ())):
+                handles["recomputed", id(module)] = module.register_forward_pre_hook(log.recomputed, with_kwargs=True)
         for module, readers in log.producers.items():  # parameters whose arriving gradients a reader audits
             for param in dict.fromkeys(p for r in readers for p in r.keys(module) if r.receives(module, p)):
-                if id(param) not in self._param_hooked and param.requires_grad:
-                    self._param_hooked.add(id(param))
-                    self._handles.append(param.register_hook(functools.partial(log.arrived, param)))
+                if ("arrived", id(param)) not in handles and param.requires_grad:
+                    handles["arrived", id(param)] = param.register_hook(functools.partial(log.arrived, param))
         for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
-            if key.accumulator is None:
-                key.find_accumulator()
+            key.find_accumulator()
 
     def _sync_forward_hooks(self) -> None:
         """One forward hook on each watched module and each module a watch sees, none on others."""
-        hooked = {id(m): m for m in (*self._modules, *self._log.watchers)}
-        for ident in [i for i in self._hooked if i not in hooked]:  # a watch ended: its modules' hooks go
-            handle = self._hooked.pop(ident)
-            handle.remove()
-            self._handles.remove(handle)
-        for ident, module in hooked.items():
-            if ident not in self._hooked:
-                self._hooked[ident] = handle = module.register_forward_hook(self._log.record, with_kwargs=True)
-                self._handles.append(handle)
+        hooked = {("record", id(m)): m for m in (*self._modules, *self._log.watchers)}
+        for key in [k for k in self._handles if k[0] == "record" and k not in hooked]:  # a watch ended
+            self._handles.pop(key).remove()
+        for key, module in hooked.items():
+            if key not in self._handles:
+                self._handles[key] = module.register_forward_hook(self._log.record, with_kwargs=True)
 
     def watch(
         self,
@@ -1106,28 +997,20 @@ class Capture:
         """Call ``on_call(module, args, kwargs, output)`` after every call (grad enabled) of each of ``modules``
         and ``on_forward(root, args, kwargs)`` before every forward, through the capture's own hooks.
 
-        The callbacks must not hold the tool that registered them, so its finalizer can run.
-        ``remove()`` on the returned handle ends the watch. A module not in the model raises ``ValueError``.
-        """
+        The callbacks must not hold the tool that registered them, so its finalizer can run. ``remove()`` on
+        the returned handle ends the watch. A module not in the model raises ``ValueError``."""
         watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward)
-        self._watches.append(watching)
-        self._rebuild_watchers()
-        self._sync_hooks()
+        self._set_watches([*self._watches, watching])
         return watching  # type: ignore[return-value]
 
-    def _end_watch(self, watching: _Watching) -> None:
-        if watching in self._watches:
-            self._watches.remove(watching)
-            self._rebuild_watchers()
-            self._sync_hooks()
-
-    def _rebuild_watchers(self) -> None:
+    def _set_watches(self, watches: list[_Watching]) -> None:
         watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}
-        for watching in self._watches:
+        for watching in watches:
             for module in watching.modules:
                 watchers[module] = (*watchers.get(module, ()), watching.on_call)
-        self._log.watchers = watchers
-        self._log.openers = tuple(w.on_forward for w in self._watches if w.on_forward is not None)
+        self._watches, self._log.watchers = watches, watchers
+        self._log.openers = tuple(w.on_forward for w in watches if w.on_forward is not None)
+        self._sync_hooks()
 
     def owners(self, param: Tensor) -> tuple[nn.Module, ...]:
         """The watched modules that directly own ``param`` (empty if none)."""
@@ -1161,10 +1044,9 @@ class Capture:
 
     def _gradients_rescaled(self) -> None:
         """The optimizer rescaled the gradients in place (unscaling): they still hold the same calls."""
-        for key in self._log.keys.values():
-            grad = key.param.grad if key.param is not None else None
-            if key.holds() and grad is not None and key.grad is not None and key.grad() is grad:
-                key.version = grad._version
+        for param, key in self._log.keys.items():
+            if key.holds() and param.grad is not None and key.grad is not None and key.grad() is param.grad:
+                key.version = param.grad._version
 
     def calls(self) -> list[Call]:
         """The calls whose gradient the parameters hold now, in capture order (tensors detached).
@@ -1202,19 +1084,17 @@ class Capture:
 
     def _live_inputs(self) -> Inputs:
         """``Inputs`` that read the capture at each access (used for the duration of one step)."""
-        warned: set[int] = set()  # (each step warns of a module once: a fallback is said at every step it happens)
-        on_missing = functools.partial(self._warn_missing, warned)
+        on_missing = functools.partial(self._warn_missing, set())  # (a module once per step, at every step it happens)
         return Inputs(self._committed, self._owners, self._watched, on_missing=on_missing, reduced=self)
 
     def uncaptured(self) -> dict[str, nn.Module]:
         """The watched modules that own a parameter with a gradient but no call in it (say, a weight used
         without calling its module, as ``nn.MultiheadAttention`` does with ``out_proj``)."""
         self.refresh()
-        log = self._log
         return {
             self.name(m): m
             for m in self._modules
-            if not any(k.holds() for k in log.keys_of[m])
+            if not any(k.holds() for k in self._log.keys_of[m])
             and any(p is not None and p.grad is not None for p in m._parameters.values())
         }
 
@@ -1250,9 +1130,7 @@ class Capture:
         """Take the hooks off the model. What was captured stays readable until cleared."""
         self._log.enabled = False
         self._removed = True
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        self._sync_hooks()
 
     def __enter__(self) -> Capture:
         return self

@@ -1,6 +1,5 @@
-"""Input-aware step hooks (``InputAwareOptimizer.register_inputs_hook``): ``hook(optimizer, inputs)`` once
-per step; the capture keeps what the hooks due at a step read (``reads``), only for that step.
-"""
+"""Input-aware step hooks (``InputAwareOptimizer.register_inputs_hook``): ``hook(optimizer, inputs)`` once per step;
+the capture keeps what the hooks due at a step read (``reads``), only for that step."""
 
 from __future__ import annotations
 
@@ -26,8 +25,8 @@ class InputsHookHandle:
     """What ``register_inputs_hook`` returns: ``remove()`` takes the hook off.
 
     Attributes:
-        step: The index of the step the hook runs at now (0 is the first step after it was
-            registered), or of the last one it ran at.
+        step: The index of the step the hook runs at now (0 is the first step after it was registered), or
+            of the last one it ran at.
     """
 
     def __init__(self, registry: StepHooks, entry: _Entry) -> None:
@@ -109,8 +108,7 @@ class StepHooks:
             self._arm(releasing=False)
 
     def _holding(self) -> bool:
-        log = self.capture._log
-        return any(key.holds() for keys in log.keys_of.values() for key in keys)
+        return any(key.holds() for keys in self.capture._log.keys_of.values() for key in keys)
 
     def _arm(self, releasing: bool) -> None:
         """Make the capture read what the hooks due at the coming step read. Raw calls are toggled (which drops
@@ -127,11 +125,9 @@ class StepHooks:
                 self._added.add(reduction)
         calls = any(e.calls for e in due)
         if calls and not capture.keep_calls and (releasing or not self._holding()):
-            capture.keep_calls = True
-            self._calls_on = True
+            capture.keep_calls = self._calls_on = True
         elif not calls and self._calls_on and releasing:
-            capture.keep_calls = False
-            self._calls_on = False
+            capture.keep_calls = self._calls_on = False
 
     def due(self) -> bool:
         """Whether any hook runs at the coming step."""
@@ -157,8 +153,7 @@ class StepHooks:
         before, self._before = self._before, None
         if before:
             with torch.no_grad():
-                params = [p.detach() for p in before]
-                changes = foreach_sub(params, list(before.values()))  # one pass; the copies go
+                changes = foreach_sub([p.detach() for p in before], list(before.values()))  # one pass; the copies go
                 updates = dict(zip(before, changes, strict=True))
                 del before
         for entry in due:
@@ -172,8 +167,7 @@ class StepHooks:
 
     def evaluate_closure(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
         """Run the closure now if a hook due reads what it produces; the step gets one that returns its loss."""
-        due = [e for e in self._entries if e.due(self.step)]
-        if closure is None or not any(e.when == "pre" or e.updates for e in due):
+        if closure is None or not any(e.when == "pre" or e.updates for e in self._entries if e.due(self.step)):
             return closure  # (a post hook reading updates needs the gradients before the update)
         with torch.enable_grad():
             loss = closure()

@@ -58,8 +58,7 @@ class Call:
     @property
     def grad_output(self) -> Tensor | None:
         """The gradient of the first output tensor (``None`` if none arrived or capture is off)."""
-        grads = self.grad_outputs
-        return grads[0] if grads else None
+        return self._grad_slot[0] if self._grad_slot else None
 
     def __repr__(self) -> str:
         def describe(x: Any) -> str:
@@ -71,11 +70,7 @@ class Call:
 
 
 class Captured:
-    """The captured calls of one module, or of the modules that share one parameter.
-
-    Attributes:
-        calls: The calls, in capture order.
-    """
+    """The captured calls (``calls``, in capture order) of one module, or of the modules that share one parameter."""
 
     __slots__ = ("calls",)
 
@@ -150,11 +145,10 @@ def _positional(call: Call, position: int) -> Any:
 class Inputs(Mapping[nn.Module, Captured]):
     """The forward calls captured for one step, looked up by module or by parameter.
 
-    ``inputs[m]`` gives the ``Captured`` calls of module ``m``, ``inputs[p]`` those of the module(s)
-    that directly own parameter ``p`` (tied weights: merged in capture order). ``get`` returns ``None``
-    where nothing was captured; ``[]`` raises a ``KeyError`` that says why. Iteration yields the modules
-    with at least one call, in order of first call.
-    """
+    ``inputs[m]`` gives the ``Captured`` calls of module ``m``, ``inputs[p]`` those of the module(s) that directly
+    own parameter ``p`` (tied weights: merged in capture order). ``get`` returns ``None`` where nothing was
+    captured; ``[]`` raises a ``KeyError`` that says why. Iteration yields the modules with at least one call,
+    in order of first call."""
 
     def __init__(
         self,
@@ -244,8 +238,7 @@ class Inputs(Mapping[nn.Module, Captured]):
             elif len(modules) == 1:
                 found = self._by_module.get(modules[0])
             else:
-                wanted = {id(m) for m in modules}
-                found = [c for c in self._current() if id(c.module) in wanted]
+                found = [c for c in self._calls if any(c.module is m for m in modules)]
             if found:
                 return Captured(found)
             if modules and key.grad is not None and self._on_missing is not None:
@@ -288,20 +281,15 @@ class Inputs(Mapping[nn.Module, Captured]):
         got = self._source()
         if got is not self._seen:
             calls, by_param = got if isinstance(got, tuple) else (got, None)
-            by_module: dict[nn.Module, list[Call]] = {}
+            self._by_module = {}
             for call in calls:
-                by_module.setdefault(call.module, []).append(call)
-            self._by_module = by_module
-            self._calls, self._by_param = calls, by_param
-            self._seen = got
+                self._by_module.setdefault(call.module, []).append(call)
+            self._seen, self._calls, self._by_param = got, calls, by_param
         return self._calls
 
     def _expire(self, message: str) -> None:
-        self._expired = message
-        self._source, self._on_missing = lambda: [], None  # an expired view keeps no capture alive
-        self._seen = None
-        self._calls, self._by_param, self._reduced = [], None, None
-        self._by_module = {}
+        self._expired, self._source, self._on_missing = message, lambda: [], None  # it keeps no capture alive
+        self._seen, self._calls, self._by_param, self._by_module, self._reduced = None, [], None, {}, None
 
     def _name(self, module: nn.Module) -> str:
         return self._names.get(module) or type(module).__name__

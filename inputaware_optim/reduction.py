@@ -1,7 +1,5 @@
-"""Reduction: a reader's declaration of the statistics it needs, computed in the capture's hooks.
-
-docs/writing-a-rule.md shows one; ``Reduction.reduce_calls`` computes the same from raw calls.
-"""
+"""Reduction: a reader's declaration of the statistics it needs, computed in the capture's hooks
+(docs/writing-a-rule.md shows one; ``Reduction.reduce_calls`` computes the same from raw calls)."""
 
 from __future__ import annotations
 
@@ -30,24 +28,23 @@ def add_statistics(a: Any, b: Any) -> Any:
 
 
 class Reduction:
-    """Statistics computed from each captured call in the hooks, kept per parameter while its gradient
-    holds the calls they came from. Override what you need; every method has a default:
+    """Statistics computed from each captured call in the hooks, kept per parameter while its gradient holds the
+    calls they came from. Override what you need; every method has a default:
 
     * ``wants(module)``: which watched modules it reads (default: all).
-    * ``forward(call)``: in the forward hook (``call.args``, ``call.kwargs`` detached, valid only
-      then); returns what to keep until the call's backward.
-    * ``keeps_inputs`` (class attribute): ``forward`` keeps the inputs until backward; under
-      non-reentrant checkpointing it then gets the inputs of the re-run in backward.
-    * ``backward(call, kept)``: once the call's output gradients arrived (``call.grad_outputs``,
-      with ``grad_outputs = True``); returns its statistics (default: ``kept``).
-    * ``finish(entries)``: once a backward pass is complete, over ``(call, statistics)`` of each call
-      it reached; returns ``{parameter: statistics}`` (default: each under ``keys(call.module)``).
+    * ``forward(call)``: in the forward hook (``call.args``, ``call.kwargs`` detached, valid only then); returns
+      what to keep until the call's backward.
+    * ``keeps_inputs`` (class attribute): ``forward`` keeps the inputs until backward; under non-reentrant
+      checkpointing it then gets the inputs of the re-run in backward.
+    * ``backward(call, kept)``: once the call's output gradients arrived (``call.grad_outputs``, with
+      ``grad_outputs = True``); returns its statistics (default: ``kept``).
+    * ``finish(entries)``: once a backward pass is complete, over ``(call, statistics)`` of each call it reached;
+      returns ``{parameter: statistics}`` (default: each under ``keys(call.module)``).
     * ``combine(a, b)``: how statistics add up over calls and passes (default: a sum).
     * ``keys(module)``: the parameters a call's statistics are kept under (default: the module's own).
-    * ``produced(module, grad_inputs)``, when a call's output node computed the gradients it sends
-      back, and ``arrived(param, grad)``, when a gradient is about to be added to a parameter it
-      keys (``receives(module, param)``): for auditing a gradient's sources. Defining ``produced``
-      turns both on.
+    * ``produced(module, grad_inputs)``, when a call's output node computed the gradients it sends back, and
+      ``arrived(param, grad)``, when a gradient is about to be added to a parameter it keys
+      (``receives(module, param)``): for auditing a gradient's sources. Defining ``produced`` turns both on.
     """
 
     grad_outputs: ClassVar[bool] = False
@@ -90,9 +87,7 @@ class Reduction:
         """This reduction over raw calls, as the hooks would have computed it (one backward pass)."""
         entries = []
         with torch.no_grad():
-            for call in calls:
-                if not self.wants(call.module):
-                    continue
+            for call in (c for c in calls if self.wants(c.module)):
                 if self.grad_outputs and call.grad_outputs is None:
                     raise RuntimeError(
                         f"{type(self).__name__} needs output gradients, but {call!r} has none: capture "

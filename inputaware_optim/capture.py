@@ -99,9 +99,9 @@ class _Key:
     def reach(self) -> str:
         """What the current pass does with this gradient: accumulates it, returns it (``autograd.grad``) or skips it."""
         if self.param is not None and not self.param.requires_grad:
-            return _SKIPS
+            return _torch.SKIPS
         if self.find_accumulator() is None:
-            return _ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
+            return _torch.ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
         return _torch.pass_reaches(self.accumulator)
 
     def find_accumulator(self) -> Any:
@@ -200,32 +200,20 @@ class _Log:
 
     def refresh_keys(self) -> None:
         """Drop what cleared gradients held; a returned gradient assigned to ``.grad`` gets its calls."""
-        changed = False
-        zeroed: list[_Key] = []
-        for key in self.keys.values():
-            if self.returned and self._adopt(key):
-                changed = True
-            status = key.status() if key.holds() else "same"
-            if status == "replaced":
-                key.drop()
-                changed = True
-            elif status == "scaled":
-                key.version = key.param.grad._version  # type: ignore[union-attr]
-                self.rescaled = True
-            elif status == "zeroed":
-                zeroed.append(key)
-        if zeroed:
+        changed = bool(self.returned) and any([self._adopt(key) for key in self.keys.values()])
+        statuses = {key: key.status() for key in self.keys.values() if key.holds()}
+        self.rescaled = self.rescaled or "scaled" in statuses.values()
+        if not self.rescaled and "zeroed" in statuses.values():
             # A clear zeroes every gradient it reaches; a rescaling of a zero gradient leaves the others
             # nonzero: a rescaling if another gradient committed since was rescaled too.
-            if not self.rescaled:
-                others = (k for k in self.keys.values() if k.grad is not None and k not in zeroed)
-                self.rescaled = any(k.status() == "scaled" for k in others)
-            for key in zeroed:
-                if self.rescaled:
-                    key.version = key.param.grad._version  # type: ignore[union-attr]
-                else:
-                    key.drop()
-                    changed = True
+            others = (k for k in self.keys.values() if k.grad is not None and statuses.get(k) != "zeroed")
+            self.rescaled = any(k.status() == "scaled" for k in others)
+        for key, status in statuses.items():
+            if status == "replaced" or (status == "zeroed" and not self.rescaled):
+                key.drop()
+                changed = True
+            elif status != "same":  # rescaled in place: it holds the same calls
+                key.version = key.param.grad._version  # type: ignore[union-attr]
         if changed:
             self.generation += 1
 
@@ -375,7 +363,9 @@ class _Log:
         task = self.tasks.get(task_id)
         if task is None:  # the pass's first gradient to reach a recorded call
             task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
-            _torch.queue_end_of_backward(functools.partial(self.end_backward, task_id, False))
+            # end_backward queued at the pass's end: it runs after callbacks queued later (DDP, FSDP)
+            end = functools.partial(self.end_backward, task_id)
+            _torch.queue_end_of_backward(functools.partial(_torch.queue_end_of_backward, end))
             self.refresh_keys()  # before the pass accumulates into any gradient (a later look: a rescaling)
         if record.task is None:
             self._join(record, task, task_id)
@@ -401,18 +391,21 @@ class _Log:
             kind = task.kinds.get(key)
             if kind is None:
                 task.before[key] = key.state()
-                kind = task.kinds[key] = _ACCUMULATES if task.accumulates else key.reach()
-                if kind == _ACCUMULATES and key.param is not None and key.param.requires_grad:
+                kind = task.kinds[key] = _torch.ACCUMULATES if task.accumulates else key.reach()
+                if kind == _torch.ACCUMULATES and key.param is not None and key.param.requires_grad:
                     task.accumulates = True
-                elif kind == _RETURNS:  # see the very tensor torch.autograd.grad will return
+                elif kind == _torch.RETURNS:  # see the very tensor torch.autograd.grad will return
                     assert key.param is not None
                     task.handles.append(key.param.register_hook(functools.partial(task.returned.__setitem__, key)))
-            rearm = rearm and kind != _ACCUMULATES
+            rearm = rearm and kind != _torch.ACCUMULATES
         record.rearm = rearm and not record.deferred and record.module is not _PENDING
 
     def _reduce_backward(self, record: _Record, scale: float | None) -> None:
         if scale is not None and record.slot is not None:  # readers see the gradients of the unscaled loss
-            record.slot = [None if g is None else _unscaled(g, scale) for g in record.slot]
+            # (float16 ones in float32: unscaled in float16, what the scale kept out of the subnormals is lost)
+            record.slot = [
+                None if g is None else (g.float() if g.dtype == torch.float16 else g) / scale for g in record.slot
+            ]
         readers = self.readers.get(record.module)
         if readers and record.kept is not None:
             if self.needs[record.module][3]:  # some reader's backward does something
@@ -423,10 +416,7 @@ class _Log:
                 record.kept = self.reduce(lambda: [r.backward(call, k) for r, k in zip(readers, kept, strict=True)])
             record.waiting = -1  # reduced
 
-    def end_backward(self, task_id: int, deferred: bool) -> None:
-        if not deferred:  # run once more at the very end, after callbacks queued later (DDP, FSDP)
-            _torch.queue_end_of_backward(functools.partial(self.end_backward, task_id, True))
-            return
+    def end_backward(self, task_id: int) -> None:
         task = self.tasks.pop(task_id, None)
         if task is None:
             return
@@ -590,10 +580,8 @@ class _Log:
 
     def clear(self) -> None:
         if self.filled or self.released_some:  # (else no key holds or released anything: nothing read)
-            for key in self.keys.values():
+            for key in {*self.keys.values(), *(k for keys in self.keys_of.values() for k in keys)}:
                 key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
-                key.drop()
-            for key in (k for keys in self.keys_of.values() for k in keys):  # (and those of no parameter)
                 key.drop()
             self.released_some, self.filled = self.filled, False
         self.head = self.error = None
@@ -631,13 +619,6 @@ def _plain_math(compute: Any) -> Any:
 
 
 _INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
-_ACCUMULATES, _RETURNS, _SKIPS = _torch.ACCUMULATES, _torch.RETURNS, _torch.SKIPS
-
-
-def _unscaled(grad: Tensor, scale: float) -> Tensor:
-    """``grad / scale`` in float32 for a float16 ``grad``: unscaled in float16, the small values the
-    loss scale kept out of the subnormals would be flushed again (bfloat16 has float32's range)."""
-    return (grad.float() if grad.dtype == torch.float16 else grad) / scale
 
 
 def _loss_scale(scaler: Any) -> float | None:
@@ -820,7 +801,6 @@ class Capture:
         self._modules: list[nn.Module] = []
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
-        self._removed = False
         self._watches: list[_Watching] = []
         if modules is None:
             modules = [m for m in self._root.modules() if any(p is not None for p in m._parameters.values())]
@@ -840,10 +820,7 @@ class Capture:
             for param in params:
                 self._owners[param] = (*self._owners.get(param, ()), module)
             log.own_keys[module] = tuple(log.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(params))
-            log.keys_of[module] = log.own_keys[module] or (_Key(None),)
-            for reduction in log.reductions:
-                if reduction.wants(module):
-                    log.set_readers(module, (*log.readers.get(module, ()), reduction))
+            log.set_readers(module, tuple(r for r in log.reductions if r.wants(module)))
         self._sync_hooks()
 
     def _part_of_model(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -960,7 +937,7 @@ class Capture:
     def _sync_hooks(self) -> None:
         """Attach the hooks while something reads, take them off when nothing does."""
         handles, log, root = self._handles, self._log, self._root
-        if self._removed or not self.active:  # (removed: they are off for good)
+        if not log.enabled or not self.active:  # (removed: they are off for good)
             for handle in handles.values():
                 handle.remove()
             handles.clear()
@@ -1129,7 +1106,6 @@ class Capture:
     def remove(self) -> None:
         """Take the hooks off the model. What was captured stays readable until cleared."""
         self._log.enabled = False
-        self._removed = True
         self._sync_hooks()
 
     def __enter__(self) -> Capture:

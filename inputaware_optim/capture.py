@@ -12,7 +12,7 @@ import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +26,6 @@ from .reduction import Reduction
 __all__ = ["Capture", "Storage", "unwrap_model"]
 
 Storage = Literal["reference", "clone", "cpu"]
-_STORAGES = ("reference", "clone", "cpu")
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -362,7 +361,9 @@ class _Log:
         task_id = _graph_task_id()
         task = self.tasks.get(task_id)
         if task is None:  # the pass's first gradient to reach a recorded call
-            task = self.tasks[task_id] = _Task(_loss_scale(self.grad_scaler))
+            scaler = self.grad_scaler
+            scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+            task = self.tasks[task_id] = _Task(None if scale == 1.0 else scale)
             # end_backward queued at the pass's end: it runs after callbacks queued later (DDP, FSDP)
             end = functools.partial(self.end_backward, task_id)
             _torch.queue_end_of_backward(functools.partial(_torch.queue_end_of_backward, end))
@@ -528,14 +529,8 @@ class _Log:
             return None
         key = torch.ops.inputaware_optim.open_call(tensors[0], id(self), len(tensors))
         self.head = (module, args, kwargs, key, self.head)
-        tapped, index = [], 0
-        for leaf in leaves:
-            if isinstance(leaf, Tensor):
-                if leaf.requires_grad:
-                    leaf = _GradTap.apply(leaf, key, id(self), index)
-                index += 1
-            tapped.append(leaf)
-        return tree_unflatten(tapped, spec)
+        tapped = iter([_GradTap.apply(t, key, id(self), i) if t.requires_grad else t for i, t in enumerate(tensors)])
+        return tree_unflatten([next(tapped) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
 
     def open_compiled(self, outputs: int) -> int:
         if not (self.keep_calls or self.readers):
@@ -619,13 +614,6 @@ def _plain_math(compute: Any) -> Any:
 
 
 _INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
-
-
-def _loss_scale(scaler: Any) -> float | None:
-    if scaler is None or not scaler.is_enabled():
-        return None
-    scale = float(scaler.get_scale())
-    return None if scale == 1.0 else scale
 
 
 def _versions(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
@@ -782,8 +770,8 @@ class Capture:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Capture watches an nn.Module, got {type(model).__name__}")
-        if storage not in _STORAGES:
-            raise ValueError(f"Invalid storage: {storage!r}; choose one of {', '.join(map(repr, _STORAGES))}")
+        if storage not in get_args(Storage):
+            raise ValueError(f"Invalid storage: {storage!r}; choose one of {', '.join(map(repr, get_args(Storage)))}")
         for wrapper in _wrapper_chain(model):  # (hooks would fire on replicas nobody owns)
             if isinstance(wrapper, nn.DataParallel) and len(wrapper.device_ids or ()) > 1:
                 raise ValueError(
@@ -825,9 +813,8 @@ class Capture:
 
     def _part_of_model(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
         modules = list(dict.fromkeys(modules))
-        if any(module not in self._names for module in modules):
+        for module in (m for m in modules if m not in self._names):
             self._name_modules()  # modules added to the model since
-        for module in modules:
             if module not in self._names:
                 raise ValueError(
                     f"{type(module).__name__} is not a submodule of the captured model; "

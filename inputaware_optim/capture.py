@@ -285,8 +285,8 @@ class _Log:
                 else:
                     node.register_prehook(functools.partial(self._node_gradient, record, position, t.output_nr))
         record.waiting = record.outputs
-        if module in self.producers:
-            self._hook_produced(module, outputs[0])
+        if module in self.producers and (first := outputs[0].grad_fn) is not None:
+            first.register_hook(functools.partial(self._produced, module))
         return None
 
     def _keep_arguments(self, record: _Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -316,10 +316,6 @@ class _Log:
         record.kept = self.reduce(
             lambda: [_DEFERRED if frame is not None and r.keeps_inputs else r.forward(call) for r in readers]
         )
-
-    def _hook_produced(self, module: nn.Module, first: Tensor) -> None:
-        if first.requires_grad and first.grad_fn is not None:
-            first.grad_fn.register_hook(functools.partial(self._produced, module))
 
     def _produced(self, module: nn.Module, grad_inputs: Any, grad_outputs: Any) -> None:
         """A call's first output node computed the gradients it sends back (``Reduction.produced``)."""

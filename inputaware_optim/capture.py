@@ -229,15 +229,6 @@ class _Log:
         key.calls, key.totals, key.grad, key.version = entry.calls, entry.totals, entry.grad, entry.version
         return True
 
-    def keep_returned(self, grad: Tensor, key: _Key, calls: list[_Record], totals: dict[Reduction, Any]) -> None:
-        returned, ident = self.returned, id(grad)
-
-        def forget(ref: Any) -> None:  # the tensor died (its id may be reused after this)
-            if ident in returned and returned[ident].grad is ref:
-                del returned[ident]
-
-        returned[ident] = _Key(key.param, calls, totals, weakref.ref(grad, forget), version=grad._version)
-
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.inert:
             for submodule in module.modules():
@@ -446,7 +437,9 @@ class _Log:
             if key not in changed and key.param is not None:
                 kept = [r for r in task.records if key in self.keys_of.get(r.module, ())] if self.keep_calls else []
                 totals = {r: t[key.param] for r, t in finished if key.param in t}
-                self.keep_returned(grad, key, [snapshots.get(id(r), r) for r in kept], totals)
+                calls = [snapshots.get(id(r), r) for r in kept]
+                self.returned[id(grad)] = _Key(key.param, calls, totals, weakref.ref(grad), version=grad._version)
+                weakref.finalize(grad, self.returned.pop, id(grad), None)  # (once dead, its id may be reused)
         task.returned.clear()
         self.filled = self.filled or bool(changed)
         for key in changed:

@@ -7,7 +7,7 @@ import math
 import numbers
 import weakref
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple, NoReturn, TypeGuard
 
 import torch
@@ -166,7 +166,12 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "uses): its batch count and noise must be combined over every data-parallel rank"
             )
         names = {m: n for n, m in unwrap_model(self.model).named_modules()}
-        for module in self._modules_to_capture(trained):
+        for module in self._modules_to_capture(self._params()):
+            if isinstance(module, _BATCH_NORMS):
+                raise ValueError(
+                    f"{name} cannot clip per-sample gradients through {type(module).__name__} "
+                    "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
+                )
             kind = layer_kind(module)
             closed = kind is not None and kind.provides("per_sample")
             if not closed and any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
@@ -175,12 +180,6 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "under FSDP2: only layers with closed-form per-sample gradients "
                     "(nn.Linear, nn.Conv*d, nn.Embedding, ...) may be sharded; the generic vmap(grad) needs the whole "
                     "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
-                )
-        for module in self._modules_to_capture(self._params()):
-            if isinstance(module, _BATCH_NORMS):
-                raise ValueError(
-                    f"{name} cannot clip per-sample gradients through {type(module).__name__} "
-                    "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
         self._refuse_unsupported_layers()
 
@@ -234,8 +233,8 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "batch in training mode, so each sample's gradient depends on the others. Use GroupNorm or "
                 "LayerNorm, or put the batch norms in eval mode. No parameter was changed"
             )
-        sigma = self._group_privacy()[1]
-        private = self._private_gradients(inputs)
+        clip, sigma = self._group_privacy()
+        private = self._private_gradients(inputs, clip, sigma)
         for param, grad in private.items():
             assert param.grad is not None
             if param.grad.is_sparse:  # the noised estimate is dense: every row moves
@@ -247,12 +246,11 @@ class _PerSampleClipping(InputAwareOptimizer):
             self._account(sigma)
         return loss
 
-    def _private_gradients(self, inputs: Inputs) -> dict[Tensor, Tensor]:
+    def _private_gradients(self, inputs: Inputs, clip: float, sigma: float) -> dict[Tensor, Tensor]:
         """The private gradients; whatever the clipped sums cannot privatize is refused before any change."""
         targets = [p for p in self._params() if p.grad is not None]
         if not targets:
             return {}
-        clip, sigma = self._group_privacy()
         totals = inputs.reduced(self._clipped)
         data_parallel = self.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
@@ -400,10 +398,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             torch.stack([vector_norm(plain.to(grad.dtype) - grad), vector_norm(grad)]).double()
             for plain, grad in compared.values()
         ]
-        if len({p.device for p in pairs}) == 1:
-            values = torch.stack(pairs).tolist()
-        else:  # parameters on several devices: one read each
-            values = [pair.tolist() for pair in pairs]
+        one_device = len({p.device for p in pairs}) == 1  # else one read per parameter
+        values = torch.stack(pairs).tolist() if one_device else [pair.tolist() for pair in pairs]
         # Under autocast autograd rounds each weight gradient to bfloat16 (or float16) while the
         # per-sample sums add in float32: the gap is then up to about half an eps of the lowest dtype
         # the backward ran in (0.1-0.2% measured in bfloat16; a tied weight: 5-50%).
@@ -458,9 +454,7 @@ class ClippedSums(Reduction):
     keeps_inputs = True  # under activation checkpointing, the inputs of the re-run in backward
 
     def __init__(self, optimizer: _PerSampleClipping) -> None:
-        owner = weakref.ref(optimizer)  # the reduction lives in the capture, which the optimizer owns
-        # The clip is read when each backward pass ends: a schedule may have changed it.
-        self.clip: Callable[[], float] = lambda: owner()._group_privacy()[0]  # type: ignore[union-attr]
+        self.owner = weakref.ref(optimizer)  # the reduction lives in the capture, which the optimizer owns
         # The add-up check: in one process only (under data parallelism the gradient is averaged already).
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
@@ -516,7 +510,7 @@ class ClippedSums(Reduction):
             return {}
         samples = {forward: self._samples(forward, calls) for forward, calls in by_forward.items()}
         scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
-        clip = self.clip()
+        clip = self.owner()._group_privacy()[0]  # type: ignore[union-attr]  # read now: a schedule may change it
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
         for forward, calls in by_forward.items():  # an empty batch (Poisson sampling): zero sums
@@ -547,17 +541,38 @@ class ClippedSums(Reduction):
         return by_forward
 
     def _samples(self, forward: Any, calls: _Calls) -> int:
-        """The samples of one forward; refused where no tensor argument of the model has that many."""
+        """The samples of one forward, which every call in it must share; refused where no tensor argument
+        of the model has that many."""
         batch_dim, capture = self.batch_dim, self.capture
-        count = _samples({m: [_batch_first(c, batch_dim) for c in cs] for m, cs in calls.items()}, self.name)
+        sizes = {m: {_samples_of(m, _batch_first(c, batch_dim)) for c in cs} for m, cs in calls.items()}
+        found = set().union(*sizes.values())
+        count = max(found)
+        if len(found) == 2 and 1 in found:
+            shared = ", ".join(capture.name(m) for m, s in sizes.items() if 1 in s)
+            raise RuntimeError(
+                f"the input of {shared} has a batch dimension of 1 while the forward's batch is {count}: broadcast "
+                "over the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that "
+                "input expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter "
+                "was changed"
+            )
+        if len(found) > 1:
+            batch = Counter(size for found_sizes in sizes.values() for size in found_sizes).most_common(1)[0][0]
+            odd = {capture.name(m): sorted(s) for m, s in sizes.items() if s != {batch}}
+            raise RuntimeError(
+                f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. "
+                "Either those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over "
+                "the samples: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), "
+                "or some layers see the batch along another dimension (sequence-first tensors: see batch_dim). No "
+                "parameter was changed"
+            )
         shapes = capture.model_input_shapes(forward)
-        sizes = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
-        if not sizes or count in sizes or any(m is capture.root for m in calls):
+        given = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
+        if not given or count in given or any(m is capture.root for m in calls):
             return count  # agrees, or the model is itself a layer whose call says what its samples are
         called = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
             f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
-            f"tensor argument of the model has {count} there (it has {sorted(sizes)}): a layer sees the batch along "
+            f"tensor argument of the model has {count} there (it has {sorted(given)}): a layer sees the batch along "
             "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
             "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
             "(batch_first=True). No parameter was changed"
@@ -795,30 +810,6 @@ def _samples_of(module: nn.Module, call: Call) -> int:
     if type(kind).samples is layers.LayerKind.samples and type(first) is Tensor and first.dim() > 0:
         return int(first.shape[0])
     return kind.samples(module, call)  # (a 0-d input: its error)
-
-
-def _samples(calls: _Calls, names: Any) -> int:
-    """The batch size of one forward, which every call in it must share."""
-    sizes = {m: {_samples_of(m, c) for c in cs} for m, cs in calls.items()}
-    found = set().union(*sizes.values())
-    if len(found) == 1:
-        return found.pop()
-    batch = max(found)
-    if found == {1, batch}:
-        shared = ", ".join(names(m) for m, s in sizes.items() if 1 in s)
-        raise RuntimeError(
-            f"the input of {shared} has a batch dimension of 1 while the forward's batch is {batch}: broadcast over "
-            "the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that input "
-            "expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter was changed"
-        )
-    batch = Counter(size for found_sizes in sizes.values() for size in found_sizes).most_common(1)[0][0]
-    odd = {names(m): sorted(s) for m, s in sizes.items() if s != {batch}}
-    raise RuntimeError(
-        f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. Either "
-        "those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over the samples: "
-        "leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), or some layers see the "
-        "batch along another dimension (sequence-first tensors: see batch_dim). No parameter was changed"
-    )
 
 
 def _batch_first(call: Call, batch_dim: int) -> Call:

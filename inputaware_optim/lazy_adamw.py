@@ -15,9 +15,9 @@ from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import Storage, unwrap_model
 from .coverage import CoverageWarning
-from .distributed import local_tensor, sharded
+from .distributed import local_tensor, row_range, sharded
 from .inputs import Call, Captured, Inputs
-from .layers import LayerKind, layer_kind, weight_of
+from .layers import LayerKind, layer_kind, weight_of, weight_or_none
 from .reduction import Reduction
 
 __all__ = ["LazyAdamW"]
@@ -177,14 +177,10 @@ class LazyAdamW(InputAwareAdamW):
         """Refuse, by name, a table sharded other than on its rows over a 1-D mesh (FSDP2's default):
         its touched rows could not be found in the shard this rank holds."""
         super()._check_param_groups()
-        names = {m: n for n, m in unwrap_model(self.model).named_modules()}
-        trained = {p for group in self.param_groups for p in group["params"]}
-        for module, name in names.items():
-            kind = layer_kind(module)
-            weight = getattr(module, "weight", None)
-            if kind is None or not kind.provides("touched_rows") or not isinstance(weight, Tensor):
-                continue
-            if weight not in trained or not sharded(weight):
+        trained = set(self._params())
+        for name, module in unwrap_model(self.model).named_modules():
+            kind, weight = layer_kind(module), weight_or_none(module)
+            if kind is None or not kind.provides("touched_rows") or weight not in trained or not sharded(weight):
                 continue
             mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]
             if mesh.ndim != 1 or not placements[0].is_shard(0):
@@ -195,34 +191,25 @@ class LazyAdamW(InputAwareAdamW):
                 )
 
     def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_rows": TouchedRows(self._lazy_modules())}
+        return {"_rows": TouchedRows([module for module, _, _ in self._lazy_tables()])}
 
     def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        if any(weight_of(m) is param for m in self._lazy_modules()):
+        if any(weight is param for _, weight, _ in self._lazy_tables()):
             return "LazyAdamW: touched rows only", None, False
         kind = layer_kind(module) if module is not None else None
         if kind is not None and kind.provides("touched_rows") and param is getattr(module, "weight", None):
             return "stock AdamW (dense)", "the table is shared with another module, so every row gets gradient", True
         return "stock AdamW", None, False
 
-    def _lazy_modules(self) -> list[nn.Module]:
-        return [module for module, _, _ in self._lazy_tables()]
-
     def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
-        """The captured embeddings whose weight is trained here and used by no other module, with their
-        weight and its param group (kept: walking a large model every step would not cost "rows touched")."""
-        return self._kept("lazy_tables", self._find_lazy_tables)  # type: ignore[no-any-return]
-
-    def _find_lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
-        groups = self._param_groups_by_param()
-        return [
-            (m, weight_of(m), groups[weight_of(m)])
-            for m in self.capture.modules
-            if (kind := layer_kind(m)) is not None
-            and kind.provides("touched_rows")
-            and weight_of(m) in groups
-            and len(self._owners_in_model(weight_of(m))) == 1  # a tied weight gets gradients on every row
-        ]
+        """The captured embeddings trained here whose weight no other module uses (a tied weight gets gradient on
+        every row), with weight and param group; kept, as walking a large model each step costs more than the rows."""
+        return self._kept(  # type: ignore[no-any-return]
+            "lazy_tables",
+            lambda: [
+                (t.module, weight_of(t.module), t.group) for t in self._layers("touched_rows") if len(t.owners) == 1
+            ],
+        )
 
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Update the touched embedding rows lazily and everything else with stock AdamW."""
@@ -274,8 +261,21 @@ class LazyAdamW(InputAwareAdamW):
                 torch.distributed.all_reduce(touched_here, group=ranks)
                 update.rows = touched_here.nonzero().squeeze(1)
         updates += from_inputs
-        for update in updates:
-            self._gather_weight_rows(update)
+        for update in updates:  # the gather refuses rows outside the table (on CPU; elsewhere as nn.Embedding does)
+            rows = update.rows
+            if getattr(update.weight, "device_mesh", None) is not None:  # FSDP2: the rows this rank's shard holds
+                held = row_range(update.weight)
+                rows = rows[(rows >= held.start) & (rows < held.stop)] - held.start
+            update.rows = rows = rows if rows.dtype == torch.int64 else rows.long()  # the row writes take int64
+            try:
+                update.theta = local_tensor(update.weight).index_select(0, rows)
+            except IndexError:
+                size = update.weight.shape[0]
+                bad = int(rows[(rows < 0) | (rows >= size)][0])
+                raise ValueError(
+                    f"the inputs of {self.capture.name(update.module)} index row {bad} of a table of {size} "
+                    "rows; check the inputs handed to step(inputs=...). No parameter was changed"
+                ) from None
         return updates
 
     def _rows_of(self, module: nn.Module, weight: Tensor, touched: dict[Tensor, Tensor], inputs: Inputs) -> Any:
@@ -285,43 +285,22 @@ class LazyAdamW(InputAwareAdamW):
         if rows is None:
             inputs.get(weight)  # (warns that the table falls back to the dense update)
             return None
-        if extra is not None:
-            extra = extra.to(rows.device)
-            outside = extra[~torch.isin(extra, rows)]
-            if outside.numel():
-                self._warn_extra_rows(module, outside)
-                rows = torch.unique(torch.cat([rows, outside]))
-        return rows
-
-    def _gather_weight_rows(self, update: _RowUpdate) -> None:
-        """Gather the weight's rows, refusing rows outside the table before anything changed."""
-        rows = _local_rows(update.weight, update.rows)
-        if rows.dtype != torch.int64:  # int32 token ids: the row writes take int64 indices
-            rows = rows.long()
-        update.rows = rows
-        try:  # the gather checks the rows' range itself (on CPU; on an accelerator, as nn.Embedding does)
-            update.theta = local_tensor(update.weight).index_select(0, rows)
-        except IndexError:
-            size = update.weight.shape[0]
-            bad = int(rows[(rows < 0) | (rows >= size)][0])
-            raise ValueError(
-                f"the inputs of {self.capture.name(update.module)} index row {bad} of a table of {size} "
-                "rows; check the inputs handed to step(inputs=...). No parameter was changed"
-            ) from None
-
-    def _warn_extra_rows(self, module: nn.Module, extra: Tensor) -> None:
-        if id(module) in self._warned_extra:
-            return
-        self._warned_extra.add(id(module))
-        name = self.capture.name(module)
-        warnings.warn(
-            f"LazyAdamW: {extra.numel()} rows of {name}.weight got gradient that no captured call of {name} "
-            f"explains (the table is used without calling {name}, for example F.linear(h, {name}.weight)); "
-            "those rows are updated too. Finding them reads the whole gradient each backward pass: call the "
-            "module instead, or train the table with a dense optimizer",
-            CoverageWarning,
-            stacklevel=3,
-        )
+        if extra is None:
+            return rows
+        extra = extra.to(rows.device)
+        outside = extra[~torch.isin(extra, rows)]
+        if outside.numel() and id(module) not in self._warned_extra:
+            self._warned_extra.add(id(module))
+            name = self.capture.name(module)
+            warnings.warn(
+                f"LazyAdamW: {outside.numel()} rows of {name}.weight got gradient that no captured call of {name} "
+                f"explains (the table is used without calling {name}, for example F.linear(h, {name}.weight)); "
+                "those rows are updated too. Finding them reads the whole gradient each backward pass: call the "
+                "module instead, or train the table with a dense optimizer",
+                CoverageWarning,
+                stacklevel=2,
+            )
+        return torch.unique(torch.cat([rows, outside])) if outside.numel() else rows
 
     def _update_rows(self, update: _RowUpdate) -> None:
         weight, rows, group, theta = update.weight, update.rows, update.group, update.theta
@@ -352,8 +331,7 @@ class LazyAdamW(InputAwareAdamW):
 
 
 class _RowUpdate:
-    """One table's update at a step: its module, weight, rows (indices into the local shard once
-    gathered), param group, and the weight's gathered rows."""
+    """One table's update at a step (``rows``: indices into the local shard once gathered, ``theta`` those rows)."""
 
     __slots__ = ("group", "module", "rows", "theta", "weight")
 
@@ -385,17 +363,3 @@ def _write_rows(table: Tensor, rows: Tensor, values: Tensor) -> None:
         size = math.gcd(16, table.shape[1] * itemsize, table.stride(0) * itemsize, table.storage_offset() * itemsize)
         dtype = _COPY_DTYPES[size] if size > itemsize else dtype
     table.view(dtype).index_put_((rows,), values.contiguous().view(dtype))
-
-
-def _local_rows(weight: Tensor, rows: Tensor) -> Tensor:
-    """The global ``rows`` that this rank's shard holds, as indices into the shard."""
-    mesh = getattr(weight, "device_mesh", None)
-    if mesh is None:
-        return rows
-    placements = weight.placements  # type: ignore[attr-defined]
-    if mesh.ndim != 1 or not placements[0].is_shard(0):
-        raise NotImplementedError(f"LazyAdamW supports embeddings sharded on their rows only, got {placements}")
-    chunk = -(-weight.shape[0] // mesh.size())  # FSDP2 shards like torch.chunk: ceil(rows / ranks) each
-    start = mesh.get_local_rank() * chunk
-    held = local_tensor(weight).shape[0]
-    return rows[(rows >= start) & (rows < start + held)] - start

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ._torch import foreach_norm
 from .kfac import KroneckerFactors
-from .kronecker import KroneckerRule
+from .kronecker import KroneckerRule, running_average
 from .layers import Layer, weight_of
 
 __all__ = ["Eva"]
@@ -110,8 +110,6 @@ class Eva(KroneckerRule):
             raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
         if kl_clip is not None and not 0.0 < kl_clip < math.inf:
             raise ValueError(f"Invalid kl_clip: {kl_clip} (must be None or finite and > 0)")
-        if not damping > 0.0:  # a rank-one factor is singular without it
-            raise ValueError(f"Invalid damping: {damping} (must be > 0)")
         self._eva_defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
         super().__init__(
             model,
@@ -130,9 +128,11 @@ class Eva(KroneckerRule):
     def _check_param_groups(self) -> None:
         super()._check_param_groups()
         self._set_group_defaults(**self._eva_defaults)
-        for group in self.param_groups:
-            if not float(group["damping"]) > 0.0:
-                raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        if not group["damping"] > 0.0:  # a rank-one factor is singular without it
+            raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
+        super()._check_group(group)
 
     def _check_sharded_layers(self) -> None:
         self._refuse_sharded_parameters("its output-side vector mixes the rows of each weight's gradient")
@@ -169,15 +169,8 @@ class Eva(KroneckerRule):
 
     def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]
-        means = []
-        for factor in self.factors:
-            numerator, denominator = sums[factor]
-            mean = numerator / denominator
-            previous = state.get(f"{factor}_mean")
-            if previous is not None:  # beta * previous + (1 - beta) * mean; the first step takes its own
-                mean = torch.lerp(previous.to(mean.dtype), mean, 1 - layer.group["stat_decay"])
-            means.append(mean)
-        return means[0], means[1]
+        a, g = (running_average(state.get(f"{f}_mean"), sums[f][0] / sums[f][1], layer.group) for f in self.factors)
+        return a, g
 
     def _checked_scales(
         self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]

@@ -94,7 +94,6 @@ class KroneckerRule(InputAwareSGD):
         self._rule_defaults: dict[str, Any] = dict(
             damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every
         )
-        _check_hyperparameters(*self._rule_defaults.values())
         if max_dim is not None and not _positive_integer(max_dim):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
@@ -132,9 +131,18 @@ class KroneckerRule(InputAwareSGD):
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)
-        for group in self.param_groups:
-            _check_hyperparameters(*(group[name] for name in self._rule_defaults))
+        for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
+            self._check_group(group)
         self._check_sharded_layers()
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        if not 0.0 <= group["damping"] < math.inf:
+            raise ValueError(f"Invalid damping: {group['damping']} (must be finite and >= 0)")
+        if not 0.0 <= group["stat_decay"] < 1.0:
+            raise ValueError(f"Invalid stat_decay: {group['stat_decay']} (must be in [0, 1))")
+        for name in ("update_every", "statistics_every"):
+            if not _positive_integer(group[name]):
+                raise ValueError(f"Invalid {name}: {group[name]!r} (must be an integer >= 1)")
 
     def _check_sharded_layers(self) -> None:
         """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""
@@ -205,8 +213,7 @@ class KroneckerRule(InputAwareSGD):
         for layer, update in zip(layers, updates, strict=True):
             self._set_preconditioned(layer, self._commit_statistics(layer, update))
         for layer, inverses in kept:
-            if self._inverse == "eigh":  # a change of damping formed new ones (Cholesky's are the kept ones)
-                self._keep_inverses(layer, inverses)
+            self._keep_inverses(layer, inverses)  # (under "eigh", those a change of damping formed anew)
             self._set_preconditioned(layer, inverses)
 
     def _commit_statistics(self, layer: Layer, update: Any) -> dict[str, Tensor]:
@@ -356,12 +363,7 @@ class KroneckerRule(InputAwareSGD):
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator / denominator  # (out of place: the sums may be the capture's totals)
             previous = state.get(f"{factor}_second_moment")
-            if previous is None:
-                previous = self._initial_moment(moment)
-            elif previous.dtype != moment.dtype:  # the model changed dtype (model.double())
-                previous = previous.to(moment.dtype)
-            if previous is not None:  # beta * previous + (1 - beta) * moment
-                moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
+            moment = running_average(self._initial_moment(moment) if previous is None else previous, moment, group)
             if f"{factor}_inverse" not in state or refresh:
                 due.append(factor)
             else:
@@ -424,22 +426,31 @@ def damped_inverse(
         largest = float(matrix.abs().max())
         if bool((diagonal < largest * matrix.shape[-1] * torch.finfo(dtype).eps).any()):  # below rounding
             raise _NotPositiveDefinite(
-                f"the damped statistics of {name} are not positive definite ({said}): their entries reach "
-                f"{largest:.3g}, so the damping is below their rounding error in {dtype}. If training is "
-                "diverging, lower the learning rate; else increase damping. No parameter was changed by this step"
+                name,
+                said,
+                f": their entries reach {largest:.3g}, so the damping is below their rounding error in {dtype}. "
+                "If training is diverging, lower the learning rate; else increase damping.",
             )
-        raise _NotPositiveDefinite(
-            f"the damped statistics of {name} are not positive definite ({said}); "
-            "increase damping. No parameter was changed by this step"
-        )
+        raise _NotPositiveDefinite(name, said)
     return torch.cholesky_inverse(factor).to(matrix.dtype).contiguous()
 
 
 class _NotPositiveDefinite(RuntimeError):
-    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user)."""
+    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user): ``name``'s statistics with
+    the damping ``said``, then ``why`` (default: increase damping)."""
+
+    def __init__(self, name: str, said: str, why: str = "; increase damping.") -> None:
+        message = f"the damped statistics of {name} are not positive definite ({said}){why}"
+        super().__init__(f"{message} No parameter was changed by this step")
 
 
 INVERSES = ("cholesky", "eigh")  # how a Kronecker rule inverts its damped factors
+
+
+def running_average(previous: Tensor | None, new: Tensor, group: dict[str, Any]) -> Tensor:
+    """``beta * previous + (1 - beta) * new`` (``beta`` the group's ``stat_decay``; no ``previous``: ``new``),
+    in ``new``'s dtype (the model may have changed dtype since: ``model.double()``)."""
+    return new if previous is None else torch.lerp(previous.to(new.dtype), new, 1 - group["stat_decay"])
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:
@@ -454,17 +465,6 @@ def _sides(layer: Layer) -> dict[str, int]:
 
 def _positive_integer(value: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-
-
-def _check_hyperparameters(damping: float, stat_decay: float, update_every: int, statistics_every: int) -> None:
-    if not 0.0 <= damping < math.inf:
-        raise ValueError(f"Invalid damping: {damping} (must be finite and >= 0)")
-    if not 0.0 <= stat_decay < 1.0:
-        raise ValueError(f"Invalid stat_decay: {stat_decay} (must be in [0, 1))")
-    if not _positive_integer(update_every):
-        raise ValueError(f"Invalid update_every: {update_every!r} (must be an integer >= 1)")
-    if not _positive_integer(statistics_every):
-        raise ValueError(f"Invalid statistics_every: {statistics_every!r} (must be an integer >= 1)")
 
 
 def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -491,10 +491,7 @@ def inverse_from_eigenbasis(
     """
     shifted = values + torch.as_tensor(damping, dtype=values.dtype, device=values.device)[..., None]
     if not bool((shifted > 0).all()):
-        raise _NotPositiveDefinite(
-            f"the damped statistics of {name} are not positive definite ({_said(damping, given)}); "
-            "increase damping. No parameter was changed by this step"
-        )
+        raise _NotPositiveDefinite(name, _said(damping, given))
     return ((vectors / shifted.unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
 
 

@@ -67,8 +67,6 @@ class NLMS(InputAwareSGD):
     ) -> None:
         if lr is None:
             raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        if not 0.0 <= eps < math.inf:
-            raise ValueError(f"Invalid eps: {eps} (must be finite and >= 0)")
         self._eps = eps
         super().__init__(model, params, lr=lr, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)")
@@ -81,7 +79,7 @@ class NLMS(InputAwareSGD):
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(eps=self._eps)
-        for group in self.param_groups:
+        for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
             if not 0.0 <= group["eps"] < math.inf:
                 raise ValueError(f"Invalid eps: {group['eps']} (must be finite and >= 0)")
         meshes = {p.device_mesh.ndim for p in self._params() if sharded(p)}  # type: ignore[attr-defined]

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ._torch import foreach_norm
 from .kfac import KroneckerFactors
-from .kronecker import KroneckerRule, running_average
+from .kronecker import KroneckerRule, Sums, running_average
 from .layers import Layer, weight_of
 
 __all__ = ["Eva"]
@@ -137,7 +137,7 @@ class Eva(KroneckerRule):
     def _check_sharded_layers(self) -> None:
         self._refuse_sharded_parameters("its output-side vector mixes the rows of each weight's gradient")
 
-    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+    def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
         # Ds = B g; summing (B sum g) and B over ranks, then dividing, gives the mean of Ds.
         grads, batch = sums["output_grad"]
@@ -145,9 +145,7 @@ class Eva(KroneckerRule):
             grads = grads * batch
         return {**sums, "output_grad": (grads, batch)}
 
-    def _precondition_layers(
-        self, due: list[dict[str, Any]], layers: list[Layer], sums: list[dict[str, tuple[Tensor, Tensor]]]
-    ) -> None:
+    def _precondition_layers(self, due: list[dict[str, Any]], layers: list[Layer], sums: list[Sums]) -> None:
         """Replace each supported layer's gradient by its Kronecker-vector direction, KL-clipped
         (a layer with no row this step keeps its state)."""
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
@@ -167,7 +165,7 @@ class Eva(KroneckerRule):
             nu = scales[id(layer.group)]
             layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
 
-    def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    def _running_means(self, layer: Layer, sums: Sums) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]
         a, g = (running_average(state.get(f"{f}_mean"), sums[f][0] / sums[f][1], layer.group) for f in self.factors)
         return a, g

@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,8 @@ from .inputs import Inputs
 from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
+
+Sums = dict[str, tuple[Tensor, Tensor]]  # a layer's factor sums: {factor: (numerator, denominator)}
 
 __all__ = ["INVERSES", "FactorSums", "KroneckerRule", "damped_inverse", "eigenbasis", "inverse_from_eigenbasis"]
 
@@ -169,7 +172,7 @@ class KroneckerRule(InputAwareSGD):
         """Rows ``rows`` of the preconditioned ``matrix``."""
         raise NotImplementedError
 
-    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+    def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         """This rank's factor sums of the step, before they are summed over ranks."""
         return sums
 
@@ -194,9 +197,7 @@ class KroneckerRule(InputAwareSGD):
         self._advance_schedule()
         return loss
 
-    def _precondition_layers(
-        self, due: list[dict[str, Any]], layers: list[Layer], sums: list[dict[str, tuple[Tensor, Tensor]]]
-    ) -> None:
+    def _precondition_layers(self, due: list[dict[str, Any]], layers: list[Layer], sums: list[Sums]) -> None:
         """Precondition the layers that saw rows this step (``layers``, with their factor sums) and
         those whose group is between statistics steps (with the kept inverses)."""
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
@@ -279,43 +280,14 @@ class KroneckerRule(InputAwareSGD):
             new = self._precondition(layer, full, inverses, row_range(weight))
         set_local_matrix_rows(weight, bias, new, homogeneous)
 
-    def _step_statistics(
-        self, inputs: Inputs, due: list[dict[str, Any]]
-    ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
+    def _step_statistics(self, inputs: Inputs, due: list[dict[str, Any]]) -> tuple[list[Layer], list[Sums]]:
         """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a gradient
-        and a row this step. A layer this rank's batch never reached joins with zero sums (every rank
-        reduces the same list); one no rank saw a row of (an expert no token was routed to) takes the
-        plain step and keeps its running moments."""
-        layers: list[Layer] = []
-        sums: list[dict[str, tuple[Tensor, Tensor]]] = []
-        absent: list[int] = []  # (indices of the layers this rank captured no call of)
+        and a row this step (an expert no token was routed to keeps its running moments)."""
         totals = inputs.reduced(self._statistics)
-        ranks = self.data_parallel_group
-        for layer in self._layers(self.reads_capability):
-            if not _takes_statistics(layer, due):
-                continue
-            weight = weight_of(layer.module)
-            factor_sums = totals.get(weight)
-            if factor_sums is None:  # nothing captured here
-                if ranks is None:  # plain SGD for this layer (Inputs warns)
-                    inputs.get(weight)
-                    continue
-                absent.append(len(layers))
-                factor_sums = self._zero_sums(layer)
-            layers.append(layer)
-            # Copies where they are summed over ranks in place: the capture's totals must stay as they
-            # are if this step fails and is retried (each mean is formed out of place, in _refreshed).
-            if ranks is not None:
-                factor_sums = {f: (n.clone(), d.clone()) for f, (n, d) in factor_sums.items()}
-            sums.append(self._local_sums(layer, factor_sums))
-        all_reduce_sum_([t for factor_sums in sums for pair in factor_sums.values() for t in pair], ranks)
-        for index in absent:  # captured on no rank: the plain step
-            if all(float(d) == 0 for _, d in sums[index].values()):
-                inputs.get(weight_of(layers[index].module))  # (Inputs warns)
-        seen = [(layer, s) for layer, s in zip(layers, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
-        return [layer for layer, _ in seen], [s for _, s in seen]
+        layers = [layer for layer in self._layers(self.reads_capability) if _takes_statistics(layer, due)]
+        return summed_over_ranks(inputs, totals, layers, self._zero_sums, self.data_parallel_group, self._local_sums)
 
-    def _zero_sums(self, layer: Layer) -> dict[str, tuple[Tensor, Tensor]]:
+    def _zero_sums(self, layer: Layer) -> Sums:
         """Zero factor sums of ``layer``, shaped as the hooks compute them (per block if it has several)."""
         weight = local_tensor(weight_of(layer.module))
         dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
@@ -349,7 +321,7 @@ class KroneckerRule(InputAwareSGD):
                 state[f"{factor}_inverse_damping"] = float(layer.group["damping"])
 
     def _refreshed(
-        self, layer: Layer, factor_sums: dict[str, tuple[Tensor, Tensor]]
+        self, layer: Layer, factor_sums: Sums
     ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor], list[str], dict[str, tuple[Tensor, Tensor]]]:
         """The layer's state, its new running moments, its kept inverses, the factors due for
         inversion, and (filled in by ``_invert_due`` under ``"eigh"``) their eigendecompositions."""
@@ -451,6 +423,44 @@ def running_average(previous: Tensor | None, new: Tensor, group: dict[str, Any])
     """``beta * previous + (1 - beta) * new`` (``beta`` the group's ``stat_decay``; no ``previous``: ``new``),
     in ``new``'s dtype (the model may have changed dtype since: ``model.double()``)."""
     return new if previous is None else torch.lerp(previous.to(new.dtype), new, 1 - group["stat_decay"])
+
+
+def summed_over_ranks(
+    inputs: Inputs,
+    totals: dict[Tensor, Sums],
+    layers: list[Layer],
+    zeros: Callable[[Layer], Sums],
+    ranks: Any,
+    local: Callable[[Layer, Sums], Sums] = lambda layer, sums: sums,
+) -> tuple[list[Layer], list[Sums]]:
+    """The sums of ``layers`` in ``totals`` (by weight), each passed through ``local`` and summed over
+    ``ranks``: those of the layers some rank saw a row of, with their layers. A layer this rank's batch
+    never reached joins with ``zeros(layer)`` (every rank reduces the same list); one captured on no rank
+    takes the plain step (``Inputs`` warns)."""
+    joined: list[Layer] = []
+    sums: list[Sums] = []
+    absent: list[int] = []  # (indices of the layers this rank captured no call of)
+    for layer in layers:
+        weight = weight_of(layer.module)
+        found = totals.get(weight)
+        if found is None:  # nothing captured here
+            if ranks is None:  # the plain step for this layer (Inputs warns)
+                inputs.get(weight)
+                continue
+            absent.append(len(joined))
+            found = zeros(layer)
+        joined.append(layer)
+        # Copies where they are summed over ranks in place: the capture's totals must stay as they are if
+        # this step fails and is retried (each mean is formed out of place).
+        if ranks is not None:
+            found = {f: (n.clone(), d.clone()) for f, (n, d) in found.items()}
+        sums.append(local(layer, found))
+    all_reduce_sum_([t for layer_sums in sums for pair in layer_sums.values() for t in pair], ranks)
+    for index in absent:  # captured on no rank: the plain step
+        if all(float(d) == 0 for _, d in sums[index].values()):
+            inputs.get(weight_of(joined[index].module))  # (Inputs warns)
+    seen = [(layer, s) for layer, s in zip(joined, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
+    return [layer for layer, _ in seen], [s for _, s in seen]
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:

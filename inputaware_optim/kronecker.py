@@ -524,9 +524,7 @@ def _refuse_not_finite(matrix: Tensor, name: str) -> None:
 def _takes_statistics(layer: Layer, due: list[dict[str, Any]]) -> bool:
     """Whether ``layer`` is in a ``due`` group and has its gradients (a layer of width 0 is
     preconditioned trivially, by the stock step)."""
-    if not any(layer.group is group for group in due):
-        return False
     weight, bias = weight_of(layer.module), bias_of(layer.module)
     if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
         return False
-    return weight.numel() > 0
+    return any(layer.group is group for group in due) and weight.numel() > 0

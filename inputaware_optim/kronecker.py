@@ -408,8 +408,7 @@ def damped_inverse(
 
 
 class _NotPositiveDefinite(RuntimeError):
-    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user): ``name``'s statistics with
-    the damping ``said``, then ``why`` (default: increase damping)."""
+    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user); ``why`` says what to do."""
 
     def __init__(self, name: str, said: str, why: str = "; increase damping.") -> None:
         message = f"the damped statistics of {name} are not positive definite ({said}){why}"
@@ -433,10 +432,9 @@ def summed_over_ranks(
     ranks: Any,
     local: Callable[[Layer, Sums], Sums] = lambda layer, sums: sums,
 ) -> tuple[list[Layer], list[Sums]]:
-    """The sums of ``layers`` in ``totals`` (by weight), each passed through ``local`` and summed over
-    ``ranks``: those of the layers some rank saw a row of, with their layers. A layer this rank's batch
-    never reached joins with ``zeros(layer)`` (every rank reduces the same list); one captured on no rank
-    takes the plain step (``Inputs`` warns)."""
+    """The layers some rank saw a row of, and their sums from ``totals`` (by weight) through ``local``, summed
+    over ``ranks``. A layer this rank's batch never reached joins with ``zeros(layer)`` (every rank reduces the
+    same list); one captured on no rank takes the plain step (``Inputs`` warns)."""
     joined: list[Layer] = []
     sums: list[Sums] = []
     absent: list[int] = []  # (indices of the layers this rank captured no call of)
@@ -450,9 +448,7 @@ def summed_over_ranks(
             absent.append(len(joined))
             found = zeros(layer)
         joined.append(layer)
-        # Copies where they are summed over ranks in place: the capture's totals must stay as they are if
-        # this step fails and is retried (each mean is formed out of place).
-        if ranks is not None:
+        if ranks is not None:  # copies, summed in place: the capture's totals stay as they are for a retry
             found = {f: (n.clone(), d.clone()) for f, (n, d) in found.items()}
         sums.append(local(layer, found))
     all_reduce_sum_([t for layer_sums in sums for pair in layer_sums.values() for t in pair], ranks)

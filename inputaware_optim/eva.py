@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from ._torch import foreach_norm
 from .kfac import KroneckerFactors
-from .kronecker import KroneckerRule
+from .kronecker import KroneckerRule, Sums, running_average
 from .layers import Layer, weight_of
 
 __all__ = ["Eva"]
@@ -110,8 +110,6 @@ class Eva(KroneckerRule):
             raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
         if kl_clip is not None and not 0.0 < kl_clip < math.inf:
             raise ValueError(f"Invalid kl_clip: {kl_clip} (must be None or finite and > 0)")
-        if not damping > 0.0:  # a rank-one factor is singular without it
-            raise ValueError(f"Invalid damping: {damping} (must be > 0)")
         self._eva_defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
         super().__init__(
             model,
@@ -130,14 +128,16 @@ class Eva(KroneckerRule):
     def _check_param_groups(self) -> None:
         super()._check_param_groups()
         self._set_group_defaults(**self._eva_defaults)
-        for group in self.param_groups:
-            if not float(group["damping"]) > 0.0:
-                raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        if not group["damping"] > 0.0:  # a rank-one factor is singular without it
+            raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
+        super()._check_group(group)
 
     def _check_sharded_layers(self) -> None:
         self._refuse_sharded_parameters("its output-side vector mixes the rows of each weight's gradient")
 
-    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+    def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
         # Ds = B g; summing (B sum g) and B over ranks, then dividing, gives the mean of Ds.
         grads, batch = sums["output_grad"]
@@ -145,9 +145,7 @@ class Eva(KroneckerRule):
             grads = grads * batch
         return {**sums, "output_grad": (grads, batch)}
 
-    def _precondition_layers(
-        self, due: list[dict[str, Any]], layers: list[Layer], sums: list[dict[str, tuple[Tensor, Tensor]]]
-    ) -> None:
+    def _precondition_layers(self, due: list[dict[str, Any]], layers: list[Layer], sums: list[Sums]) -> None:
         """Replace each supported layer's gradient by its Kronecker-vector direction, KL-clipped
         (a layer with no row this step keeps its state)."""
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
@@ -167,17 +165,10 @@ class Eva(KroneckerRule):
             nu = scales[id(layer.group)]
             layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
 
-    def _running_means(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    def _running_means(self, layer: Layer, sums: Sums) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]
-        means = []
-        for factor in self.factors:
-            numerator, denominator = sums[factor]
-            mean = numerator / denominator
-            previous = state.get(f"{factor}_mean")
-            if previous is not None:  # beta * previous + (1 - beta) * mean; the first step takes its own
-                mean = torch.lerp(previous.to(mean.dtype), mean, 1 - layer.group["stat_decay"])
-            means.append(mean)
-        return means[0], means[1]
+        a, g = (running_average(state.get(f"{f}_mean"), sums[f][0] / sums[f][1], layer.group) for f in self.factors)
+        return a, g
 
     def _checked_scales(
         self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]

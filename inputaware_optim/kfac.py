@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .inputs import Call, Captured
-from .kronecker import FactorSums, KroneckerRule
+from .kronecker import FactorSums, KroneckerRule, Sums
 from .layers import ConvKind, Layer, weight_of
 from .reduction import Reduction
 
@@ -158,7 +158,7 @@ class KFAC(KroneckerRule):
         super()._check_param_groups()
         self._set_group_defaults(loss_reduction=self._loss_reduction)
 
-    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+    def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         # A mean-reduced loss divides each output gradient by this rank's batch B (all its micro-batches),
         # so Ds = B g: summing (B^2 sum g g^T) and B over ranks gives G = E[sum_t Ds Ds^T] whatever the split.
         grads, batch = sums["output_grad"]

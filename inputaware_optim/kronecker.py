@@ -10,6 +10,7 @@ import functools
 import inspect
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -32,6 +33,8 @@ from .inputs import Inputs
 from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
+
+Sums = dict[str, tuple[Tensor, Tensor]]  # a layer's factor sums: {factor: (numerator, denominator)}
 
 __all__ = ["INVERSES", "FactorSums", "KroneckerRule", "damped_inverse", "eigenbasis", "inverse_from_eigenbasis"]
 
@@ -94,7 +97,6 @@ class KroneckerRule(InputAwareSGD):
         self._rule_defaults: dict[str, Any] = dict(
             damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every
         )
-        _check_hyperparameters(*self._rule_defaults.values())
         if max_dim is not None and not _positive_integer(max_dim):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
@@ -132,9 +134,18 @@ class KroneckerRule(InputAwareSGD):
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(**self._rule_defaults)
-        for group in self.param_groups:
-            _check_hyperparameters(*(group[name] for name in self._rule_defaults))
+        for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
+            self._check_group(group)
         self._check_sharded_layers()
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        if not 0.0 <= group["damping"] < math.inf:
+            raise ValueError(f"Invalid damping: {group['damping']} (must be finite and >= 0)")
+        if not 0.0 <= group["stat_decay"] < 1.0:
+            raise ValueError(f"Invalid stat_decay: {group['stat_decay']} (must be in [0, 1))")
+        for name in ("update_every", "statistics_every"):
+            if not _positive_integer(group[name]):
+                raise ValueError(f"Invalid {name}: {group[name]!r} (must be an integer >= 1)")
 
     def _check_sharded_layers(self) -> None:
         """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""
@@ -161,7 +172,7 @@ class KroneckerRule(InputAwareSGD):
         """Rows ``rows`` of the preconditioned ``matrix``."""
         raise NotImplementedError
 
-    def _local_sums(self, layer: Layer, sums: dict[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+    def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         """This rank's factor sums of the step, before they are summed over ranks."""
         return sums
 
@@ -186,9 +197,7 @@ class KroneckerRule(InputAwareSGD):
         self._advance_schedule()
         return loss
 
-    def _precondition_layers(
-        self, due: list[dict[str, Any]], layers: list[Layer], sums: list[dict[str, tuple[Tensor, Tensor]]]
-    ) -> None:
+    def _precondition_layers(self, due: list[dict[str, Any]], layers: list[Layer], sums: list[Sums]) -> None:
         """Precondition the layers that saw rows this step (``layers``, with their factor sums) and
         those whose group is between statistics steps (with the kept inverses)."""
         # Every inverse is computed (and may fail) before any gradient or state changes: no half step.
@@ -205,8 +214,7 @@ class KroneckerRule(InputAwareSGD):
         for layer, update in zip(layers, updates, strict=True):
             self._set_preconditioned(layer, self._commit_statistics(layer, update))
         for layer, inverses in kept:
-            if self._inverse == "eigh":  # a change of damping formed new ones (Cholesky's are the kept ones)
-                self._keep_inverses(layer, inverses)
+            self._keep_inverses(layer, inverses)  # (under "eigh", those a change of damping formed anew)
             self._set_preconditioned(layer, inverses)
 
     def _commit_statistics(self, layer: Layer, update: Any) -> dict[str, Tensor]:
@@ -272,43 +280,14 @@ class KroneckerRule(InputAwareSGD):
             new = self._precondition(layer, full, inverses, row_range(weight))
         set_local_matrix_rows(weight, bias, new, homogeneous)
 
-    def _step_statistics(
-        self, inputs: Inputs, due: list[dict[str, Any]]
-    ) -> tuple[list[Layer], list[dict[str, tuple[Tensor, Tensor]]]]:
+    def _step_statistics(self, inputs: Inputs, due: list[dict[str, Any]]) -> tuple[list[Layer], list[Sums]]:
         """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a gradient
-        and a row this step. A layer this rank's batch never reached joins with zero sums (every rank
-        reduces the same list); one no rank saw a row of (an expert no token was routed to) takes the
-        plain step and keeps its running moments."""
-        layers: list[Layer] = []
-        sums: list[dict[str, tuple[Tensor, Tensor]]] = []
-        absent: list[int] = []  # (indices of the layers this rank captured no call of)
+        and a row this step (an expert no token was routed to keeps its running moments)."""
         totals = inputs.reduced(self._statistics)
-        ranks = self.data_parallel_group
-        for layer in self._layers(self.reads_capability):
-            if not _takes_statistics(layer, due):
-                continue
-            weight = weight_of(layer.module)
-            factor_sums = totals.get(weight)
-            if factor_sums is None:  # nothing captured here
-                if ranks is None:  # plain SGD for this layer (Inputs warns)
-                    inputs.get(weight)
-                    continue
-                absent.append(len(layers))
-                factor_sums = self._zero_sums(layer)
-            layers.append(layer)
-            # Copies where they are summed over ranks in place: the capture's totals must stay as they
-            # are if this step fails and is retried (each mean is formed out of place, in _refreshed).
-            if ranks is not None:
-                factor_sums = {f: (n.clone(), d.clone()) for f, (n, d) in factor_sums.items()}
-            sums.append(self._local_sums(layer, factor_sums))
-        all_reduce_sum_([t for factor_sums in sums for pair in factor_sums.values() for t in pair], ranks)
-        for index in absent:  # captured on no rank: the plain step
-            if all(float(d) == 0 for _, d in sums[index].values()):
-                inputs.get(weight_of(layers[index].module))  # (Inputs warns)
-        seen = [(layer, s) for layer, s in zip(layers, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
-        return [layer for layer, _ in seen], [s for _, s in seen]
+        layers = [layer for layer in self._layers(self.reads_capability) if _takes_statistics(layer, due)]
+        return summed_over_ranks(inputs, totals, layers, self._zero_sums, self.data_parallel_group, self._local_sums)
 
-    def _zero_sums(self, layer: Layer) -> dict[str, tuple[Tensor, Tensor]]:
+    def _zero_sums(self, layer: Layer) -> Sums:
         """Zero factor sums of ``layer``, shaped as the hooks compute them (per block if it has several)."""
         weight = local_tensor(weight_of(layer.module))
         dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
@@ -342,7 +321,7 @@ class KroneckerRule(InputAwareSGD):
                 state[f"{factor}_inverse_damping"] = float(layer.group["damping"])
 
     def _refreshed(
-        self, layer: Layer, factor_sums: dict[str, tuple[Tensor, Tensor]]
+        self, layer: Layer, factor_sums: Sums
     ) -> tuple[dict[str, Any], dict[str, Tensor], dict[str, Tensor], list[str], dict[str, tuple[Tensor, Tensor]]]:
         """The layer's state, its new running moments, its kept inverses, the factors due for
         inversion, and (filled in by ``_invert_due`` under ``"eigh"``) their eigendecompositions."""
@@ -356,12 +335,7 @@ class KroneckerRule(InputAwareSGD):
         for factor, (numerator, denominator) in factor_sums.items():
             moment = numerator / denominator  # (out of place: the sums may be the capture's totals)
             previous = state.get(f"{factor}_second_moment")
-            if previous is None:
-                previous = self._initial_moment(moment)
-            elif previous.dtype != moment.dtype:  # the model changed dtype (model.double())
-                previous = previous.to(moment.dtype)
-            if previous is not None:  # beta * previous + (1 - beta) * moment
-                moment = torch.lerp(previous, moment, 1 - group["stat_decay"])
+            moment = running_average(self._initial_moment(moment) if previous is None else previous, moment, group)
             if f"{factor}_inverse" not in state or refresh:
                 due.append(factor)
             else:
@@ -424,22 +398,65 @@ def damped_inverse(
         largest = float(matrix.abs().max())
         if bool((diagonal < largest * matrix.shape[-1] * torch.finfo(dtype).eps).any()):  # below rounding
             raise _NotPositiveDefinite(
-                f"the damped statistics of {name} are not positive definite ({said}): their entries reach "
-                f"{largest:.3g}, so the damping is below their rounding error in {dtype}. If training is "
-                "diverging, lower the learning rate; else increase damping. No parameter was changed by this step"
+                name,
+                said,
+                f": their entries reach {largest:.3g}, so the damping is below their rounding error in {dtype}. "
+                "If training is diverging, lower the learning rate; else increase damping.",
             )
-        raise _NotPositiveDefinite(
-            f"the damped statistics of {name} are not positive definite ({said}); "
-            "increase damping. No parameter was changed by this step"
-        )
+        raise _NotPositiveDefinite(name, said)
     return torch.cholesky_inverse(factor).to(matrix.dtype).contiguous()
 
 
 class _NotPositiveDefinite(RuntimeError):
-    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user)."""
+    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user); ``why`` says what to do."""
+
+    def __init__(self, name: str, said: str, why: str = "; increase damping.") -> None:
+        message = f"the damped statistics of {name} are not positive definite ({said}){why}"
+        super().__init__(f"{message} No parameter was changed by this step")
 
 
 INVERSES = ("cholesky", "eigh")  # how a Kronecker rule inverts its damped factors
+
+
+def running_average(previous: Tensor | None, new: Tensor, group: dict[str, Any]) -> Tensor:
+    """``beta * previous + (1 - beta) * new`` (``beta`` the group's ``stat_decay``; no ``previous``: ``new``),
+    in ``new``'s dtype (the model may have changed dtype since: ``model.double()``)."""
+    return new if previous is None else torch.lerp(previous.to(new.dtype), new, 1 - group["stat_decay"])
+
+
+def summed_over_ranks(
+    inputs: Inputs,
+    totals: dict[Tensor, Sums],
+    layers: list[Layer],
+    zeros: Callable[[Layer], Sums],
+    ranks: Any,
+    local: Callable[[Layer, Sums], Sums] = lambda layer, sums: sums,
+) -> tuple[list[Layer], list[Sums]]:
+    """The layers some rank saw a row of, and their sums from ``totals`` (by weight) through ``local``, summed
+    over ``ranks``. A layer this rank's batch never reached joins with ``zeros(layer)`` (every rank reduces the
+    same list); one captured on no rank takes the plain step (``Inputs`` warns)."""
+    joined: list[Layer] = []
+    sums: list[Sums] = []
+    absent: list[int] = []  # (indices of the layers this rank captured no call of)
+    for layer in layers:
+        weight = weight_of(layer.module)
+        found = totals.get(weight)
+        if found is None:  # nothing captured here
+            if ranks is None:  # the plain step for this layer (Inputs warns)
+                inputs.get(weight)
+                continue
+            absent.append(len(joined))
+            found = zeros(layer)
+        joined.append(layer)
+        if ranks is not None:  # copies, summed in place: the capture's totals stay as they are for a retry
+            found = {f: (n.clone(), d.clone()) for f, (n, d) in found.items()}
+        sums.append(local(layer, found))
+    all_reduce_sum_([t for layer_sums in sums for pair in layer_sums.values() for t in pair], ranks)
+    for index in absent:  # captured on no rank: the plain step
+        if all(float(d) == 0 for _, d in sums[index].values()):
+            inputs.get(weight_of(joined[index].module))  # (Inputs warns)
+    seen = [(layer, s) for layer, s in zip(joined, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
+    return [layer for layer, _ in seen], [s for _, s in seen]
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:
@@ -454,17 +471,6 @@ def _sides(layer: Layer) -> dict[str, int]:
 
 def _positive_integer(value: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-
-
-def _check_hyperparameters(damping: float, stat_decay: float, update_every: int, statistics_every: int) -> None:
-    if not 0.0 <= damping < math.inf:
-        raise ValueError(f"Invalid damping: {damping} (must be finite and >= 0)")
-    if not 0.0 <= stat_decay < 1.0:
-        raise ValueError(f"Invalid stat_decay: {stat_decay} (must be in [0, 1))")
-    if not _positive_integer(update_every):
-        raise ValueError(f"Invalid update_every: {update_every!r} (must be an integer >= 1)")
-    if not _positive_integer(statistics_every):
-        raise ValueError(f"Invalid statistics_every: {statistics_every!r} (must be an integer >= 1)")
 
 
 def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
@@ -491,10 +497,7 @@ def inverse_from_eigenbasis(
     """
     shifted = values + torch.as_tensor(damping, dtype=values.dtype, device=values.device)[..., None]
     if not bool((shifted > 0).all()):
-        raise _NotPositiveDefinite(
-            f"the damped statistics of {name} are not positive definite ({_said(damping, given)}); "
-            "increase damping. No parameter was changed by this step"
-        )
+        raise _NotPositiveDefinite(name, _said(damping, given))
     return ((vectors / shifted.unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
 
 
@@ -517,9 +520,7 @@ def _refuse_not_finite(matrix: Tensor, name: str) -> None:
 def _takes_statistics(layer: Layer, due: list[dict[str, Any]]) -> bool:
     """Whether ``layer`` is in a ``due`` group and has its gradients (a layer of width 0 is
     preconditioned trivially, by the stock step)."""
-    if not any(layer.group is group for group in due):
-        return False
     weight, bias = weight_of(layer.module), bias_of(layer.module)
     if weight.grad is None or (bias is not None and layer.homogeneous and bias.grad is None):
         return False
-    return weight.numel() > 0
+    return any(layer.group is group for group in due) and weight.numel() > 0

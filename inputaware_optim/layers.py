@@ -176,33 +176,33 @@ class Materialized(PerSample):
 _NAMES: dict[type, tuple[str, str]] = {}
 
 
-def _attribute(module: nn.Module, which: int) -> Any:
-    """``module``'s weight (``which=0``) or bias (1), by the names its kind gives (cached per type)."""
+def _attribute(module: nn.Module, which: int) -> Tensor | None:
+    """``module``'s weight (``which=0``) or bias (1), by the names its kind gives (cached per type), if a tensor."""
     names = _NAMES.get(type(module))
     if names is None:
         found = _base(module)
         names = _NAMES[type(module)] = (found[1].weight_name, found[1].bias_name) if found else ("weight", "bias")
     # A registered parameter straight from ``_parameters``: nn.Module.__getattr__ is slower.
     param = module._parameters.get(names[which])
-    return param if param is not None else getattr(module, names[which], None)
+    if param is None:
+        param = getattr(module, names[which], None)
+    return param if isinstance(param, Tensor) else None
 
 
 def weight_of(module: nn.Module) -> Tensor:
     """The weight matrix of ``module`` (``module.weight``, or the attribute its kind names)."""
     weight = _attribute(module, 0)
-    assert isinstance(weight, Tensor), f"{type(module).__name__}.{_NAMES[type(module)][0]} is not a tensor"
+    assert weight is not None, f"{type(module).__name__}.{_NAMES[type(module)][0]} is not a tensor"
     return weight
 
 
 def weight_or_none(module: nn.Module) -> Tensor | None:
-    weight = _attribute(module, 0)
-    return weight if isinstance(weight, Tensor) else None
+    return _attribute(module, 0)
 
 
 def bias_of(module: nn.Module) -> Tensor | None:
     """The bias of ``module`` (``module.bias``, or the attribute its kind names), else ``None``."""
-    bias = _attribute(module, 1)
-    return bias if isinstance(bias, Tensor) else None
+    return _attribute(module, 1)
 
 
 class Layer(NamedTuple):

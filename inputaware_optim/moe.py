@@ -135,10 +135,10 @@ class LoadBalancing:
         """
         assert self.loads is not None
         totals = inputs.reduced(self.loads)
-        counts: dict[nn.Module, Tensor | None] = {r: totals.get(self.loads.key[r]) for r in self.routers}
+        counts = [totals.get(self.loads.key[r]) for r in self.routers]
         unexplained = [
             optimizer.capture.name(r)
-            for r, count in counts.items()
+            for r, count in zip(self.routers, counts, strict=True)
             if count is None and (grad := self.loads.key[r].grad) is not None and bool(grad.any())
         ]
         if unexplained:
@@ -149,9 +149,8 @@ class LoadBalancing:
         # Every rank joins with every router, zeros where its batch reached none.
         device = getattr(self.routers[0], self.bias).device
         shapes = [(self.loads.experts[r],) for r in self.routers]
-        summed = all_ranks_sum(list(counts.values()), shapes, optimizer.data_parallel_group, device)
-        counts = dict(zip(self.routers, summed, strict=True))
-        for router, load in counts.items():
+        summed = all_ranks_sum(counts, shapes, optimizer.data_parallel_group, device)
+        for router, load in zip(self.routers, summed, strict=True):
             if load is None or not bool(load.any()):
                 continue  # no token reached it this step
             table = getattr(router, self.bias)

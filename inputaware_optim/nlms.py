@@ -9,10 +9,10 @@ import torch
 from torch import nn
 
 from .base import evaluate_closure
-from .distributed import all_reduce_sum_, local_tensor, sharded
+from .distributed import local_tensor, sharded
 from .inputs import Call, Captured, Inputs
-from .kronecker import FactorSums
-from .layers import bias_of, weight_of
+from .kronecker import FactorSums, Sums, summed_over_ranks
+from .layers import Layer, bias_of, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
@@ -67,8 +67,6 @@ class NLMS(InputAwareSGD):
     ) -> None:
         if lr is None:
             raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        if not 0.0 <= eps < math.inf:
-            raise ValueError(f"Invalid eps: {eps} (must be finite and >= 0)")
         self._eps = eps
         super().__init__(model, params, lr=lr, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)")
@@ -81,7 +79,7 @@ class NLMS(InputAwareSGD):
 
     def _check_param_groups(self) -> None:
         self._set_group_defaults(eps=self._eps)
-        for group in self.param_groups:
+        for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
             if not 0.0 <= group["eps"] < math.inf:
                 raise ValueError(f"Invalid eps: {group['eps']} (must be finite and >= 0)")
         meshes = {p.device_mesh.ndim for p in self._params() if sharded(p)}  # type: ignore[attr-defined]
@@ -96,32 +94,11 @@ class NLMS(InputAwareSGD):
         """Normalize the gradients of every layer with input rows by its input power, then take the SGD step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        layers, powers, counts = [], [], []
-        totals = inputs.reduced(self._power)
-        ranks = self.data_parallel_group
-        for layer in self._layers("input_rows"):
-            weight = weight_of(layer.module)
-            if weight.grad is None:
-                continue
-            if weight in totals:
-                power, count = totals[weight]
-            elif ranks is None:  # nothing captured: plain SGD for this layer (Inputs warns)
-                inputs.get(weight)
-                continue
-            else:  # another rank's batch may have reached it: join with zeros, so every rank reduces the same list
-                blocks, local = layer.kind.blocks(layer.module), local_tensor(weight)
-                dtype = torch.promote_types(local.dtype, torch.float32)  # (as the statistics of its inputs)
-                power = local.new_zeros((blocks,) if blocks > 1 else (), dtype=dtype)
-                count = local.new_zeros((), dtype=dtype)
-            layers.append(layer)
-            powers.append(power.clone())  # copies: the capture's totals stay for a retry
-            counts.append(count.clone())
-        all_reduce_sum_(powers + counts, ranks)
-        for layer, power, count in zip(layers, powers, counts, strict=True):
-            if float(count) == 0:  # no row this step (an expert no token reached): nothing to normalize by
-                if weight_of(layer.module) not in totals:
-                    inputs.get(weight_of(layer.module))  # captured on no rank (Inputs warns)
-                continue
+        totals = {weight: {"input": sums} for weight, sums in inputs.reduced(self._power).items()}
+        layers = [layer for layer in self._layers("input_rows") if weight_of(layer.module).grad is not None]
+        layers, sums = summed_over_ranks(inputs, totals, layers, _zero_power, self.data_parallel_group)
+        for layer, layer_sums in zip(layers, sums, strict=True):
+            power, count = layer_sums["input"]
             scale = 1.0 / (layer.group["eps"] + power / count)
             for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
                 if param is not None and param.grad is not None:
@@ -132,3 +109,11 @@ class NLMS(InputAwareSGD):
                         grad.mul_(scale.to(grad.dtype))
         super().step(inputs=inputs)
         return loss
+
+
+def _zero_power(layer: Layer) -> Sums:
+    """``InputPower``'s sums of a layer this rank captured no call of (one power per block)."""
+    blocks, weight = layer.kind.blocks(layer.module), local_tensor(weight_of(layer.module))
+    dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
+    power = weight.new_zeros((blocks,) if blocks > 1 else (), dtype=dtype)
+    return {"input": (power, weight.new_zeros((), dtype=dtype))}

@@ -1,10 +1,4 @@
-"""InputAwareOptimizer: joins a Capture on the model to a stock torch.optim optimizer.
-
-Each ``step`` is exposed through ``_torch.entry_step``: the outermost call runs under torch's hook
-wrapper, gets its ``Inputs`` and releases the captures at the end; ``super().step(...)`` passes
-straight through, so step hooks run once. Under ``torch.amp.GradScaler`` the optimizer unscales
-itself, before the rule runs; a skipped step's captures are dropped.
-"""
+"""InputAwareOptimizer: joins a Capture on the model to a stock torch.optim optimizer (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 
@@ -145,6 +139,19 @@ class InputAwareOptimizer(Optimizer):
     What is captured is what is read: with no rule, nothing (no hook; the stock optimizer). A rule
     that overrides ``step`` keeps raw calls until the step that reads them, unless it sets
     ``reads_calls = False`` to read only the ``Reduction``\ s it adds to its capture.
+
+    Args:
+        model: The model (``torch.compile``\ d and ``DistributedDataParallel`` wrappers too).
+        params: Parameters or param groups of ``model``; default: those requiring grad.
+        storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
+        grad_outputs: Also capture each call's output gradients (default: the rule's choice).
+        grad_scaler: The ``torch.amp.GradScaler`` the loss is scaled by, for rules that read output
+            gradients (they are unscaled where they are read); such rules refuse a scaled step without it.
+        strict: Refuse, at the first step, any parameter a rule would leave to the stock update.
+        process_group: The group rules combine input statistics over; ``"infer"`` (default) reads it
+            from the model's DDP wrapper or FSDP2 mesh, ``None`` keeps them per rank.
+        base: Another stock ``torch.optim`` class whose ``step`` applies the update (bitwise that class
+            fed the rule's gradient); every other keyword argument then goes to it.
 
     Class attributes a rule may set:
         captured_module_types: Capture only modules of these types (default: every module
@@ -457,18 +464,15 @@ class InputAwareOptimizer(Optimizer):
         ``print(opt.coverage())`` shows it as a table; ``.fallbacks()`` lists the weight matrices
         the rule could be expected to cover but leaves to the stock update.
         """
-        names: dict[Tensor, str] = {}
-        owners: dict[Tensor, nn.Module] = {}
+        owners: dict[Tensor, tuple[str, nn.Module]] = {}  # each parameter's first name and module
         for module_name, module in unwrap_model(self._model).named_modules():
             for param_name, param in module._parameters.items():
-                if param is not None and param not in names:
-                    names[param] = f"{module_name}.{param_name}" if module_name else param_name
-                    owners[param] = module
+                if param is not None and param not in owners:
+                    owners[param] = (f"{module_name}.{param_name}" if module_name else param_name, module)
         rows = Coverage()
         for param in self._params():
             if param.requires_grad:
-                module = owners.get(param)
-                name = names.get(param, f"<unnamed {tuple(param.shape)}>")
+                name, module = owners.get(param, (f"<unnamed {tuple(param.shape)}>", None))
                 kind = type(module).__name__ if module is not None else ""
                 rows.append(Treatment(name, tuple(param.shape), kind, *self._treatment(param, module)))
         return rows

@@ -290,7 +290,6 @@ class InputAwareOptimizer(Optimizer):
         Optimizer.__setstate__(self, state)
         inner.__setstate__({"state": inner.state, "param_groups": self.param_groups})
 
-    # -- parameters and modules -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does.
 
@@ -457,7 +456,6 @@ class InputAwareOptimizer(Optimizer):
         """Why a rule leaves this layer to the stock update (say, over a size limit), or ``None``."""
         return None
 
-    # -- coverage ---------------------------------------------------------------------------
     def coverage(self) -> Coverage:
         """How each trainable parameter is updated, with the reason wherever it is the stock update.
 
@@ -567,7 +565,6 @@ class InputAwareOptimizer(Optimizer):
             for key, value in hyperparameters.items():
                 group.setdefault(key, value)
 
-    # -- the step ---------------------------------------------------------------------------
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "capture_grad_outputs" in cls.__dict__:  # an attribute of 0.2 that would now do nothing
@@ -673,7 +670,6 @@ class InputAwareOptimizer(Optimizer):
         super().zero_grad(set_to_none)
         self.capture.clear()
 
-    # -- AMP ------------------------------------------------------------------------------
     def _has_rule(self) -> bool:
         return type(self).step is not InputAwareOptimizer.step
 

@@ -98,7 +98,6 @@ functorch_level = torch._C._functorch.peek_interpreter_stack
 
 
 def queue_end_of_backward(callback: Any) -> None:
-    """Run ``callback`` when the current backward pass is complete."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 

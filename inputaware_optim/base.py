@@ -723,8 +723,7 @@ class InputAwareOptimizer(Optimizer):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             grouped[(grad.device, grad.dtype)].append(grad)
         for (device, _), grads in grouped.items():
-            found_inf = torch.zeros(1, device=device)
-            grad_scaler_unscale_(grads, found_inf, inv_scale.to(device))
+            grad_scaler_unscale_(grads, torch.zeros(1, device=device), inv_scale.to(device))
 
 
 def _rebuilt(

@@ -394,8 +394,7 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         for index, (name, kind) in enumerate(pending["rows"]):
             described = _describe(flat[index * 6 : (index + 1) * 6])
             if described:  # (a module no call of this step reached has no statistics)
-                entry = record["modules"].setdefault(name, {})
-                entry.update({f"{kind}_{k}": v for k, v in described.items()})
+                record["modules"].setdefault(name, {}).update({f"{kind}_{k}": v for k, v in described.items()})
         offset, n = len(pending["rows"]) * 6, len(params)
         for i, param in enumerate(params):
             grad_norm, weight_norm, update_norm = flat[offset + i], flat[offset + n + i], flat[offset + 2 * n + i]
@@ -752,16 +751,14 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
         self._watching = self.capture.watch(hooked, self._watch.record, self._watch.open_forward)
         self._finalizer = weakref.finalize(self, self._watching.remove)
-        if isinstance(optimizer, InputAwareOptimizer):
-            self._step_handle: Any = optimizer.register_inputs_hook(self._inputs_hook, reads=None)
+        if isinstance(optimizer, InputAwareOptimizer):  # its pre-step hooks run once the closure has
+            self._step_handle: Any = optimizer.register_inputs_hook(
+                lambda optimizer, inputs: self._before_step(optimizer, (), {}), reads=None
+            )
         else:
-            self._step_handle = optimizer.register_step_pre_hook(self._plain_before)
+            self._step_handle = optimizer.register_step_pre_hook(self._before_step)
 
-    def _inputs_hook(self, optimizer: Any, inputs: Any) -> None:
-        step, self.step = self.step, self.step + 1
-        self._check(step)
-
-    def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         step, self.step = self.step, self.step + 1
         wrapped = _after_closure(args, kwargs, lambda: self._check(step))
         if wrapped is None:
@@ -860,7 +857,6 @@ def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[d
     from matplotlib.colors import LogNorm, Normalize
 
     table, statistic, title, logarithmic = panel
-    steps = [r["step"] for r in records]
     grid = np.full((max(len(names), 1), len(records)), np.nan)
     for column, record in enumerate(records):
         for row, name in enumerate(names):
@@ -881,7 +877,7 @@ def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[d
         interpolation="nearest",
         norm=norm,
         cmap=plt.get_cmap("viridis").with_extremes(bad="#d9d9d9", under="black"),
-        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
+        extent=(records[0]["step"] - 0.5, records[-1]["step"] + 0.5, len(names) - 0.5, -0.5),
     )
     kinds = [layers.get(n.rpartition(".")[0] if table == "parameters" else n) for n in names]
     labels = [f"{n} ({k})" if k else n for n, k in zip(names, kinds, strict=True)]

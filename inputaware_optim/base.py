@@ -34,11 +34,6 @@ from .reduction import Reduction
 
 __all__ = ["InputAwareOptimizer", "evaluate_closure"]
 
-_EXPIRED = (
-    "these Inputs were handed to a step() that has returned; the captured tensors are released "
-    "at the end of each step. Read what the rule needs inside step() (copy it to keep it)"
-)
-
 
 def _entry(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` with torch's hook wrapper around the outermost call; ``super().step(...)`` gets the same inputs."""
@@ -602,7 +597,10 @@ class InputAwareOptimizer(Optimizer):
                 self._step_depth -= 1
                 self._step_inputs = None
                 if inputs is None and view is not None:
-                    view._expire(_EXPIRED)
+                    view._expire(
+                        "these Inputs were handed to a step() that has returned; the captured tensors are released "
+                        "at the end of each step. Read what the rule needs inside step() (copy it to keep it)"
+                    )
             # Released only once the step succeeded: a step that raised (and changed nothing)
             # keeps its captures, so a retry (say, with more damping) reads the same ones.
             self.capture.clear()

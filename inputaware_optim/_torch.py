@@ -92,14 +92,12 @@ def remove_hooks_of(module: Any, owner: object) -> None:
             del hooks[key]
 
 
-# -- autograd ----------------------------------------------------------------------------------
 set_grad_enabled = torch._C._set_grad_enabled  # torch.no_grad() without the context manager's cost
 graph_task_id = torch._C._current_graph_task_id
 functorch_level = torch._C._functorch.peek_interpreter_stack
 
 
 def queue_end_of_backward(callback: Any) -> None:
-    """Run ``callback`` when the current backward pass is complete."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
@@ -115,7 +113,6 @@ def pass_reaches(accumulator: Any) -> str:
         return RETURNS if "autograd.grad()" in str(error) else ACCUMULATES
 
 
-# -- activation checkpointing ----------------------------------------------------------------------
 def _top_saved_tensors_hooks() -> Any:
     get = torch._C._autograd._top_saved_tensors_default_hooks
     try:
@@ -145,7 +142,6 @@ def checkpoint_frame() -> Any:
     return None
 
 
-# -- torch.compile ---------------------------------------------------------------------------------
 def drop_compiled_code(modules: list[Any]) -> bool:
     """Drop the code Dynamo compiled for these modules' forwards, so their next call recompiles
     with the hooks added since. False if this release offers no way to."""
@@ -167,7 +163,6 @@ def drop_compiled_code(modules: list[Any]) -> bool:
     return True
 
 
-# -- GradScaler --------------------------------------------------------------------------------------
 _SCALER_ATTRIBUTES = ("grad_scale", "found_inf")
 
 
@@ -203,7 +198,6 @@ def grad_scaler_unscale_(grads: list[Any], found_inf: Any, inv_scale: Any) -> No
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
-# -- foreach kernels -----------------------------------------------------------------------------------
 foreach_sub = torch._foreach_sub
 foreach_norm = torch._foreach_norm
 fused_adamw_ = torch._fused_adamw_

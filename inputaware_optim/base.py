@@ -1,10 +1,4 @@
-"""InputAwareOptimizer: joins a Capture on the model to a stock torch.optim optimizer.
-
-Each ``step`` is exposed through ``_torch.entry_step``: the outermost call runs under torch's hook
-wrapper, gets its ``Inputs`` and releases the captures at the end; ``super().step(...)`` passes
-straight through, so step hooks run once. Under ``torch.amp.GradScaler`` the optimizer unscales
-itself, before the rule runs; a skipped step's captures are dropped.
-"""
+"""InputAwareOptimizer: joins a Capture on the model to a stock torch.optim optimizer (CONTRIBUTING.md)."""
 
 from __future__ import annotations
 
@@ -39,11 +33,6 @@ from .layers import Layer, bias_of, explained, layer_kind, weight_of, weight_or_
 from .reduction import Reduction
 
 __all__ = ["InputAwareOptimizer", "evaluate_closure"]
-
-_EXPIRED = (
-    "these Inputs were handed to a step() that has returned; the captured tensors are released "
-    "at the end of each step. Read what the rule needs inside step() (copy it to keep it)"
-)
 
 
 def _entry(step: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,6 +134,19 @@ class InputAwareOptimizer(Optimizer):
     What is captured is what is read: with no rule, nothing (no hook; the stock optimizer). A rule
     that overrides ``step`` keeps raw calls until the step that reads them, unless it sets
     ``reads_calls = False`` to read only the ``Reduction``\ s it adds to its capture.
+
+    Args:
+        model: The model (``torch.compile``\ d and ``DistributedDataParallel`` wrappers too).
+        params: Parameters or param groups of ``model``; default: those requiring grad.
+        storage: How captured tensors are kept: ``"reference"`` (zero-copy), ``"clone"``, ``"cpu"``.
+        grad_outputs: Also capture each call's output gradients (default: the rule's choice).
+        grad_scaler: The ``torch.amp.GradScaler`` the loss is scaled by, for rules that read output
+            gradients (they are unscaled where they are read); such rules refuse a scaled step without it.
+        strict: Refuse, at the first step, any parameter a rule would leave to the stock update.
+        process_group: The group rules combine input statistics over; ``"infer"`` (default) reads it
+            from the model's DDP wrapper or FSDP2 mesh, ``None`` keeps them per rank.
+        base: Another stock ``torch.optim`` class whose ``step`` applies the update (bitwise that class
+            fed the rule's gradient); every other keyword argument then goes to it.
 
     Class attributes a rule may set:
         captured_module_types: Capture only modules of these types (default: every module
@@ -283,7 +285,6 @@ class InputAwareOptimizer(Optimizer):
         Optimizer.__setstate__(self, state)
         inner.__setstate__({"state": inner.state, "param_groups": self.param_groups})
 
-    # -- parameters and modules -----------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does.
 
@@ -450,25 +451,21 @@ class InputAwareOptimizer(Optimizer):
         """Why a rule leaves this layer to the stock update (say, over a size limit), or ``None``."""
         return None
 
-    # -- coverage ---------------------------------------------------------------------------
     def coverage(self) -> Coverage:
         """How each trainable parameter is updated, with the reason wherever it is the stock update.
 
         ``print(opt.coverage())`` shows it as a table; ``.fallbacks()`` lists the weight matrices
         the rule could be expected to cover but leaves to the stock update.
         """
-        names: dict[Tensor, str] = {}
-        owners: dict[Tensor, nn.Module] = {}
+        owners: dict[Tensor, tuple[str, nn.Module]] = {}  # each parameter's first name and module
         for module_name, module in unwrap_model(self._model).named_modules():
             for param_name, param in module._parameters.items():
-                if param is not None and param not in names:
-                    names[param] = f"{module_name}.{param_name}" if module_name else param_name
-                    owners[param] = module
+                if param is not None and param not in owners:
+                    owners[param] = (f"{module_name}.{param_name}" if module_name else param_name, module)
         rows = Coverage()
         for param in self._params():
             if param.requires_grad:
-                module = owners.get(param)
-                name = names.get(param, f"<unnamed {tuple(param.shape)}>")
+                name, module = owners.get(param, (f"<unnamed {tuple(param.shape)}>", None))
                 kind = type(module).__name__ if module is not None else ""
                 rows.append(Treatment(name, tuple(param.shape), kind, *self._treatment(param, module)))
         return rows
@@ -563,7 +560,6 @@ class InputAwareOptimizer(Optimizer):
             for key, value in hyperparameters.items():
                 group.setdefault(key, value)
 
-    # -- the step ---------------------------------------------------------------------------
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if "capture_grad_outputs" in cls.__dict__:  # an attribute of 0.2 that would now do nothing
@@ -601,7 +597,10 @@ class InputAwareOptimizer(Optimizer):
                 self._step_depth -= 1
                 self._step_inputs = None
                 if inputs is None and view is not None:
-                    view._expire(_EXPIRED)
+                    view._expire(
+                        "these Inputs were handed to a step() that has returned; the captured tensors are released "
+                        "at the end of each step. Read what the rule needs inside step() (copy it to keep it)"
+                    )
             # Released only once the step succeeded: a step that raised (and changed nothing)
             # keeps its captures, so a retry (say, with more damping) reads the same ones.
             self.capture.clear()
@@ -669,7 +668,6 @@ class InputAwareOptimizer(Optimizer):
         super().zero_grad(set_to_none)
         self.capture.clear()
 
-    # -- AMP ------------------------------------------------------------------------------
     def _has_rule(self) -> bool:
         return type(self).step is not InputAwareOptimizer.step
 
@@ -723,8 +721,7 @@ class InputAwareOptimizer(Optimizer):
                 raise ValueError("Attempting to unscale FP16 gradients.")
             grouped[(grad.device, grad.dtype)].append(grad)
         for (device, _), grads in grouped.items():
-            found_inf = torch.zeros(1, device=device)
-            grad_scaler_unscale_(grads, found_inf, inv_scale.to(device))
+            grad_scaler_unscale_(grads, torch.zeros(1, device=device), inv_scale.to(device))
 
 
 def _rebuilt(

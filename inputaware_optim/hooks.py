@@ -3,6 +3,7 @@ the capture keeps what the hooks due at a step read (``reads``), only for that s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -21,7 +22,7 @@ Reads = str | Reduction | Iterable[str | Reduction] | None
 InputsHook = Callable[..., None]
 
 
-class InputsHookHandle:
+class InputsHookHandle(contextlib.AbstractContextManager["InputsHookHandle"]):
     """What ``register_inputs_hook`` returns: ``remove()`` takes the hook off.
 
     Attributes:
@@ -39,9 +40,6 @@ class InputsHookHandle:
     def remove(self) -> None:
         """Take the hook off; what only it read stops being kept."""
         self._registry.remove(self._entry)
-
-    def __enter__(self) -> InputsHookHandle:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()

@@ -187,20 +187,12 @@ class Inputs(Mapping[nn.Module, Captured]):
         calls: list[Call] = []
         direct: dict[Tensor, Captured] = {}
         for key, value in mapping.items():
-            if isinstance(value, Captured):
-                entry = value
-            elif isinstance(value, Iterable) and not isinstance(value, (Tensor, str, bytes)):
-                items = list(value)
-                if not all(isinstance(c, Call) for c in items):
-                    raise TypeError(
-                        "inputs= mapping values must be Captured entries or lists of Call; "
-                        f"the value for {key!r:.60} holds {sorted({type(c).__name__ for c in items})}"
-                    )
-                entry = Captured(items)
-            else:
+            listed = isinstance(value, Iterable) and not isinstance(value, (Captured, Tensor, str, bytes))
+            entry = value if isinstance(value, Captured) else Captured(list(value)) if listed else None
+            if entry is None or not all(isinstance(c, Call) for c in entry.calls):
                 raise TypeError(
-                    "inputs= mapping values must be Captured entries or lists of Call, got "
-                    f"{type(value).__name__} for key {key!r:.60}"
+                    f"inputs= mapping values must be Captured entries or lists of Call, got {value!r:.60} for key "
+                    f"{key!r:.60}"
                 )
             if isinstance(key, nn.Module):
                 if any(c.module is not key for c in entry.calls):
@@ -266,9 +258,7 @@ class Inputs(Mapping[nn.Module, Captured]):
     def reduced(self, reduction: Any) -> dict[Tensor, Any]:
         """What ``reduction`` (a ``Reduction``) gives for this step, per parameter: from the capture's hooks, or
         computed from the calls held here (``Reduction.reduce_calls``), with the same result."""
-        if self._expired is not None:
-            raise RuntimeError(self._expired)
-        source = self._reduced
+        source = self._reduced  # (None once expired: self.calls raises then)
         if isinstance(source, dict) and reduction in source:
             return source[reduction]
         if source is not None and not isinstance(source, dict) and reduction in source.reductions:

@@ -42,10 +42,7 @@ class _MonitorLogging:
             raise ValueError(f"Invalid delta: {delta!r} (must be in (0, 1))")
         if accountant not in ("prv", "rdp", "gdp"):
             raise ValueError(f"Invalid accountant: {accountant!r} (Opacus's 'prv', 'rdp' or 'gdp')")
-        self.every = every
-        self.grad_outputs = grad_outputs
-        self.delta = delta
-        self.accountant = accountant
+        self.every, self.grad_outputs, self.delta, self.accountant = every, grad_outputs, delta, accountant
         self.monitors: list[Monitor] = []
         self._private: list[Any] = []  # the DP optimizers whose epsilon is logged
         self._pending: dict[str, float] = {}

@@ -3,6 +3,7 @@ step's first non-finite value arose) and ``plot`` (a ``Monitor`` log as heatmaps
 
 from __future__ import annotations
 
+import contextlib
 import csv as _csv
 import functools
 import json
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from ._torch import foreach_norm, tree_flatten
+from .base import InputAwareOptimizer
 from .capture import Capture, unwrap_model
 from .distributed import data_parallel_group
 from .inputs import Call, Inputs
@@ -40,6 +42,9 @@ PARAMETER_STATISTICS = ("grad_norm", "update_norm", "update_to_weight")
 # Layout of a module's statistics vector (float64): sums over ranks, then the largest magnitude.
 _COUNT, _SUM, _SQUARES, _ZEROS, _NONFINITE, _MAX_ABS = range(6)
 _SUMMED = slice(0, 5)
+_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}  # _cpu_summary's integer views
+# Calls a NonFiniteFinder keeps between two checks at most (bounds forwards that never reach a backward).
+_MAX_CALLS = 100_000
 
 
 def _per_tensor_norms(tensors: Sequence[Tensor]) -> list[Tensor]:
@@ -123,9 +128,6 @@ def _device_summary(x: Tensor) -> Tensor:
             torch.maximum(high, -low).to(torch.float64),
         ]
     )
-
-
-_BITS = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def _cpu_summary(x: Tensor) -> Tensor:
@@ -219,7 +221,7 @@ class _GradOutputStatistics(_InputStatistics):
         return _summary(call.grad_outputs or ())
 
 
-class Monitor:
+class Monitor(contextlib.AbstractContextManager["Monitor"]):
     """Logs input, output-gradient and parameter statistics of a training run, every ``every`` steps.
 
     Per module (by qualified name): ``input_mean``, ``input_rms``, ``input_max_abs``, ``input_zero_fraction``,
@@ -255,8 +257,6 @@ class Monitor:
         csv: str | Path | None = None,
         callback: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        from .base import InputAwareOptimizer
-
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer")
         self.optimizer = optimizer
@@ -394,8 +394,7 @@ class Monitor:
         for index, (name, kind) in enumerate(pending["rows"]):
             described = _describe(flat[index * 6 : (index + 1) * 6])
             if described:  # (a module no call of this step reached has no statistics)
-                entry = record["modules"].setdefault(name, {})
-                entry.update({f"{kind}_{k}": v for k, v in described.items()})
+                record["modules"].setdefault(name, {}).update({f"{kind}_{k}": v for k, v in described.items()})
         offset, n = len(pending["rows"]) * 6, len(params)
         for i, param in enumerate(params):
             grad_norm, weight_norm, update_norm = flat[offset + i], flat[offset + n + i], flat[offset + 2 * n + i]
@@ -421,9 +420,6 @@ class Monitor:
             self._own_capture.remove()
         self._weights.clear()
         self._finalizer()
-
-    def __enter__(self) -> Monitor:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
@@ -541,25 +537,19 @@ class _Tensor:
         self.finite = self.grad_finite = True  # (set when a step is looked into)
 
 
+@dataclass(slots=True, eq=False)  # (compared by identity: calls.index)
 class _Seen:
     """One call of a hooked module: the tensors it took and returned."""
 
-    __slots__ = ("inputs", "module", "outputs")
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-        self.inputs: list[_Tensor] = []
-        self.outputs: list[_Tensor] = []
+    module: nn.Module
+    inputs: list[_Tensor]
+    outputs: list[_Tensor]
 
 
 def _total(t: Tensor) -> Tensor:
     """The sum of ``t`` in its own dtype (float32 for float16, whose range a sum leaves quickly)."""
     t = t.detach()
     return t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
-
-
-# Calls kept between two checks at most (bounds forwards that never reach a backward, outputs still alive).
-_MAX_CALLS = 100_000
 
 
 class _Watch:
@@ -597,14 +587,11 @@ class _Watch:
     def record(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled() or self.size >= _MAX_CALLS:
             return
-        seen = _Seen(module)
-        for t in args if not kwargs else (*args, *kwargs.values()):
-            if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
-                seen.inputs.append(self._track(t))
-        for t in [output] if type(output) is Tensor else tree_flatten(output)[0]:
-            if isinstance(t, Tensor) and t.is_floating_point() and t.numel():
-                seen.outputs.append(self._track(t))
-        self.calls.setdefault(self.forward, []).append(seen)
+        given = args if not kwargs else (*args, *kwargs.values())
+        returned = [output] if type(output) is Tensor else tree_flatten(output)[0]
+        inputs = [self._track(t) for t in given if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+        outputs = [self._track(t) for t in returned if isinstance(t, Tensor) and t.is_floating_point() and t.numel()]
+        self.calls.setdefault(self.forward, []).append(_Seen(module, inputs, outputs))
         self.size += 1
 
     def _track(self, t: Tensor) -> _Tensor:
@@ -647,10 +634,7 @@ def _forward_origin(calls: list[_Seen]) -> _Found | None:
     for c in calls:
         if all(e.finite for e in c.inputs) and not all(e.finite for e in c.outputs):
             return c, "forward"
-    for c in calls:
-        if not all(e.finite for e in c.inputs):
-            return c, "input"
-    return None
+    return next(((c, "input") for c in calls if not all(e.finite for e in c.inputs)), None)
 
 
 def _arrival(c: _Seen) -> int:
@@ -716,7 +700,7 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     return all(flag or bool(torch.isfinite(t).all()) for t, flag in zip(tensors, flags.tolist(), strict=True))
 
 
-class NonFiniteFinder:
+class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
     """Names where a step's first non-finite value arose, when its gradient is not finite.
 
     It names the first module call in forward order whose inputs were finite and whose output was not; else the first
@@ -741,8 +725,6 @@ class NonFiniteFinder:
         *,
         action: Literal["warn", "raise"] = "warn",
     ) -> None:
-        from .base import InputAwareOptimizer
-
         if action not in ("warn", "raise"):
             raise ValueError(f"Invalid action: {action!r}; choose 'warn' or 'raise'")
         if model is None:
@@ -769,16 +751,14 @@ class NonFiniteFinder:
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
         self._watching = self.capture.watch(hooked, self._watch.record, self._watch.open_forward)
         self._finalizer = weakref.finalize(self, self._watching.remove)
-        if isinstance(optimizer, InputAwareOptimizer):
-            self._step_handle: Any = optimizer.register_inputs_hook(self._inputs_hook, reads=None)
+        if isinstance(optimizer, InputAwareOptimizer):  # its pre-step hooks run once the closure has
+            self._step_handle: Any = optimizer.register_inputs_hook(
+                lambda optimizer, inputs: self._before_step(optimizer, (), {}), reads=None
+            )
         else:
-            self._step_handle = optimizer.register_step_pre_hook(self._plain_before)
+            self._step_handle = optimizer.register_step_pre_hook(self._before_step)
 
-    def _inputs_hook(self, optimizer: Any, inputs: Any) -> None:
-        step, self.step = self.step, self.step + 1
-        self._check(step)
-
-    def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         step, self.step = self.step, self.step + 1
         wrapped = _after_closure(args, kwargs, lambda: self._check(step))
         if wrapped is None:
@@ -810,9 +790,6 @@ class NonFiniteFinder:
         if self._own_capture is not None:
             self._own_capture.remove()
         self._watch.reset()
-
-    def __enter__(self) -> NonFiniteFinder:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
@@ -880,7 +857,6 @@ def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[d
     from matplotlib.colors import LogNorm, Normalize
 
     table, statistic, title, logarithmic = panel
-    steps = [r["step"] for r in records]
     grid = np.full((max(len(names), 1), len(records)), np.nan)
     for column, record in enumerate(records):
         for row, name in enumerate(names):
@@ -901,7 +877,7 @@ def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[d
         interpolation="nearest",
         norm=norm,
         cmap=plt.get_cmap("viridis").with_extremes(bad="#d9d9d9", under="black"),
-        extent=(steps[0] - 0.5, steps[-1] + 0.5, len(names) - 0.5, -0.5),
+        extent=(records[0]["step"] - 0.5, records[-1]["step"] + 0.5, len(names) - 0.5, -0.5),
     )
     kinds = [layers.get(n.rpartition(".")[0] if table == "parameters" else n) for n in names]
     labels = [f"{n} ({k})" if k else n for n, k in zip(names, kinds, strict=True)]

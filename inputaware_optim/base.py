@@ -320,6 +320,8 @@ class InputAwareOptimizer(Optimizer):
             raise
         self._capture.add_modules(self._modules_to_capture([t for t in tensors if isinstance(t, Tensor)]))
         self._install_reductions()  # the new group's layers join the rule's reductions
+        if (hooks := self.__dict__.get("_inputs_hooks")) is not None:
+            hooks.rescope()  # and the layers a hook reads
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, as torch does; groups saved by another optimizer (say, a stock
@@ -414,7 +416,7 @@ class InputAwareOptimizer(Optimizer):
         dict and the parameters in it) stay the same: what is read every step but found by walking the model."""
         cache = self.__dict__.setdefault("_kept_cache", {})
         kept = cache.get(key)
-        watched = len(self.capture._modules)
+        watched = self.capture.modules
         # The group dicts and parameters themselves (kept, so an object compared later is never a reused id).
         now = [x for group in self.param_groups for x in (group, *group["params"])]
         if kept is None or kept[0] != watched or len(kept[1]) != len(now) or not all(map(operator.is_, kept[1], now)):
@@ -660,7 +662,8 @@ class InputAwareOptimizer(Optimizer):
         """
         hooks = self.__dict__.get("_inputs_hooks")
         if hooks is None:
-            hooks = self._inputs_hooks = StepHooks(self.capture, self._params)
+            scope = lambda: self._modules_to_capture(self._params())  # noqa: E731
+            hooks = self._inputs_hooks = StepHooks(self.capture, self._params, scope)
         return hooks.register(hook, when=when, every=every, reads=reads)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -775,7 +775,6 @@ class Capture:
         _LOGS[id(self._log)] = self._log
         self._handles: dict[tuple[str, int], RemovableHandle] = {}  # by (callback, id of its module or parameter)
         self._owners: dict[Tensor, tuple[nn.Module, ...]] = {}
-        self._modules: list[nn.Module] = []
         self._watched: dict[nn.Module, str] = {}  # watched module -> qualified name
         self._cache: tuple[Any, tuple[list[Call], dict[Tensor, list[Call]]]] = (None, ([], {}))
         self._watches: list[_Watching] = []
@@ -791,13 +790,35 @@ class Capture:
         for module in self._part_of_model(modules):
             if module in self._watched:
                 continue
-            self._modules.append(module)
             self._watched[module] = self.name(module)
             params = [p for p in module._parameters.values() if p is not None]
             for param in params:
                 self._owners[param] = (*self._owners.get(param, ()), module)
             log.own_keys[module] = tuple(log.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(params))
             log.set_readers(module, tuple(r for r in log.reductions if r.wants(module)))
+        self._sync_hooks()
+
+    def remove_modules(self, modules: Iterable[nn.Module]) -> None:
+        """Stop watching ``modules``: their hooks come off and what their calls left in the gradients goes."""
+        log, gone = self._log, [m for m in dict.fromkeys(modules) if m in self._watched]
+        for module in gone:
+            del self._watched[module]
+            log.set_readers(module, ())
+            log.own_keys.pop(module, None)
+            log.keys_of.pop(module, None)
+            if (handle := self._handles.pop(("recomputed", id(module)), None)) is not None:
+                handle.remove()
+        if not gone:
+            return
+        for param, owners in list(self._owners.items()):
+            if kept := tuple(m for m in owners if m in self._watched):
+                self._owners[param] = kept
+            else:
+                del self._owners[param]
+        live = {key for keys in log.keys_of.values() for key in keys}
+        for param in [p for p, key in log.keys.items() if key not in live]:
+            del log.keys[param]
+        log.generation += 1
         self._sync_hooks()
 
     def _part_of_model(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -819,7 +840,7 @@ class Capture:
     @property
     def modules(self) -> tuple[nn.Module, ...]:
         """The modules watched."""
-        return tuple(self._modules)
+        return tuple(self._watched)
 
     @property
     def storage(self) -> Storage:
@@ -886,7 +907,7 @@ class Capture:
         if reduction in log.reductions:
             return
         log.reductions.append(reduction)
-        for module in self._modules:
+        for module in self._watched:
             if reduction.wants(module):
                 log.set_readers(module, (*log.readers.get(module, ()), reduction))
         self._sync_hooks()
@@ -922,7 +943,7 @@ class Capture:
             handles["open", id(root)] = root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True)
             _drop_code_compiled_without_hooks(self._model, root)
         self._sync_forward_hooks()
-        for module in self._modules:  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
+        for module in self._watched:  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
             if ("recomputed", id(module)) not in handles and any(r.keeps_inputs for r in log.readers.get(module, ())):
                 handles["recomputed", id(module)] = module.register_forward_pre_hook(log.recomputed, with_kwargs=True)
         for module, readers in log.producers.items():  # parameters whose arriving gradients a reader audits
@@ -934,7 +955,7 @@ class Capture:
 
     def _sync_forward_hooks(self) -> None:
         """One forward hook on each watched module and each module a watch sees, none on others."""
-        hooked = {("record", id(m)): m for m in (*self._modules, *self._log.watchers)}
+        hooked = {("record", id(m)): m for m in (*self._watched, *self._log.watchers)}
         for key in [k for k in self._handles if k[0] == "record" and k not in hooked]:  # a watch ended
             self._handles.pop(key).remove()
         for key, module in hooked.items():
@@ -1046,7 +1067,7 @@ class Capture:
         self.refresh()
         return {
             self.name(m): m
-            for m in self._modules
+            for m in self._watched
             if not any(k.holds() for k in self._log.keys_of[m])
             and any(p is not None and p.grad is not None for p in m._parameters.values())
         }
@@ -1091,7 +1112,7 @@ class Capture:
         self.remove()
 
     def __repr__(self) -> str:
-        return f"Capture({len(self._modules)} modules, storage={self.storage!r})"
+        return f"Capture({len(self._watched)} modules, storage={self.storage!r})"
 
     def _check_record(self, record: _Record, index: int) -> None:
         check, args = record.check, record.args

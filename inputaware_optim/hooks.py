@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ._torch import foreach_sub
 from .capture import Capture
@@ -59,17 +59,27 @@ class _Entry:
     def due(self, step: int) -> bool:
         return step >= self.start and (step - self.start) % self.every == 0
 
+    def reads(self, module: nn.Module, trained: set[int]) -> bool:
+        """Whether this hook reads ``module`` (``trained``: the ids of the optimizer's parameters)."""
+        if self.calls and any(id(p) in trained for p in module._parameters.values() if p is not None):
+            return True
+        return any(r.wants(module) and any(id(p) in trained for p in r.keys(module)) for r in self.reductions)
+
 
 class StepHooks:
     """The input-aware step hooks of one optimizer and their step counter. The owner calls ``before_step``
     once the inputs are known, ``after_step`` after the update, ``advance`` once the captures are released."""
 
-    def __init__(self, capture: Capture, params: Callable[[], list[Tensor]]) -> None:
+    def __init__(
+        self, capture: Capture, params: Callable[[], list[Tensor]], scope: Callable[[], Iterable[nn.Module]]
+    ) -> None:
         self.capture = capture
         self.step = 0  # index of the coming step
         self._params = params
+        self._scope = scope  # the modules the rule itself watches
         self._entries: list[_Entry] = []
         self._added: set[Reduction] = set()  # what we turned on in the capture
+        self._widened: dict[nn.Module, None] = {}  # modules watched for the hooks alone
         self._calls_on = False
         self._before: dict[Tensor, Tensor] | None = None
 
@@ -97,6 +107,7 @@ class StepHooks:
         # Turning raw calls on would drop the statistics the capture holds: such a hook starts next step.
         entry.start = self.step + (1 if calls and not self.capture.keep_calls and self._holding() else 0)
         self._entries.append(entry)
+        self.rescope()
         self._arm(releasing=False)
         return InputsHookHandle(self, entry)
 
@@ -104,6 +115,24 @@ class StepHooks:
         if entry in self._entries:
             self._entries.remove(entry)
             self._arm(releasing=False)
+            self.rescope()
+
+    def rescope(self) -> None:
+        """Watch every module the hooks read, whatever the rule's own scope: each module owning a trained
+        parameter for a hook reading raw calls, each a reduction wants and keys a trained parameter under
+        for one reading reductions; stop watching those no hook reads any more, unless the rule does."""
+        trained = {id(p) for p in self._params()} if self._entries else set()
+        wanted = [m for m in self.capture.root.modules() if any(e.reads(m, trained) for e in self._entries)]
+        watched = set(self.capture.modules)
+        added = [m for m in wanted if m not in watched]
+        self.capture.add_modules(added)
+        self._widened.update(dict.fromkeys(added))
+        stale = [m for m in self._widened if m not in set(wanted)]
+        if stale:
+            scope = set(self._scope())
+            self.capture.remove_modules([m for m in stale if m not in scope])
+            for module in stale:
+                del self._widened[module]
 
     def _holding(self) -> bool:
         return any(key.holds() for keys in self.capture._log.keys_of.values() for key in keys)

@@ -119,10 +119,6 @@ class LoadBalancing:
                 )
             key[router] = owned[0]
         self.loads = ExpertLoads({r: getattr(r, self.bias).numel() for r in self.routers}, key, self.selected)
-        optimizer.capture.add_modules(
-            [m for r in self.routers for m in r.modules() if any(p is key[r] for p in m.parameters(recurse=False))]
-            + self.routers
-        )
         return optimizer.register_inputs_hook(self, when="pre", reads=self.loads)
 
     @torch.no_grad()

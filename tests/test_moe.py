@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from inputaware_optim import InputAwareAdamW, InputAwareSGD, LoadBalancing
+from inputaware_optim import InputAwareAdamW, InputAwareSGD, LazyAdamW, LoadBalancing
 
 EXPERTS, TOP_K, DIM = 4, 2, 6
 
@@ -100,9 +100,11 @@ def attach(model: Net, optimizer: Any, rate: float = 0.01) -> tuple[LoadBalancin
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 @pytest.mark.parametrize("checkpointing", ["none", "non-reentrant", "reentrant"])
 @pytest.mark.parametrize("micro_batches", [1, 3])
-def test_loads_are_the_tokens_each_expert_got_in_the_step(checkpointing: str, micro_batches: int) -> None:
+@pytest.mark.filterwarnings("ignore:LazyAdamW found no nn.Embedding")
+@pytest.mark.parametrize("rule", [InputAwareAdamW, LazyAdamW])  # (LazyAdamW watches only embeddings itself)
+def test_loads_are_the_tokens_each_expert_got_in_the_step(checkpointing: str, micro_batches: int, rule: Any) -> None:
     model = Net(checkpointing)
-    optimizer = InputAwareAdamW(model, lr=0.01)
+    optimizer = rule(model, lr=0.01)
     _, seen = attach(model, optimizer)
     for step in range(3):
         optimizer.zero_grad()

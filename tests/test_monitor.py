@@ -27,8 +27,10 @@ from inputaware_optim import (
     KFAC,
     NLMS,
     Capture,
+    Eva,
     InputAwareAdamW,
     InputAwareSGD,
+    LazyAdamW,
     Monitor,
     NonFiniteError,
     NonFiniteFinder,
@@ -354,6 +356,74 @@ def test_monitoring_changes_nothing_about_training(rule: str) -> None:
         trained.append([p.detach().clone() for p in model.parameters()])
     for a, b in zip(*trained, strict=True):
         assert torch.equal(a, b), rule
+
+
+class Mixed(nn.Module):
+    """An embedding, Linear layers and a LayerNorm: no rule's scope holds them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.hidden = nn.Embedding(20, 8), nn.Linear(8, 16)
+        self.norm, self.head = nn.LayerNorm(16), nn.Linear(16, 3)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.norm(self.hidden(self.embed(tokens)))))
+
+
+SCOPED = {
+    "LazyAdamW": lambda m: LazyAdamW(m, lr=0.01),
+    "FOOF": lambda m: FOOF(m, lr=0.05, update_every=2),
+    "KFAC": lambda m: KFAC(m, lr=0.05, update_every=2, damping=1e-2),
+    "Eva": lambda m: Eva(m, lr=0.05),
+    "NLMS": lambda m: NLMS(m, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("rule", list(SCOPED))
+def test_monitor_sees_every_trained_module_whatever_the_rules_scope(rule: str) -> None:
+    # A rule watches only the layers it reads (LazyAdamW its embeddings, K-FAC its Linear layers); a
+    # Monitor on it reads every module owning a trained parameter, as on the drop-in, and once it is
+    # removed the capture and the model's hooks are the rule's alone again.
+    logged, hooks = {}, {}
+    for name in ("InputAwareAdamW", rule):
+        model = Mixed()
+        opt = SCOPED[name](model) if name in SCOPED else InputAwareAdamW(model, lr=0.01)
+        alone = opt.capture.modules
+        before = {(n, a): list(getattr(m, a)) for n, m in model.named_modules() for a in HOOK_DICTS}
+        monitor = Monitor(opt)
+        tokens = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(1))
+        opt.zero_grad()
+        model(tokens).sum().backward()
+        opt.step()
+        logged[name] = monitor.last["modules"]
+        monitor.remove()
+        assert opt.capture.modules == alone, name
+        hooks[name] = ({(n, a): list(getattr(m, a)) for n, m in model.named_modules() for a in HOOK_DICTS}, before)
+    assert set(logged[rule]) == {"hidden", "norm", "head"}  # (the embedding's inputs are integers)
+    assert logged[rule] == logged["InputAwareAdamW"]
+    after, before = hooks[rule]
+    assert after == before
+
+
+@pytest.mark.parametrize("rule", ["LazyAdamW", "KFAC"])
+def test_a_hook_reading_calls_gets_every_trained_modules_calls_whatever_the_rules_scope(rule: str) -> None:
+    seen = {}
+    for name in ("InputAwareAdamW", rule):
+        model = Mixed()
+        opt = SCOPED[name](model) if name in SCOPED else InputAwareAdamW(model, lr=0.01)
+        got: list[tuple[str, Tensor]] = []
+        handle = opt.register_inputs_hook(
+            lambda o, i, got=got: got.extend((o.capture.name(c.module), c.args[0]) for c in i.calls)
+        )
+        opt.zero_grad()
+        model(torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(1))).sum().backward()
+        opt.step()
+        handle.remove()
+        seen[name] = got
+    assert [n for n, _ in seen[rule]] == [n for n, _ in seen["InputAwareAdamW"]] == ["embed", "hidden", "norm", "head"]
+    for (_, a), (_, b) in zip(seen[rule], seen["InputAwareAdamW"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_monitor_keeps_no_input_between_forward_and_step() -> None:

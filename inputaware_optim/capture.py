@@ -786,14 +786,15 @@ class Capture:
 
     def add_modules(self, modules: Iterable[nn.Module]) -> None:
         """Watch more modules of the model (each at most once); one not in the model raises ``ValueError``."""
-        log = self._log
-        for module in self._part_of_model(modules):
+        modules = self._part_of_model(modules)
+        log, order = self._log, {m: i for i, m in enumerate(self._names)}  # owners in the model's order
+        for module in modules:
             if module in self._watched:
                 continue
             self._watched[module] = self.name(module)
             params = [p for p in module._parameters.values() if p is not None]
             for param in params:
-                self._owners[param] = (*self._owners.get(param, ()), module)
+                self._owners[param] = tuple(sorted((*self._owners.get(param, ()), module), key=order.__getitem__))
             log.own_keys[module] = tuple(log.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(params))
             log.set_readers(module, tuple(r for r in log.reductions if r.wants(module)))
         self._sync_hooks()

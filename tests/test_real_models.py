@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, InputAwareAdamW, LazyAdamW, Monitor
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -117,6 +117,27 @@ def test_kronecker_and_nlms_rules_act_on_every_weight_matrix(name: str, rule: ty
         assert not torch.allclose(changed, dict(stock_model.named_parameters())[f"{module_name}.weight"])
     for row in optimizer.coverage().fallbacks():  # what is left: the embedding tables, each with its reason
         assert row.module == "Embedding" and row.reason, row
+
+
+@pytest.mark.filterwarnings("ignore::inputaware_optim.CoverageWarning")
+@pytest.mark.parametrize("rule", [KFAC, LazyAdamW], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_monitor_on_a_rule_logs_the_modules_it_logs_on_the_drop_in(name: str, rule: type) -> None:
+    # K-FAC watches the Linear and Conv1D layers, LazyAdamW the embeddings: the Monitor on either
+    # reads every module owning a trained parameter (LayerNorms, RMSNorms), as on InputAwareAdamW.
+    logged = []
+    for make in (InputAwareAdamW, rule):
+        model = build(name)
+        optimizer = make(model, lr=0.01)
+        monitor = Monitor(optimizer)
+        optimizer.zero_grad()
+        lm_loss(model, tokens()).backward()
+        optimizer.step()
+        logged.append(monitor.last["modules"])
+        monitor.remove()
+    norms = {n for n, m in build(name).named_modules() if "Norm" in type(m).__name__}
+    assert norms and norms <= set(logged[1])
+    assert logged[1] == logged[0]
 
 
 def test_conv1d_of_gpt2_matches_the_transposed_linear_reference() -> None:

@@ -406,6 +406,20 @@ def test_monitor_sees_every_trained_module_whatever_the_rules_scope(rule: str) -
     assert after == before
 
 
+def test_a_param_group_added_under_a_monitor_is_monitored_and_its_modules_unwatched_after() -> None:
+    model = Mixed()
+    opt = KFAC(model, lr=0.05, params=model.hidden.parameters())
+    monitor = Monitor(opt)
+    opt.add_param_group({"params": [*model.norm.parameters(), *model.head.parameters()]})
+    tokens = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(1))
+    opt.zero_grad()
+    model(tokens).sum().backward()
+    opt.step()
+    assert set(monitor.last["modules"]) == {"hidden", "norm", "head"}
+    monitor.remove()
+    assert opt.capture.modules == (model.hidden, model.head)  # K-FAC's own layers, the new one included
+
+
 @pytest.mark.parametrize("rule", ["LazyAdamW", "KFAC"])
 def test_a_hook_reading_calls_gets_every_trained_modules_calls_whatever_the_rules_scope(rule: str) -> None:
     seen = {}

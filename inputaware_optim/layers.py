@@ -378,8 +378,8 @@ class MatrixRows(PerSample):
             else:  # sum_bt (Pᵀ g_bt) x_btᵀ: O(rows * k * (in + out))
                 x, g = self.x, self.g
                 assert x is not None and g is not None
-                if g.shape[1] == 1 or g.is_contiguous():  # rows as they are
-                    projected = directions.T @ g.reshape(-1, g.shape[2]).T  # (k, rows): GEMM-friendly
+                if g.shape[1] == 1 or g.is_contiguous():  # rows as they are (not a transposed view: 3x slower)
+                    projected = (g.reshape(-1, g.shape[2]) @ directions).T  # (k, rows)
                     out["weight"] = projected @ x.reshape(-1, x.shape[2])
                 else:  # a convolution's channel-major rows: per sample, without copying them
                     projected = torch.matmul(directions.T, g.transpose(1, 2))  # (batch, k, positions)

@@ -239,6 +239,12 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         jsonl: A file to append one JSON object per logged step to.
         csv: A file to append ``step,kind,name,statistic,value`` rows to.
         callback: Called with each step's record (a dict, see ``last``).
+        grad_scaler: The ``torch.amp.GradScaler`` the loss is scaled by, with ``grad_outputs=True`` (their
+            statistics are then those of the unscaled loss); set on the capture it reads, so an input-aware
+            optimizer's readers see unscaled output gradients too.
+
+    Under ``DPSGD``/``DPAdamW`` the statistics are of the batch itself (the gradient norm before clipping and
+    noise, the inputs): they are not covered by the privacy guarantee, and a ``UserWarning`` says so.
 
     Attributes:
         last: The latest record: ``{"step": int, "modules": {name: {statistic: value}},
@@ -256,9 +262,18 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         jsonl: str | Path | None = None,
         csv: str | Path | None = None,
         callback: Callable[[dict[str, Any]], None] | None = None,
+        grad_scaler: Any = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer")
+        if getattr(optimizer, "privacy_history", None) is not None:  # DPSGD, DPAdamW
+            warnings.warn(
+                f"Monitor on {type(optimizer).__name__}: its statistics (gradient norms before clipping and noise, "
+                "input statistics) are computed from the batch itself and are not covered by the privacy "
+                "guarantee; keep them out of anything released",
+                UserWarning,
+                stacklevel=2,
+            )
         self.optimizer = optimizer
         self.every = every
         self.last: dict[str, Any] | None = None
@@ -287,6 +302,13 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
                 owners = [m for m in root.modules() if any(id(p) in params for p in m._parameters.values())]
                 self.capture = self._own_capture = Capture(model, owners, keep_calls=False)
             self._group = functools.partial(data_parallel_group, self.capture._model)
+        if grad_scaler is not None:
+            if self.capture.grad_scaler not in (None, grad_scaler):
+                raise ValueError(
+                    "Monitor(grad_scaler=...) got another GradScaler than the one its capture (the optimizer's) "
+                    "unscales by: pass the one the loss is scaled with to both, or leave the Monitor's out"
+                )
+            self.capture.grad_scaler = grad_scaler
         self._param_names = {param: name for name, param in self.capture._root.named_parameters()}  # first names
         group, dist = self._group(), torch.distributed
         writes = group is None or not dist.is_initialized() or dist.get_rank(group) == 0

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -832,6 +833,53 @@ def test_a_module_with_a_frozen_weight_and_a_trained_bias_is_logged(optimizer: s
     assert_statistics(got, by_hand([c.grad_output for c in calls]), "grad_output")
     assert "shared.bias" in monitor.last["parameters"] and "shared.weight" not in monitor.last["parameters"]
     monitor.remove()
+
+
+@pytest.mark.parametrize("optimizer", ["InputAwareAdamW", "AdamW"])
+def test_output_gradient_statistics_under_a_grad_scaler_are_the_unscaled_losss(optimizer: str) -> None:
+    """With ``grad_scaler=`` the output gradients are logged as the unscaled loss's (they carry the scale
+    otherwise: 1024x here, silently, on a plain optimizer); the parameter statistics are alike either way."""
+    records = []
+    for scaler in (None, torch.amp.GradScaler("cpu", init_scale=1024.0)):
+        model = Reused()
+        if optimizer == "InputAwareAdamW":
+            opt: torch.optim.Optimizer = InputAwareAdamW(model, lr=0.05)
+            monitor = Monitor(opt, grad_outputs=True, grad_scaler=scaler)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            monitor = Monitor(opt, model, grad_outputs=True, grad_scaler=scaler)
+        loss = model(batch(0)).square().mean()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+        assert monitor.last is not None
+        records.append(monitor.last)
+    unscaled, scaled = records
+    assert scaled["modules"].keys() == unscaled["modules"].keys()
+    for kind in ("modules", "parameters"):
+        for name, statistics in unscaled[kind].items():
+            assert scaled[kind][name] == pytest.approx(statistics, rel=1e-6), name
+
+
+def test_a_monitor_refuses_a_grad_scaler_other_than_its_optimizers() -> None:
+    model = Reused()
+    opt = InputAwareAdamW(model, lr=0.05, grad_scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="another GradScaler"):
+        Monitor(opt, grad_outputs=True, grad_scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_a_monitor_on_a_private_optimizer_warns_that_its_statistics_are_not_private() -> None:
+    from inputaware_optim import DPSGD
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    with pytest.warns(UserWarning, match="not covered by the privacy guarantee"):
+        Monitor(DPSGD(model, lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Monitor(InputAwareSGD(model, lr=0.1))
 
 
 @pytest.mark.parametrize("scale", [1e37, 3e20])  # the sum overflows float32; the sum of squares only

@@ -44,7 +44,8 @@ class Eva(KroneckerRule):
     (one Sherman-Morrison step: no matrix is formed or inverted). Then all preconditioned
     gradients are scaled by the KL clip
     :math:`\nu = \min\big(1, \sqrt{\kappa / (\eta^2 \sum_\ell |\langle P_\ell, \tilde G_\ell\rangle|)}\big)`
-    (``kl_clip`` :math:`\kappa`, learning rate :math:`\eta`) and the SGD momentum update runs.
+    (``kl_clip`` :math:`\kappa`, learning rate :math:`\eta`: one :math:`\nu` over every clipped layer, whatever
+    its param group, so the groups' ``kl_clip`` must agree) and the SGD momentum update runs.
     Other parameters take plain SGD. Differences from the authors' code: docs/rules/eva.md.
 
     State per preconditioned weight: ``input_mean`` (:math:`\bar a`), ``output_grad_mean``
@@ -174,14 +175,20 @@ class Eva(KroneckerRule):
         self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]
     ) -> dict[int, float]:
         """Each group's KL-clip scale, after one check of every direction, before any change (one
-        transfer to the host for both)."""
-        totals: dict[int, Tensor] = {}  # per clipped group: η² Σ ⟨P, G̃⟩
+        transfer to the host for both). One scale for every clipped layer, whatever groups they are in
+        (the KL clip bounds the whole update, as in the authors' code): so their ``kl_clip`` must agree."""
+        clips = {group["kl_clip"] for group in self.param_groups} - {None}
+        if len(clips) > 1:
+            raise ValueError(
+                f"Eva's kl_clip bounds the KL divergence of the whole update, so every param group must use the "
+                f"same value (or None: not clipped); they use {sorted(clips)}. No parameter was changed"
+            )
+        totals: dict[int, Tensor] = {}  # over the clipped groups: η² Σ ⟨P, G̃⟩
         for layer, matrix, direction in zip(layers, matrices, directions, strict=True):
             if layer.group["kl_clip"] is not None:
                 lr = float(layer.group["lr"])
                 inner = torch.vdot(direction.reshape(-1), matrix.reshape(-1)).double() * (lr * lr)
-                key = id(layer.group)
-                totals[key] = inner if key not in totals else totals[key] + inner
+                totals[0] = inner if 0 not in totals else totals[0] + inner
         found: list[float] = []
         if directions:
             # A norm is finite unless the direction holds a NaN or an inf (or its squares overflow: then
@@ -198,8 +205,9 @@ class Eva(KroneckerRule):
                         )
         values = dict(zip(totals, found, strict=True))
         scales = {}
+        total = abs(values.get(0, 0.0))
         for group in self.param_groups:
-            total, kappa = abs(values.get(id(group), 0.0)), group["kl_clip"]
+            kappa = group["kl_clip"]
             scales[id(group)] = 1.0 if kappa is None or total == 0.0 else min(1.0, math.sqrt(kappa / total))
         return scales
 

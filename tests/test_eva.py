@@ -121,6 +121,40 @@ def test_steps_equal_the_papers_formula(kl_clip: float | None) -> None:
     assert optimizer.state[model[0].weight]["statistics_steps"] == 3
 
 
+@pytest.mark.parametrize("split", ["per layer", "weights and biases"])
+def test_the_kl_clip_is_one_scale_over_every_layer_however_the_groups_are_split(split: str) -> None:
+    """The paper's one ``nu`` over all layers: param groups with the same hyperparameters give the
+    one-group result (the scale was per group, so splitting groups changed the update by 9%)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    reference = copy.deepcopy(model)
+    if split == "per layer":
+        groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters())}]
+    else:
+        groups = [{"params": [model[0].weight, model[2].weight]}, {"params": [model[0].bias, model[2].bias]}]
+    optimizer = Eva(model, lr=0.1, momentum=0.0, damping=0.5, stat_decay=0.9, kl_clip=1e-3, params=groups)
+    state: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for _ in range(3):
+        x, y = torch.randn(8, 5), torch.randn(8, 3)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        _reference_step(reference, x, y, state, lr=0.1, damping=0.5, decay=0.9, kl_clip=1e-3)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_param_groups_with_different_kl_clips_are_refused_before_any_change() -> None:
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "kl_clip": 0.01}]
+    optimizer = Eva(model, lr=0.1, params=groups)
+    before = [p.detach().clone() for p in model.parameters()]
+    nn.functional.mse_loss(model(torch.randn(8, 5)), torch.randn(8, 3)).backward()
+    with pytest.raises(ValueError, match=r"same value .*\[0.001, 0.01\]"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))

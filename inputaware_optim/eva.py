@@ -183,19 +183,19 @@ class Eva(KroneckerRule):
                 f"Eva's kl_clip bounds the KL divergence of the whole update, so every param group must use the "
                 f"same value (or None: not clipped); they use {sorted(clips)}. No parameter was changed"
             )
-        totals: dict[int, Tensor] = {}  # over the clipped groups: η² Σ ⟨P, G̃⟩
-        for layer, matrix, direction in zip(layers, matrices, directions, strict=True):
-            if layer.group["kl_clip"] is not None:
-                lr = float(layer.group["lr"])
-                inner = torch.vdot(direction.reshape(-1), matrix.reshape(-1)).double() * (lr * lr)
-                totals[0] = inner if 0 not in totals else totals[0] + inner
-        found: list[float] = []
+        inners = [  # over the clipped layers: η² ⟨P, G̃⟩
+            torch.vdot(direction.reshape(-1), matrix.reshape(-1)).double() * float(layer.group["lr"]) ** 2
+            for layer, matrix, direction in zip(layers, matrices, directions, strict=True)
+            if layer.group["kl_clip"] is not None
+        ]
+        total = 0.0
         if directions:
             # A norm is finite unless the direction holds a NaN or an inf (or its squares overflow: then
             # each element is checked).
             finite = torch.stack(foreach_norm(directions)).isfinite().all().double()
-            found = torch.stack([finite, *totals.values()]).tolist()
-            if not found.pop(0):
+            found = torch.stack([finite, sum(inners, torch.zeros((), dtype=torch.float64, device=finite.device))])
+            is_finite, total = found.tolist()
+            if not is_finite:
                 for layer, direction in zip(layers, directions, strict=True):
                     if not bool(direction.isfinite().all()):
                         raise RuntimeError(
@@ -203,9 +203,8 @@ class Eva(KroneckerRule):
                             "training has diverged (NaN or inf activations or gradients). Lower the learning rate "
                             "or raise damping. No parameter was changed by this step"
                         )
-        values = dict(zip(totals, found, strict=True))
+        total = abs(total)
         scales = {}
-        total = abs(values.get(0, 0.0))
         for group in self.param_groups:
             kappa = group["kl_clip"]
             scales[id(group)] = 1.0 if kappa is None or total == 0.0 else min(1.0, math.sqrt(kappa / total))

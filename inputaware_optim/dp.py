@@ -746,6 +746,8 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
     unknown = [n for n in own if kind is not None and n not in (kind.weight_name, kind.bias_name)]
     if layers.declared_refusal(module) is not None and reaches:
         return layers.declared_refusal(module)
+    if any(module._parameters[n].is_complex() for n in own):  # type: ignore[union-attr]
+        return "its parameters are complex; per-sample clipping here handles real parameters only"
     if getattr(module, "scale_grad_by_freq", False) and own:
         return (
             "scale_grad_by_freq=True divides each row's gradient by how often the whole batch used it, so a "

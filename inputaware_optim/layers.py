@@ -55,9 +55,15 @@ def layer_kind(module: nn.Module) -> LayerKind | None:
     """The ``LayerKind`` of ``module``'s type, or of a registered base whose ``forward`` it keeps;
     ``None`` if there is none or this module's configuration is not supported."""
     found = _base(module)
-    if found is None or _own_forward(module, found[0]):
-        return None  # unregistered, or a subclass with its own forward (timm's StdConv2d, Conv2dSame)
+    if found is None or _own_forward(module, found[0]) or _complex(module):
+        return None  # unregistered, a subclass with its own forward (timm's StdConv2d, Conv2dSame), complex
     return found[1] if found[1].supports(module) else None
+
+
+def _complex(module: nn.Module) -> bool:
+    """A complex weight: the kinds' rows and statistics are those of real layers (``xᵀx``, not ``xᴴx``)."""
+    weight = _attribute(module, 0)
+    return weight is not None and weight.is_complex()
 
 
 def why_no_kind(module: nn.Module) -> str:
@@ -67,6 +73,8 @@ def why_no_kind(module: nn.Module) -> str:
         return f"no LayerKind is registered for {name}"
     if _own_forward(module, found[0]):
         return f"{name} subclasses {found[0].__name__} with its own forward (register a LayerKind for {name})"
+    if _complex(module):
+        return f"its weight is complex ({weight_of(module).dtype}); the layer kinds handle real weights only"
     return found[1].unsupported(module)
 
 

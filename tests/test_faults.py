@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, InputAwareSGD, LazyAdamW
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, Eva, InputAwareSGD, LazyAdamW
 
 from .conftest import hooks_on, mlp
 from .test_capture import Recorder
@@ -394,3 +394,39 @@ def test_dp_refuses_a_weight_also_used_without_calling_its_module() -> None:
     with pytest.raises(RuntimeError, match=r"per-sample gradients of embed do not add up.*F.linear"):
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+class _HalfComplex(nn.Module):
+    """A real layer, then a complex one on its output (a complex-valued head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.real, self.complex = nn.Linear(4, 6), nn.Linear(6, 3, dtype=torch.cfloat)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.complex(self.real(x).to(torch.cfloat)).abs().pow(2).sum()
+
+
+@pytest.mark.parametrize("cls", [FOOF, KFAC, Eva, NLMS])
+def test_a_complex_layer_falls_back_to_the_stock_update_with_the_reason(cls: type) -> None:
+    # The layer kinds' rows and statistics are those of real layers (xᵀx, not xᴴx): a complex weight
+    # was preconditioned with them silently (Eva, NLMS) or failed deep inside (K-FAC, FOOF).
+    model, x = _HalfComplex(), torch.randn(5, 4)
+    stock = copy.deepcopy(model)
+    rule, sgd = cls(model, lr=0.1, momentum=0.0), torch.optim.SGD(stock.parameters(), lr=0.1)
+    model(x).backward()
+    stock(x).backward()
+    with pytest.warns(CoverageWarning, match=r"complex\.weight \(Linear\): its weight is complex"):
+        rule.step()
+    sgd.step()
+    treatments = {row.name: row.treatment for row in rule.coverage()}
+    assert treatments["real.weight"].startswith(cls.__name__) and treatments["complex.weight"].startswith("stock")
+    assert torch.equal(model.complex.weight, stock.complex.weight)
+    assert torch.equal(model.complex.bias, stock.complex.bias)
+    assert not torch.equal(model.real.weight, stock.real.weight)  # the real layer got the rule
+
+
+def test_dp_refuses_complex_parameters_by_module() -> None:
+    with pytest.raises(ValueError, match=r"per-sample gradients of complex \(Linear\): its parameters are complex"):
+        DPSGD(_HalfComplex(), lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0)

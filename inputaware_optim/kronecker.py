@@ -190,7 +190,9 @@ class KroneckerRule(InputAwareSGD):
         """Precondition the gradients of the supported layers, then take the SGD step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        due = [group for group in self.param_groups if _statistics_due(group)]
+        # (not armed for this step's forward: statistics_every changed since; a step between statistics)
+        armed = self._statistics in self.capture.reductions
+        due = [group for group in self.param_groups if armed and _statistics_due(group)]
         layers, sums = self._step_statistics(inputs, due) if due else ([], [])
         self._precondition_layers(due, layers, sums)
         super().step(inputs=inputs)
@@ -255,10 +257,17 @@ class KroneckerRule(InputAwareSGD):
                 out.append((layer, [state[key] for key in keys]))
         return out
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._arm_statistics()  # the loaded schedule decides the coming step
+
     def _advance_schedule(self) -> None:
-        """Count the step in each group; between statistics steps the hooks keep nothing and return at once."""
         for group in self.param_groups:
             group["schedule_step"] = group.get("schedule_step", 0) + 1
+        self._arm_statistics()
+
+    def _arm_statistics(self) -> None:
+        """Read the coming forward exactly when its step is due; between, the hooks keep nothing."""
         if any(_statistics_due(group) for group in self.param_groups):
             self.capture.add_reduction(self._statistics)
         else:

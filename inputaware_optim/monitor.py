@@ -275,7 +275,7 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
                 stacklevel=2,
             )
         self.optimizer = optimizer
-        self.every = every
+        self._every = every
         self.last: dict[str, Any] | None = None
         self._reductions: list[Reduction] = [_InputStatistics(), *([_GradOutputStatistics()] if grad_outputs else [])]
         self._own_capture: Capture | None = None
@@ -326,6 +326,18 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
                 register(self._before_update, when="pre", every=every, reads=self._reductions),
                 register(self._after_update, when="post", every=every, reads=None),
             ]
+
+    @property
+    def every(self) -> int:
+        """How often it logs, in steps (fixed: its hooks are armed for the coming step already)."""
+        return self._every
+
+    @every.setter
+    def every(self, value: int) -> None:
+        raise AttributeError(
+            "Monitor.every is fixed at construction (the statistics of the coming step are armed already): "
+            "remove() this Monitor and attach a new one with the interval you want"
+        )
 
     def _arm(self) -> None:
         """Compute the statistics in the hooks exactly for the steps that log them."""

@@ -332,6 +332,25 @@ def test_monitor_every_100_computes_nothing_in_between() -> None:
     monitor.remove()
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_monitor_every_is_fixed_and_says_so(plain: bool) -> None:
+    # It was a plain attribute: set mid-run, an input-aware optimizer's Monitor ignored it and a plain
+    # one's logged a step whose statistics the hooks had not been armed for (no module statistics).
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    records: list[dict[str, Any]] = []
+    monitor = Monitor(opt, model if plain else None, every=2, callback=records.append)
+    with pytest.raises(AttributeError, match=r"fixed at construction.*attach a new one"):
+        monitor.every = 1
+    for step in range(3):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    assert monitor.every == 2 and [r["step"] for r in records] == [0, 2]
+    assert all(r["modules"] for r in records)
+    monitor.remove()
+
+
 RULES = {
     "InputAwareSGD": lambda m: InputAwareSGD(m, lr=0.1, momentum=0.9),
     "FOOF": lambda m: FOOF(m, lr=0.05, update_every=2),

@@ -105,6 +105,46 @@ def test_resume_mid_schedule_is_bitwise(rule: type) -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed_model.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("rule", [FOOF, KFAC, Eva])
+@pytest.mark.filterwarnings("error::inputaware_optim.UncapturedInputsWarning")
+def test_statistics_every_changed_mid_run_is_read_at_the_step(rule: type) -> None:
+    # The hooks for a step's forward are armed at the end of the step before, with the schedule of
+    # that moment: a step made due by a later change used to find no statistics, warn that its
+    # layers were uncaptured and give them the plain step. It is now a step between statistics,
+    # and the change applies from the next forward: every 3 changed to every 1 after step 0 trains
+    # as every 2 does (statistics on steps 0 and 2), bitwise.
+    def make(model: nn.Module, every: int) -> Any:
+        return rule(model, lr=0.05, statistics_every=every, **({} if rule is Eva else {"update_every": 1}))
+
+    changed_model, reference_model = net(), net()
+    changed, reference = make(changed_model, 3), make(reference_model, 2)
+    for step in range(3):
+        train_step(changed_model, changed, step)
+        train_step(reference_model, reference, step)
+        for group in changed.param_groups:
+            group["statistics_every"] = 1
+    assert changed.state[changed_model[0].weight]["statistics_steps"] == 2
+    assert all(torch.equal(p, q) for p, q in zip(changed_model.parameters(), reference_model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("rule", [FOOF, KFAC, Eva])
+@pytest.mark.filterwarnings("error::inputaware_optim.UncapturedInputsWarning")
+def test_a_state_dict_loaded_into_a_stepped_optimizer_arms_its_schedule(rule: type) -> None:
+    # An optimizer that stepped off-schedule (its hooks paused) loads a state due for statistics:
+    # the next forward is read, as in the run the state came from.
+    model, other_model = net(), net()
+    source = rule(model, lr=0.05, statistics_every=2)
+    for step in range(2):
+        train_step(model, source, step)
+    loaded = rule(other_model, lr=0.05, statistics_every=2)
+    train_step(other_model, loaded, 0)  # its hooks now paused for a step between statistics
+    other_model.load_state_dict(model.state_dict())
+    loaded.load_state_dict(copy.deepcopy(source.state_dict()))  # (a live state dict shares its tensors)
+    train_step(model, source, 2)
+    train_step(other_model, loaded, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), other_model.parameters(), strict=True))
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, True])
 def test_statistics_every_must_be_a_positive_integer(value: Any) -> None:
     with pytest.raises(ValueError, match="statistics_every"):

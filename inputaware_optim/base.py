@@ -555,6 +555,10 @@ class InputAwareOptimizer(Optimizer):
     def _check_param_groups(self) -> None:
         """A rule's place to add its hyperparameters to the groups and validate them (before any hook is attached)."""
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        """A rule's check of one group's hyperparameters (``ValueError``), also run before every step:
+        a value set in ``param_groups`` since (a schedule, a typo) is refused before any change."""
+
     def _set_group_defaults(self, **hyperparameters: Any) -> None:
         """Add a rule's hyperparameters to ``defaults`` and to every group that lacks them."""
         self.defaults.update(hyperparameters)
@@ -577,6 +581,11 @@ class InputAwareOptimizer(Optimizer):
     def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The outermost step, once torch's wrapper ran the step pre-hooks (``args`` are theirs)."""
         try:
+            for index, group in enumerate(self.param_groups):
+                try:
+                    self._check_group(group)
+                except ValueError as error:
+                    raise ValueError(f"param group {index}: {error}. No parameter was changed") from None
             if not self._coverage_checked:
                 self._check_coverage()
             if self._amp_skips_step():

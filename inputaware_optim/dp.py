@@ -187,7 +187,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now, checked equal in all."""
         clip, sigma = self.param_groups[0]["max_grad_norm"], self.param_groups[0]["noise_multiplier"]
         for index, group in enumerate(self.param_groups):
-            _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
+            self._check_group(group)  # (also read in the hooks, where the clipping happens)
             if (group["max_grad_norm"], group["noise_multiplier"]) != (clip, sigma):
                 raise ValueError(
                     "max_grad_norm and noise_multiplier bound each sample's gradient over all parameters at "
@@ -196,6 +196,9 @@ class _PerSampleClipping(InputAwareOptimizer):
                     f"noise_multiplier={group['noise_multiplier']}. Change them in every group at once"
                 )
         return float(clip), float(sigma)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
 
     def _refuse_unsupported_layers(self) -> None:
         trained = {p for p in self._params() if p.requires_grad}

@@ -107,10 +107,6 @@ class Eva(KroneckerRule):
                 f"Invalid damping_form: {damping_form!r} (must be one of {', '.join(map(repr, DAMPING_FORMS))})"
             )
         self._direction = DAMPING_FORMS[damping_form]
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
-        if kl_clip is not None and not 0.0 < kl_clip < math.inf:
-            raise ValueError(f"Invalid kl_clip: {kl_clip} (must be None or finite and > 0)")
         self._eva_defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
         super().__init__(
             model,
@@ -127,12 +123,14 @@ class Eva(KroneckerRule):
         )
 
     def _check_param_groups(self) -> None:
-        super()._check_param_groups()
         self._set_group_defaults(**self._eva_defaults)
+        super()._check_param_groups()
 
     def _check_group(self, group: dict[str, Any]) -> None:
         if not group["damping"] > 0.0:  # a rank-one factor is singular without it
             raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
+        if group["kl_clip"] is not None and not 0.0 < group["kl_clip"] < math.inf:
+            raise ValueError(f"Invalid kl_clip: {group['kl_clip']} (must be None or finite and > 0)")
         super()._check_group(group)
 
     def _check_sharded_layers(self) -> None:

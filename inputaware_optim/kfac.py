@@ -129,8 +129,6 @@ class KFAC(KroneckerRule):
         params: Any = None,
         **sgd_kwargs: Any,
     ) -> None:
-        if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
         if convention not in CONVENTIONS:
             raise ValueError(f"Invalid convention: {convention!r} (must be one of {', '.join(map(repr, CONVENTIONS))})")
         self._loss_reduction = loss_reduction
@@ -155,8 +153,8 @@ class KFAC(KroneckerRule):
         return {"_statistics": KroneckerFactors(self._layers(self.reads_capability), self._kfac_pytorch)}
 
     def _check_param_groups(self) -> None:
-        super()._check_param_groups()
         self._set_group_defaults(loss_reduction=self._loss_reduction)
+        super()._check_param_groups()
 
     def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         # A mean-reduced loss divides each output gradient by this rank's batch B (all its micro-batches),

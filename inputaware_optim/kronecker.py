@@ -146,6 +146,8 @@ class KroneckerRule(InputAwareSGD):
         for name in ("update_every", "statistics_every"):
             if not _positive_integer(group[name]):
                 raise ValueError(f"Invalid {name}: {group[name]!r} (must be an integer >= 1)")
+        if group.get("loss_reduction", "mean") not in ("mean", "sum"):
+            raise ValueError(f"Invalid loss_reduction: {group['loss_reduction']!r} (choose 'mean' or 'sum')")
 
     def _check_sharded_layers(self) -> None:
         """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""

@@ -3,6 +3,8 @@ public API only (a ``Reduction`` and ``register_inputs_hook``): the worked examp
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -70,6 +72,8 @@ class LoadBalancing:
             (default: the first integer tensor the router returned, say top-k indices).
     """
 
+    _update_rate: float
+
     def __init__(
         self,
         routers: Iterable[nn.Module],
@@ -81,8 +85,6 @@ class LoadBalancing:
         self.routers = list(routers)
         if not self.routers or not all(isinstance(r, nn.Module) for r in self.routers):
             raise TypeError("LoadBalancing expects the router modules (a non-empty iterable of nn.Module)")
-        if not (isinstance(update_rate, (int, float)) and update_rate >= 0):
-            raise ValueError(f"Invalid update_rate: {update_rate!r} (must be a number >= 0)")
         for router in self.routers:
             table = getattr(router, bias, None)
             if not isinstance(table, Tensor) or table.dim() != 1 or not table.is_floating_point():
@@ -90,10 +92,21 @@ class LoadBalancing:
                     f"{type(router).__name__} has no expert bias {bias!r} (a 1-D floating tensor, one entry per "
                     "expert); register it as a buffer, or name it with bias="
                 )
-        self.update_rate = float(update_rate)
+        self.update_rate = update_rate
         self.bias = bias
         self.selected = selected or _first_integer_tensor
         self.loads: ExpertLoads | None = None
+
+    @property
+    def update_rate(self) -> float:
+        """``u``, read at every step; a value set later is checked as the constructor's is."""
+        return self._update_rate
+
+    @update_rate.setter
+    def update_rate(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
+            raise ValueError(f"Invalid update_rate: {value!r} (must be a finite number >= 0)")
+        self._update_rate = float(value)
 
     def attach(self, optimizer: Any) -> InputsHookHandle:
         """Balance after every step of ``optimizer`` (an input-aware one); ``remove()`` the handle to stop.

@@ -80,14 +80,17 @@ class NLMS(InputAwareSGD):
     def _check_param_groups(self) -> None:
         self._set_group_defaults(eps=self._eps)
         for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
-            if not 0.0 <= group["eps"] < math.inf:
-                raise ValueError(f"Invalid eps: {group['eps']} (must be finite and >= 0)")
+            self._check_group(group)
         meshes = {p.device_mesh.ndim for p in self._params() if sharded(p)}  # type: ignore[attr-defined]
         if meshes - {1}:  # HSDP: the input power would be averaged over one mesh dimension only
             raise NotImplementedError(
                 f"NLMS supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP uses): the input power "
                 "must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use DistributedDataParallel"
             )
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        if not 0.0 <= group["eps"] < math.inf:
+            raise ValueError(f"Invalid eps: {group['eps']} (must be finite and >= 0)")
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:

@@ -255,6 +255,40 @@ def test_hyperparameters_that_cannot_work_are_refused_at_construction(
         cls(mlp(), lr=0.1, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("cls", "key", "value"),
+    [
+        (Eva, "damping", 0.0),
+        (KFAC, "damping", -1.0),
+        (FOOF, "stat_decay", 1.5),
+        (FOOF, "update_every", 0),
+        (KFAC, "statistics_every", 0),
+        (KFAC, "loss_reduction", "avg"),
+        (Eva, "kl_clip", -1.0),
+        (NLMS, "eps", -1.0),
+        (DPSGD, "max_grad_norm", -1.0),
+    ],
+)
+def test_a_hyperparameter_set_in_param_groups_mid_run_is_checked_at_the_step(cls: type, key: str, value: Any) -> None:
+    # Checked at construction only, these trained on silently (a stat_decay of 1.5 extrapolates the
+    # running moments, a negative eps flips NLMS's step) or failed deep inside (division by zero).
+    model = mlp()
+    optimizer = cls(model, lr=0.1, **({"noise_multiplier": 0.0} if cls is DPSGD else {}))
+    for step in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+        if step == 1:
+            optimizer.param_groups[0][key] = value
+            before = [p.detach().clone() for p in model.parameters()]
+            state = copy.deepcopy(optimizer.state_dict()["state"])
+            with pytest.raises(ValueError, match=rf"param group 0: Invalid {key}.*No parameter was changed"):
+                optimizer.step()
+            assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+            assert str(optimizer.state_dict()["state"]) == str(state)
+        else:
+            optimizer.step()
+
+
 def test_numpy_integers_are_integers() -> None:
     optimizer = FOOF(mlp(), lr=0.1, update_every=np.int64(3))
     assert optimizer.param_groups[0]["update_every"] == 3

@@ -148,6 +148,10 @@ def test_the_update_rate_is_read_at_each_step() -> None:
     model(data(0)).pow(2).mean().backward()
     optimizer.step()
     assert not model.moe.router.expert_bias.any()
+    for bad in (-0.01, float("nan"), "0.1"):  # a negative rate would unbalance, silently
+        with pytest.raises(ValueError, match="Invalid update_rate"):
+            balancing.update_rate = bad  # type: ignore[assignment]
+    assert balancing.update_rate == 0.0
 
 
 def test_refusals_name_the_router_and_change_nothing() -> None:

@@ -586,6 +586,7 @@ _functorch_level = _torch.functorch_level
 _recomputing_checkpointed_forward = _torch.recomputing_checkpointed_forward
 
 
+@torch.compiler.disable  # (never traced: hooks that ran eagerly inside a compiled call, after a graph break)
 def _plain_math(compute: Any) -> Any:
     """``compute()`` with no autograd graph and no autocast: reductions keep the dtypes they choose
     (statistics in float32 under a bfloat16 autocast), and build no graph from the inputs."""
@@ -972,8 +973,12 @@ class Capture:
         """Call ``on_call(module, args, kwargs, output)`` after every call (grad enabled) of each of ``modules``
         and ``on_forward(root, args, kwargs)`` before every forward, through the capture's own hooks.
 
-        The callbacks must not hold the tool that registered them, so its finalizer can run. ``remove()`` on
+        They run eagerly in compiled code too (a graph break at each watched call). The callbacks must
+        not hold the tool that registered them, so its finalizer can run. ``remove()`` on
         the returned handle ends the watch. A module not in the model raises ``ValueError``."""
+        # Run eagerly in compiled code too (a graph break each): traced, a callback's bookkeeping
+        # would be guarded on (a recompile per tensor it keys by) or dropped.
+        on_call, on_forward = torch.compiler.disable(on_call), on_forward and torch.compiler.disable(on_forward)
         watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward)
         self._set_watches([*self._watches, watching])
         return watching  # type: ignore[return-value]

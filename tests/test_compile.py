@@ -11,7 +11,19 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Capture, Eva, InputAwareSGD, LazyAdamW
+from inputaware_optim import (
+    DPSGD,
+    FOOF,
+    KFAC,
+    NLMS,
+    Capture,
+    Eva,
+    InputAwareSGD,
+    LazyAdamW,
+    Monitor,
+    NonFiniteFinder,
+    NonFiniteWarning,
+)
 
 from .conftest import mlp
 
@@ -262,3 +274,44 @@ def test_statistics_every_k_compiles_once_like_every_step(rule: str) -> None:
 def test_lazy_adamw_compiles_one_graph_without_breaks() -> None:
     graphs, breaks, _ = compiles_and_breaks(lambda m: LazyAdamW(m, lr=0.05))
     assert (graphs, breaks) == (1, 0)
+
+
+def test_monitor_and_finder_on_a_compiled_model_compile_once_and_report_as_eager() -> None:
+    # The finder's callbacks were traced: keyed by each tensor's id, they compiled 15 graphs; beside
+    # a Monitor the readers' statistics were traced as well (after graph breaks) and compiled more
+    # graphs at every step (40 after 3 steps, 45 after 8). Callbacks and readers now run eagerly.
+    tools: list[Any] = []
+
+    def monitored(model: nn.Module, finder: bool) -> InputAwareSGD:
+        optimizer = InputAwareSGD(model, lr=0.1)
+        tools.append(Monitor(optimizer))
+        if finder:
+            tools.append(NonFiniteFinder(optimizer))
+        return optimizer
+
+    assert compiles_and_breaks(lambda m: monitored(m, False), 3)[:2] == (1, 0)
+    shorter, longer = (compiles_and_breaks(lambda m: monitored(m, True), steps) for steps in (3, 8))
+    assert shorter[:2] == longer[:2]
+    compiled_record, eager_record = tools[-2].last, None
+    eager = TokenNet()
+    optimizer = monitored(eager, True)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        tokens, target = torch.randint(0, 20, (6, 4), generator=generator), torch.randn(6, 3, generator=generator)
+        optimizer.zero_grad()
+        (eager(tokens) - target).pow(2).sum(1).mean().backward()
+        optimizer.step()
+    eager_record = tools[-2].last
+    assert compiled_record["modules"].keys() == eager_record["modules"].keys() == {"a", "b"}  # (embed: tokens)
+    for name, statistics in eager_record["modules"].items():
+        assert compiled_record["modules"][name] == pytest.approx(statistics, rel=1e-4, abs=1e-6)
+    torch._dynamo.reset()
+    model = TokenNet()
+    finder = NonFiniteFinder(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    with torch.no_grad():
+        model.a.weight[0, 0] = float("inf")
+    with pytest.warns(NonFiniteWarning, match=r"a \(call 0\) in the forward"):
+        finder.optimizer.zero_grad()
+        torch.compile(model, backend="aot_eager")(torch.randint(0, 20, (6, 4))).sum().backward()
+        finder.optimizer.step()
+    assert finder.found is not None and (finder.found.module, finder.found.phase) == ("a", "forward")

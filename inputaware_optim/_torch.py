@@ -176,6 +176,13 @@ def scaler_handoff(optimizer: Optimizer) -> tuple[Any, Any]:
     return getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
 
 
+def kernel_skips_step(optimizer: Optimizer) -> bool:
+    """Whether GradScaler handed this step to the optimizer's own kernel (fused) with an inf/NaN found:
+    the kernel skips it, as GradScaler skips the step of any other optimizer (a host sync, when asked)."""
+    found_inf = scaler_handoff(optimizer)[1]
+    return found_inf is not None and bool(found_inf.item())
+
+
 def hide_scaler_handoff(optimizer: Optimizer) -> None:
     """Set the handoff to ``None``, so that the stock kernels neither unscale nor skip again."""
     for attribute in _SCALER_ATTRIBUTES:

@@ -20,6 +20,7 @@ from ._torch import (
     grad_scaler_unscale_,
     hide_scaler_handoff,
     in_place_values,
+    kernel_skips_step,
     scaler_handoff,
     unhooked,
     unscales_itself,
@@ -593,6 +594,8 @@ class InputAwareOptimizer(Optimizer):
             closure, inputs = _step_arguments(args, kwargs)
             hooks: StepHooks | None = self.__dict__.get("_inputs_hooks")
             due = hooks if hooks is not None and hooks.due() else None
+            if due is not None and kernel_skips_step(self):  # (fused AdamW under GradScaler, inf found)
+                hooks = due = None  # as on any step GradScaler skips: its hooks neither run nor count it
             # (the stock update with nothing reading the capture takes no view of it)
             view = self._resolve_inputs(inputs) if inputs is not None or due is not None or self._has_rule() else None
             if due is not None and view is not None:

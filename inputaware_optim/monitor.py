@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ._torch import foreach_norm, tree_flatten
+from ._torch import foreach_norm, kernel_skips_step, scaler_handoff, tree_flatten
 from .base import InputAwareOptimizer
 from .capture import Capture, unwrap_model
 from .distributed import data_parallel_group
@@ -284,6 +284,7 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         self._weight_norms: dict[Tensor, Tensor] = {}
         self._plain = not isinstance(optimizer, InputAwareOptimizer)
         self._step = 0  # a plain optimizer's coming step
+        self._skipped = False  # GradScaler skips it
         if not self._plain:
             self.capture = optimizer.capture  # type: ignore[attr-defined]
             self._group: Callable[[], Any] = lambda: optimizer.data_parallel_group  # type: ignore[attr-defined]
@@ -348,6 +349,9 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
     def _plain_before(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._step % self.every:
             return None
+        if kernel_skips_step(optimizer):  # (fused, under GradScaler: skipped, as it skips any other optimizer's)
+            self._skipped = True
+            return None
         wrapped = _after_closure(args, kwargs, lambda: self._read(self.capture.reduced))
         if wrapped is None:
             self._before_update(optimizer, None)
@@ -356,12 +360,13 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         return wrapped
 
     def _plain_after(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        skipped, self._skipped = self._skipped, False
         try:
-            if self._step % self.every == 0:
+            if self._step % self.every == 0 and not skipped:
                 self._after_update(optimizer, None, None)
         finally:
             self.capture.clear()  # the step consumed what it read, as an input-aware optimizer's step does
-            self._step += 1
+            self._step += 0 if skipped else 1
             self._arm()
 
     @torch.no_grad()
@@ -381,11 +386,15 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         table = torch.stack(rows) if rows else empty.reshape(0, 6)
         _all_reduce_statistics(table, self._group())
         grads = {p: p.grad for p in _params(self.optimizer) if p.grad is not None}
+        grad_norms = _as_float64(_per_tensor_norms([_dense_values(g) for g in grads.values()]))
+        grad_scale = scaler_handoff(self.optimizer)[0]  # (a fused kernel unscales them in the step, after this)
+        if grad_scale is not None:
+            grad_norms = grad_norms / grad_scale.to(grad_norms.device, torch.float64)
         self._pending = {
             "rows": [(self._module_name(k), kind) for kind in ("input", "grad_output")[: len(tables)] for k in keys],
             "table": table,
             "params": list(grads),
-            "grad_norms": _as_float64(_per_tensor_norms([_dense_values(g) for g in grads.values()])),
+            "grad_norms": grad_norms,
             "layers": {
                 self._module_name(key): _layer_description(self.capture.owners(key)[0])
                 for key in keys
@@ -793,6 +802,9 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
             self._step_handle = optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kernel_skips_step(optimizer):  # (fused, under GradScaler: a loss-scale overflow, skipped)
+            self._watch.reset()
+            return None
         step, self.step = self.step, self.step + 1
         wrapped = _after_closure(args, kwargs, lambda: self._check(step))
         if wrapped is None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from inputaware_optim import InputAwareAdamW, InputAwareSGD
+from inputaware_optim import InputAwareAdamW, InputAwareSGD, Monitor, NonFiniteFinder
 
 from .conftest import mlp
 
@@ -256,3 +256,29 @@ def test_dp_names_a_loss_scale_too_small_for_float16_and_changes_nothing() -> No
     with pytest.raises(RuntimeError, match=r"loss scale too small.*init_scale, or bfloat16.*No parameter was changed"):
         _float16_scaled_backward(optimizer, model, scale=2.0**4, factor=1e-5)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["input-aware", "plain"])
+def test_monitor_and_finder_see_a_fused_step_under_grad_scaler_as_any_other(plain: bool) -> None:
+    # GradScaler hands a fused AdamW its scale and overflow flag and calls step() even on a step it
+    # skips (the kernel skips it); the tools read it as a step: the Monitor logged the skipped step and
+    # gradient norms times the loss scale (1024x), and the finder warned of a non-finite gradient at
+    # each overflow, the loss scale calibrating (with action="raise", training stopped).
+    logged = {}
+    for implementation in ({"foreach": True}, {"fused": True}):
+        model = mlp()
+        optimizer = (
+            torch.optim.AdamW(model.parameters(), lr=0.01, **implementation)
+            if plain
+            else InputAwareAdamW(model, lr=0.01, **implementation)
+        )
+        records: list[dict[str, Any]] = []
+        Monitor(optimizer, model if plain else None, callback=records.append)
+        NonFiniteFinder(optimizer, model if plain else None, action="raise")
+        batches = [torch.randn(6, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+        scaled_steps(model, optimizer, batches, poison={1})
+        logged[next(iter(implementation))] = records
+    assert [r["step"] for r in logged["fused"]] == [r["step"] for r in logged["foreach"]] == [0, 1, 2]
+    for fused, foreach in zip(logged["fused"], logged["foreach"], strict=True):
+        for name, statistics in foreach["parameters"].items():
+            assert fused["parameters"][name]["grad_norm"] == pytest.approx(statistics["grad_norm"], rel=1e-6)

@@ -6,7 +6,6 @@ import itertools
 import math
 import numbers
 import weakref
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any, NamedTuple, NoReturn, TypeGuard
 
@@ -550,28 +549,34 @@ class ClippedSums(Reduction):
         sizes = {m: {_samples_of(m, _batch_first(c, batch_dim)) for c in cs} for m, cs in calls.items()}
         found = set().union(*sizes.values())
         count = max(found)
-        if len(found) == 2 and 1 in found:
-            shared = ", ".join(capture.name(m) for m, s in sizes.items() if 1 in s)
+        shapes = capture.model_input_shapes(forward)
+        given = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
+        if len(found) > 1:  # the batch: the one size the model's input has, else the most common
+            known = found & given
+            count = known.pop() if len(known) == 1 else max(found, key=lambda n: sum(n in s for s in sizes.values()))
+        odd = {capture.name(m): sorted(s) for m, s in sizes.items() if s != {count}}
+        if odd and count > 1 and all(s == [1] for s in odd.values()):
             raise RuntimeError(
-                f"the input of {shared} has a batch dimension of 1 while the forward's batch is {count}: broadcast "
-                "over the samples (like position ids of shape (1, T)), its output gradient sums over them. Pass that "
-                "input expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). No parameter "
-                "was changed"
+                f"the input of {', '.join(odd)} has a batch dimension of 1 while the forward's batch is {count}: "
+                "broadcast over the samples (like position ids of shape (1, T)), its output gradient sums over them. "
+                "Pass that input expanded to the batch (Hugging Face: position_ids=torch.arange(T).expand(B, T)). "
+                "No parameter was changed"
             )
-        if len(found) > 1:
-            batch = Counter(size for found_sizes in sizes.values() for size in found_sizes).most_common(1)[0][0]
-            odd = {capture.name(m): sorted(s) for m, s in sizes.items() if s != {batch}}
+        if odd:
             raise RuntimeError(
-                f"the calls of one forward disagree on its batch size: most layers see {batch} samples, but {odd}. "
-                "Either those inputs are not batched (as T5's relative_attention_bias, whose output is broadcast over "
+                f"the calls of one forward disagree on its batch size: it holds {count} samples, but {odd}. "
+                "Either those inputs are not batched (positions torch.arange(T): pass them expanded to the batch; "
+                "T5's relative_attention_bias, whose output is broadcast over "
                 "the samples: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), "
                 "or some layers see the batch along another dimension (sequence-first tensors: see batch_dim). No "
                 "parameter was changed"
             )
-        shapes = capture.model_input_shapes(forward)
-        given = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
-        if not given or count in given or any(m is capture.root for m in calls):
-            return count  # agrees, or the model is itself a layer whose call says what its samples are
+        if any(m is capture.root for m in calls):
+            return count  # the model is itself a layer: its call says what its samples are
+        if count in given:
+            self._refuse_broadcast_indices(calls, [s for s in shapes or () if len(s) > batch_dim], count)
+        if not given or count in given:
+            return count
         called = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
             f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
@@ -580,6 +585,27 @@ class ClippedSums(Reduction):
             "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
             "(batch_first=True). No parameter was changed"
         )
+
+    def _refuse_broadcast_indices(self, calls: _Calls, shapes: list[torch.Size], count: int) -> None:
+        """Where the batch equals another dimension of the model's input (batch 64, context 64), every
+        call agrees on the batch even if one holds positions (``torch.arange(T)``, broadcast over the
+        samples): refuse indices with fewer dimensions than the batched model input, whose rows are
+        not samples."""
+        batched = [s for s in shapes if s[self.batch_dim] == count]
+        others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
+        if count not in others:
+            return
+        for module, module_calls in calls.items():
+            first = module_calls[0].args[0] if module_calls[0].args else None
+            if isinstance(first, Tensor) and not first.is_floating_point() and first.dim() < min(map(len, batched)):
+                raise RuntimeError(
+                    f"{self.capture.name(module)} is called with indices of shape {tuple(first.shape)}, fewer "
+                    f"dimensions than the model's input {tuple(batched[0])}, whose batch ({count}) equals another "
+                    "of its dimensions: they are likely positions (torch.arange(T)) broadcast over the samples, "
+                    "whose gradient cannot be clipped per sample, and shapes cannot tell them from samples here. "
+                    "Pass them expanded to the batch (torch.arange(T).expand(B, T)), or pass per-sample indices to "
+                    "the model as an argument. No parameter was changed"
+                )
 
     def combine(self, a: Any, b: Any) -> Any:
         if a is None or "error" in b:

@@ -365,3 +365,36 @@ def test_coverage_names_the_layer_norm_closed_form() -> None:
     model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
     treatments = {row.treatment for row in DPSGD(model, lr=0.1).coverage()}
     assert "DPSGD: per-sample clipping (closed form for LayerNorm)" in treatments
+
+
+class _Positions(nn.Module):
+    """nanoGPT's embeddings: tokens plus positions, ``torch.arange(T)`` or expanded to the batch."""
+
+    def __init__(self, expand: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos, self.head = nn.Embedding(10, 4), nn.Embedding(6, 4), nn.Linear(4, 3)
+        self.expand = expand
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1])
+        return self.head(self.tok(idx) + self.pos(positions.expand(idx.shape) if self.expand else positions))
+
+
+@pytest.mark.parametrize(
+    ("batch", "named"), [(4, r"\{'pos': \[6\]\}"), (6, r"^pos is called with indices"), (1, r"\{'pos': \[6\]\}")]
+)
+def test_dp_refuses_positions_broadcast_over_the_samples_at_any_batch_size(batch: int, named: str) -> None:
+    # At batch 6 (the context length) every layer agreed on 6 samples, and each position's gradient,
+    # summed over the samples, was clipped as a sample's: the privacy bound held per position, silently.
+    model = _Positions(expand=False).double()
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randint(0, 10, (batch, 6))).pow(2).flatten(1).sum(1).mean().backward()
+    with pytest.raises(RuntimeError, match=named + r".*arange.*No parameter was changed"):
+        optimizer.step()
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_dp_with_positions_expanded_to_the_batch_is_exact_when_batch_equals_context() -> None:
+    assert_step_is_clipped_mean(_Positions(expand=True).double(), torch.randint(0, 10, (6, 6)))

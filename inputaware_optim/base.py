@@ -655,7 +655,10 @@ class InputAwareOptimizer(Optimizer):
         """
         inner = self.__dict__.get("_base_optimizer")
         if inner is not None:  # base=: the stock base optimizer's own step, on the shared state
-            return unhooked(type(inner).step)(inner, closure)
+            out = unhooked(type(inner).step)(inner, closure)
+            for param in inner.state:  # ``optimizer.state`` is not empty while the base's is not (checkpointers
+                self.state.setdefault(param, {})  # ask it whether to initialize; empty entries are not saved)
+            return out
         return unhooked(self._stock.step)(self, closure)
 
     def register_inputs_hook(

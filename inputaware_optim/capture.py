@@ -1080,8 +1080,9 @@ class Capture:
 
     def _warn_missing(self, warned: set[int], param: Tensor) -> None:
         modules = [m for m in self._owners.get(param, ()) if id(m) not in warned]
-        if not modules:
-            return
+        grad = param.grad
+        if not modules or (grad is not None and not (grad.coalesce().values() if grad.is_sparse else grad).any()):
+            return  # (an all-zero gradient: any rule's update of it is the stock one; say, a checkpointer's state init)
         warned.update(id(m) for m in modules)
         names = ", ".join(f"{self.name(m)} ({type(m).__name__})" for m in modules)
         key = self._log.keys.get(param)

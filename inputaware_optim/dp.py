@@ -125,26 +125,32 @@ class _PerSampleClipping(InputAwareOptimizer):
         return float(counter.get_epsilon(delta=delta))
 
     def state_dict(self) -> dict[str, Any]:
-        """The stock state dict plus the noise generator's state (a resumed run never redraws the same
-        noise, which would cancel when updates are differenced) and the privacy history."""
+        """The stock state dict with, in the first param group (where ``torch.distributed.checkpoint``,
+        which keeps only ``state`` and ``param_groups``, carries them too), the noise generator's state
+        (a resumed run never redraws the same noise, which would cancel when updates are differenced)
+        and the privacy history."""
+        state = super().state_dict()
         history = [list(entry) for entry in self._privacy_history]
-        return super().state_dict() | {"noise_generator": self._generator.get_state(), "privacy_history": history}
+        state["param_groups"][0] |= {"noise_generator": self._generator.get_state(), "privacy_history": history}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, the noise generator and privacy history with it (0.2's step count: taken to
-        be at the loaded noise multiplier, as 0.2's ``epsilon`` counted them)."""
+        """Load a state dict, the noise generator and privacy history with it (also from the top level,
+        where earlier versions kept them; 0.2's step count taken to be at the loaded noise multiplier)."""
         own = ("noise_generator", "privacy_steps", "privacy_history")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k not in own})
-        if state_dict.get("noise_generator") is not None:
-            self._generator.set_state(state_dict["noise_generator"])
-        if "privacy_history" in state_dict:
+        groups = [{k: v for k, v in g.items() if k not in own} for g in state_dict.get("param_groups", ())]
+        saved = {k: v for k, v in [*state_dict.items(), *state_dict.get("param_groups", [{}])[0].items()] if k in own}
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in own} | {"param_groups": groups})
+        if saved.get("noise_generator") is not None:
+            self._generator.set_state(saved["noise_generator"])
+        if "privacy_history" in saved:
             self._privacy_history = [
                 (float(sigma), None if rate is None else float(rate), int(steps))
-                for sigma, rate, steps in state_dict["privacy_history"]
+                for sigma, rate, steps in saved["privacy_history"]
             ]
-        elif state_dict.get("privacy_steps"):
+        elif saved.get("privacy_steps"):
             sigma = float(self.param_groups[0]["noise_multiplier"])
-            self._privacy_history = [(sigma, self._sample_rate, int(state_dict["privacy_steps"]))]
+            self._privacy_history = [(sigma, self._sample_rate, int(saved["privacy_steps"]))]
 
     def _account(self, sigma: float) -> None:
         history, rate = self._privacy_history, self._sample_rate
@@ -259,6 +265,10 @@ class _PerSampleClipping(InputAwareOptimizer):
         error = next((entry["error"] for entry in totals.values() if "error" in entry), None)
         if error is not None:
             self._raise_kept(*error)
+        if not totals and _all_zero(targets):
+            # No data in this step (torch.distributed.checkpoint initializes an optimizer's state so): no call
+            # in any gradient, every one zero. The stock step on them is data-independent; nothing is accounted.
+            return {}
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
@@ -547,14 +557,32 @@ class ClippedSums(Reduction):
         of the model has that many."""
         batch_dim, capture = self.batch_dim, self.capture
         sizes = {m: {_samples_of(m, _batch_first(c, batch_dim)) for c in cs} for m, cs in calls.items()}
-        found = set().union(*sizes.values())
-        count = max(found)
         shapes = capture.model_input_shapes(forward)
         given = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
+        count = self._agreed_batch(sizes, given)
+        if any(m is capture.root for m in calls):
+            return count  # the model is itself a layer: its call says what its samples are
+        if count in given:
+            self._refuse_broadcast_indices(calls, [s for s in shapes or () if len(s) > batch_dim], count)
+        if not given or count in given:
+            return count
+        called = ", ".join(capture.name(m) for m in list(calls)[:3])
+        raise RuntimeError(
+            f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
+            f"tensor argument of the model has {count} there (it has {sorted(given)}): a layer sees the batch along "
+            "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
+            "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
+            "(batch_first=True). No parameter was changed"
+        )
+
+    def _agreed_batch(self, sizes: dict[nn.Module, set[int]], given: set[int]) -> int:
+        """The batch every call of a forward holds; refused, naming the calls that hold another."""
+        found = set().union(*sizes.values())
+        count = max(found)
         if len(found) > 1:  # the batch: the one size the model's input has, else the most common
             known = found & given
             count = known.pop() if len(known) == 1 else max(found, key=lambda n: sum(n in s for s in sizes.values()))
-        odd = {capture.name(m): sorted(s) for m, s in sizes.items() if s != {count}}
+        odd = {self.capture.name(m): sorted(s) for m, s in sizes.items() if s != {count}}
         if odd and count > 1 and all(s == [1] for s in odd.values()):
             raise RuntimeError(
                 f"the input of {', '.join(odd)} has a batch dimension of 1 while the forward's batch is {count}: "
@@ -571,20 +599,7 @@ class ClippedSums(Reduction):
                 "or some layers see the batch along another dimension (sequence-first tensors: see batch_dim). No "
                 "parameter was changed"
             )
-        if any(m is capture.root for m in calls):
-            return count  # the model is itself a layer: its call says what its samples are
-        if count in given:
-            self._refuse_broadcast_indices(calls, [s for s in shapes or () if len(s) > batch_dim], count)
-        if not given or count in given:
-            return count
-        called = ", ".join(capture.name(m) for m in list(calls)[:3])
-        raise RuntimeError(
-            f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
-            f"tensor argument of the model has {count} there (it has {sorted(given)}): a layer sees the batch along "
-            "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
-            "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
-            "(batch_first=True). No parameter was changed"
-        )
+        return count
 
     def _refuse_broadcast_indices(self, calls: _Calls, shapes: list[torch.Size], count: int) -> None:
         """Where the batch equals another dimension of the model's input (batch 64, context 64), every
@@ -802,6 +817,12 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
             "DP (torch.nn.utils.remove_weight_norm / remove_spectral_norm)"
         )
     return None
+
+
+def _all_zero(params: list[Tensor]) -> bool:
+    """Whether every gradient of ``params`` is zero (this rank's shard of it, under FSDP2)."""
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    return not any(bool((g.coalesce().values() if g.is_sparse else g).any()) for g in grads)
 
 
 def _is_layer_norm(module: nn.Module) -> TypeGuard[nn.LayerNorm]:

@@ -260,6 +260,16 @@ class KroneckerRule(InputAwareSGD):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        steps = max((g.get("schedule_step", 0) for g in state_dict.get("param_groups", ())), default=0)
+        entries = [e for entry in state_dict.get("state", {}).values() for e in (entry, entry.get("rule_state", {}))]
+        if steps and self._layers(self.reads_capability) and not any("statistics_steps" in e for e in entries):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: the state took {steps} steps but holds no layer's statistics. "
+                "A checkpointer that loads into the keys a fresh optimizer has leaves them out: "
+                "torch.distributed.checkpoint's template from get_optimizer_state_dict holds what one step on zero "
+                "gradients creates. Take one training step before building the template, or save state_dict() "
+                "whole. Nothing was loaded"
+            )
         super().load_state_dict(state_dict)
         self._arm_statistics()  # the loaded schedule decides the coming step
 

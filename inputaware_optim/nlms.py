@@ -41,18 +41,20 @@ class NLMS(InputAwareSGD):
     of every call of the step (and of every data-parallel rank):
 
     .. math::
-        g \leftarrow \frac{g}{\varepsilon + \frac{1}{N}\sum_{n=1}^{N} \lVert \tilde x_n \rVert^2}
+        g \leftarrow \frac{g}{\lambda + \frac{1}{N}\sum_{n=1}^{N} \lVert \tilde x_n \rVert^2}
 
     then the SGD update. For one sample and loss :math:`\tfrac12 e^2` this is the textbook
-    :math:`w \leftarrow w + \mu\, e\, x / (\varepsilon + \lVert x\rVert^2)`. Other parameters take plain SGD.
+    :math:`w \leftarrow w + \mu\, e\, x / (\lambda + \lVert x\rVert^2)`. Other parameters take plain SGD.
 
     Args:
         model: The model.
         lr: Learning rate :math:`\mu` (stable for :math:`0 < \mu < 2` on least squares).
-        eps: :math:`\varepsilon`, the regularizer of the normalization (>= 0).
+        damping: :math:`\lambda` (>= 0), added to the input power (the textbook's :math:`\varepsilon`; named
+            as the other rules name what they add before inverting, and apart from a base's ``eps``).
         params: Parameters or param groups of ``model`` (default: all that require grad).
-        **sgd_kwargs: Any other ``torch.optim.SGD`` argument (``momentum``, ``weight_decay``, ...)
-            and ``storage``.
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument (``momentum``, ``weight_decay``, ...),
+            ``storage``, or ``base=`` (a stock optimizer class to take the update instead of SGD) and
+            its arguments (``eps`` is the base's).
 
     Reference:
         Simon Haykin, "Adaptive Filter Theory", chapter on normalized LMS.
@@ -63,11 +65,22 @@ class NLMS(InputAwareSGD):
     _power: InputPower
 
     def __init__(
-        self, model: nn.Module, lr: float | None = None, eps: float = 1e-6, *, params: Any = None, **sgd_kwargs: Any
+        self,
+        model: nn.Module,
+        lr: float | None = None,
+        damping: float = 1e-6,
+        *,
+        params: Any = None,
+        **sgd_kwargs: Any,
     ) -> None:
         if lr is None:
             raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        self._eps = eps
+        if "eps" in sgd_kwargs and sgd_kwargs.get("base") is None:
+            raise TypeError(
+                "NLMS's eps was renamed damping (it is added to the input power, as the other rules add their "
+                "damping before inverting; eps is a base optimizer's own, as AdamW's with base=torch.optim.AdamW)"
+            )
+        self._damping = damping
         super().__init__(model, params, lr=lr, **sgd_kwargs)
         self._warn_if_no_layers("input_rows", "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)")
 
@@ -78,7 +91,7 @@ class NLMS(InputAwareSGD):
         return {"_power": InputPower(self._layers("input_rows"))}
 
     def _check_param_groups(self) -> None:
-        self._set_group_defaults(eps=self._eps)
+        self._set_group_defaults(damping=self._damping)
         for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
             self._check_group(group)
         meshes = {p.device_mesh.ndim for p in self._params() if sharded(p)}  # type: ignore[attr-defined]
@@ -88,9 +101,20 @@ class NLMS(InputAwareSGD):
                 "must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use DistributedDataParallel"
             )
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.__dict__.get("_base_optimizer") is None:  # a checkpoint from before the rename: its eps is damping
+            groups = [
+                {**{k: v for k, v in g.items() if k != "eps"}, "damping": g.get("damping", g["eps"])}
+                if "eps" in g
+                else g
+                for g in state_dict.get("param_groups", ())
+            ]
+            state_dict = {**state_dict, "param_groups": groups}
+        super().load_state_dict(state_dict)
+
     def _check_group(self, group: dict[str, Any]) -> None:
-        if not 0.0 <= group["eps"] < math.inf:
-            raise ValueError(f"Invalid eps: {group['eps']} (must be finite and >= 0)")
+        if not 0.0 <= group["damping"] < math.inf:
+            raise ValueError(f"Invalid damping: {group['damping']} (must be finite and >= 0)")
 
     @torch.no_grad()
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
@@ -102,7 +126,7 @@ class NLMS(InputAwareSGD):
         layers, sums = summed_over_ranks(inputs, totals, layers, _zero_power, self.data_parallel_group)
         for layer, layer_sums in zip(layers, sums, strict=True):
             power, count = layer_sums["input"]
-            scale = 1.0 / (layer.group["eps"] + power / count)
+            scale = 1.0 / (layer.group["damping"] + power / count)
             for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
                 if param is not None and param.grad is not None:
                     grad = local_tensor(param.grad)

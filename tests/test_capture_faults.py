@@ -59,7 +59,7 @@ PENALTIES = {"input": penalized_loss_of, "parameters": parameter_penalized_loss_
 def make(rule: str, model: nn.Module) -> Any:
     if rule == "FOOF":
         return FOOF(model, lr=LR, momentum=0.0, damping=DAMPING, stat_decay=DECAY, update_every=1)
-    return NLMS(model, lr=LR, eps=EPS)
+    return NLMS(model, lr=LR, damping=EPS)
 
 
 class ByHand:

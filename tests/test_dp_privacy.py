@@ -213,6 +213,39 @@ def test_a_raised_noise_does_not_lower_the_epsilon_already_spent_and_a_resumed_r
     assert resumed.epsilon(1e-5) == pytest.approx(optimizer.epsilon(1e-5), rel=1e-12)
 
 
+def test_a_torch_distributed_checkpoint_round_trip_keeps_the_noise_and_the_privacy_history(tmp_path: Any) -> None:
+    """torch.distributed.checkpoint (how FSDP2 runs save) keeps only ``state`` and ``param_groups``:
+    the noise generator and the privacy history, kept beside them, were dropped (a resumed run
+    redrew the noise of its first steps and reported the epsilon of its own steps only), and its
+    state initialization (a step on zero gradients, no backward) was refused. Now the resumed run
+    is the uninterrupted one, bitwise, with its whole history."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    def make() -> tuple[nn.Module, DPSGD]:
+        torch.manual_seed(0)
+        model = nn.Linear(5, 2).double()
+        generator = torch.Generator().manual_seed(0)
+        return model, DPSGD(model, lr=0.1, noise_multiplier=0.6, sample_rate=0.05, generator=generator)
+
+    uninterrupted, reference = make()
+    private_steps(reference, uninterrupted, [0.6] * 6)
+    model, optimizer = make()
+    private_steps(optimizer, model, [0.6] * 3)
+    dcp.save({"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp_path)
+    resumed_model, resumed = make()
+    loaded = {"model": resumed_model.state_dict(), "optim": get_optimizer_state_dict(resumed_model, resumed)}
+    dcp.load(loaded, checkpoint_id=tmp_path)
+    resumed_model.load_state_dict(loaded["model"])
+    set_optimizer_state_dict(resumed_model, resumed, loaded["optim"])
+    assert resumed.privacy_history == [(0.6, 0.05, 3)]
+    private_steps(resumed, resumed_model, [0.6] * 3, seed=3)
+    assert resumed.privacy_history == reference.privacy_history == [(0.6, 0.05, 6)]
+    assert torch.equal(resumed_model.weight, uninterrupted.weight) and torch.equal(
+        resumed_model.bias, uninterrupted.bias
+    )
+
+
 # -- 7. empty batches --------------------------------------------------------------------------
 
 EMPTY_BATCHES = {

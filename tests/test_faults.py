@@ -58,7 +58,7 @@ def test_a_weight_shared_by_two_modules_is_one_layer_with_both_calls(cls: type) 
             return self.second(torch.tanh(self.first(x))).pow(2).sum()
 
     model = Shared().double()
-    kwargs = {"update_every": 1, "momentum": 0.0, "damping": 0.1} if cls is FOOF else {"eps": 1e-6}
+    kwargs = {"update_every": 1, "momentum": 0.0, "damping": 0.1} if cls is FOOF else {"damping": 1e-6}
     optimizer = cls(model, lr=1.0, **kwargs)
     x = torch.randn(6, 4, dtype=torch.float64)
     optimizer.zero_grad()
@@ -241,7 +241,7 @@ def test_add_param_group_keeps_torchs_errors_and_the_rules_validation() -> None:
     ("cls", "kwargs", "message"),
     [
         (FOOF, {"damping": float("inf")}, "Invalid damping"),
-        (NLMS, {"eps": float("inf")}, "Invalid eps"),
+        (NLMS, {"damping": float("inf")}, "Invalid damping"),
         (DPSGD, {"max_grad_norm": float("inf")}, "Invalid max_grad_norm"),
         (DPSGD, {"noise_multiplier": float("inf")}, "Invalid noise_multiplier"),
         (KFAC, {"loss_reduction": "no"}, "Invalid loss_reduction"),
@@ -265,7 +265,7 @@ def test_hyperparameters_that_cannot_work_are_refused_at_construction(
         (KFAC, "statistics_every", 0),
         (KFAC, "loss_reduction", "avg"),
         (Eva, "kl_clip", -1.0),
-        (NLMS, "eps", -1.0),
+        (NLMS, "damping", -1.0),
         (DPSGD, "max_grad_norm", -1.0),
     ],
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given
@@ -15,7 +17,7 @@ def test_follows_the_textbook_recursion() -> None:
     torch.manual_seed(0)
     d, mu, eps = 5, 0.5, 1e-3
     layer = nn.Linear(d, 1, bias=False).double()
-    optimizer = NLMS(layer, lr=mu, eps=eps)
+    optimizer = NLMS(layer, lr=mu, damping=eps)
     w = layer.weight.detach().clone().reshape(-1)
     target = torch.randn(d, dtype=torch.float64)
     for _ in range(50):
@@ -68,7 +70,7 @@ def test_prediction_change_is_invariant_to_input_scale(scale: float, batch: int,
         layer = nn.Linear(3, 2, bias=False).double()
         with torch.no_grad():
             layer.weight.copy_(torch.arange(6, dtype=torch.float64).reshape(2, 3) / 10 / c)
-        optimizer = NLMS(layer, lr=0.7, eps=0.0)
+        optimizer = NLMS(layer, lr=0.7, damping=0.0)
         (0.5 * (layer(x * c) - y).pow(2).sum()).backward()
         optimizer.step()
         predictions.append(layer(x * c).detach())
@@ -78,7 +80,7 @@ def test_prediction_change_is_invariant_to_input_scale(scale: float, batch: int,
 def test_normalizes_by_the_mean_power_over_every_call_with_the_bias_coordinate() -> None:
     torch.manual_seed(0)
     layer = nn.Linear(3, 2)
-    optimizer = NLMS(layer, lr=1.0, eps=0.1)
+    optimizer = NLMS(layer, lr=1.0, damping=0.1)
     xs = [torch.randn(2, 3), torch.randn(4, 3)]
     for x in xs:
         layer(x).sum().backward()
@@ -91,9 +93,37 @@ def test_normalizes_by_the_mean_power_over_every_call_with_the_bias_coordinate()
         torch.testing.assert_close(p.detach(), b - g / (0.1 + power))
 
 
-def test_bad_eps() -> None:
-    with pytest.raises(ValueError, match="Invalid eps"):
-        NLMS(nn.Linear(2, 2), lr=0.1, eps=-1.0)
+def test_bad_damping_and_the_renamed_eps() -> None:
+    with pytest.raises(ValueError, match="Invalid damping"):
+        NLMS(nn.Linear(2, 2), lr=0.1, damping=-1.0)
+    with pytest.raises(TypeError, match="NLMS's eps was renamed damping"):
+        NLMS(nn.Linear(2, 2), lr=0.1, eps=1e-6)
+
+
+@pytest.mark.parametrize("base", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop])
+def test_the_damping_is_its_own_beside_a_base_that_has_an_eps(base: type) -> None:
+    # NLMS's regularizer was the group's "eps", which the base's own eps (1e-8) already held: with
+    # base=AdamW the normalization used AdamW's eps and ignored NLMS's, silently.
+    layer = nn.Linear(3, 1, bias=False)
+    reference = copy.deepcopy(layer)
+    optimizer = NLMS(layer, lr=0.1, damping=0.5, base=base, eps=1e-3)
+    stock = base(reference.parameters(), lr=0.1, eps=1e-3)
+    assert optimizer.param_groups[0]["damping"] == 0.5 and optimizer.param_groups[0]["eps"] == 1e-3
+    x = torch.full((1, 3), 0.1)
+    layer(x).sum().backward()
+    reference.weight.grad = layer.weight.grad / (0.5 + x.pow(2).sum())  # the rule's gradient, by hand
+    optimizer.step()
+    stock.step()
+    assert torch.equal(layer.weight, reference.weight)
+
+
+def test_a_checkpoint_from_before_the_rename_loads_its_eps_as_the_damping() -> None:
+    optimizer = NLMS(nn.Linear(2, 2), lr=0.1)
+    state = optimizer.state_dict()
+    del state["param_groups"][0]["damping"]
+    state["param_groups"][0]["eps"] = 0.25
+    optimizer.load_state_dict(state)
+    assert optimizer.param_groups[0]["damping"] == 0.25 and "eps" not in optimizer.param_groups[0]
 
 
 def test_gradient_accumulation_equals_the_concatenated_batch() -> None:

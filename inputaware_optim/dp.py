@@ -265,9 +265,11 @@ class _PerSampleClipping(InputAwareOptimizer):
         error = next((entry["error"] for entry in totals.values() if "error" in entry), None)
         if error is not None:
             self._raise_kept(*error)
-        if not totals and _all_zero(targets):
-            # No data in this step (torch.distributed.checkpoint initializes an optimizer's state so): no call
-            # in any gradient, every one zero. The stock step on them is data-independent; nothing is accounted.
+        if not totals and _no_release(self.param_groups, targets):
+            # No data and no release (torch.distributed.checkpoint initializes an optimizer's state so): no call
+            # in any gradient, every one zero, at learning rate 0. The stock step on them is data-independent and
+            # moves no parameter; nothing is accounted. (At another rate it is refused: a skipped empty batch
+            # must still be noised.)
             return {}
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
@@ -819,8 +821,10 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
     return None
 
 
-def _all_zero(params: list[Tensor]) -> bool:
-    """Whether every gradient of ``params`` is zero (this rank's shard of it, under FSDP2)."""
+def _no_release(groups: list[dict[str, Any]], params: list[Tensor]) -> bool:
+    """Whether every learning rate is 0 and every gradient of ``params`` zero (this rank's shard, under FSDP2)."""
+    if any(float(g["lr"]) != 0 for g in groups):
+        return False
     grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     return not any(bool((g.coalesce().values() if g.is_sparse else g).any()) for g in grads)
 

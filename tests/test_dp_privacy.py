@@ -693,3 +693,20 @@ def test_a_copied_optimizer_steps_as_the_original_with_its_noise_and_history() -
         assert each.privacy_history == optimizer.privacy_history == [(1.0, 0.1, 1), (2.0, 0.1, 2)]
         for p, q in zip(each.model.parameters(), model.parameters(), strict=True):
             assert torch.equal(p, q)
+
+
+def test_zero_gradients_without_a_backward_are_a_step_without_data_only_at_learning_rate_0() -> None:
+    # At learning rate 0 (torch.distributed.checkpoint's state initialization) nothing is released;
+    # at any other rate a step the caller took without a forward (a skipped empty Poisson batch)
+    # must still be noised as an empty batch is, so it is refused, as before.
+    model = nn.Linear(5, 2).double()
+    optimizer = DPSGD(model, lr=0.1, noise_multiplier=1.0, sample_rate=0.05)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    with pytest.raises(RuntimeError, match="no forward call"):
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    assert optimizer.privacy_history == []
+    assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))

@@ -282,6 +282,8 @@ class LazyAdamW(InputAwareAdamW):
         """The rows of ``weight`` (a dense gradient) to update this step (``None``: update it densely)."""
         rows = touched.get(weight)
         extra = self._rows.take(weight)
+        if rows is None and not bool(local_tensor(weight.grad).any()):  # type: ignore[arg-type]
+            return torch.zeros(0, dtype=torch.long, device=weight.device)  # a zero gradient touches no row
         if rows is None:
             inputs.get(weight)  # (warns that the table falls back to the dense update)
             return None

@@ -529,3 +529,30 @@ def test_every_argument_is_in_the_signature_and_a_foreign_one_is_refused_by_name
     documented = LazyAdamW.__doc__ or ""
     for name in names - {"self"}:
         assert f"\n        {name}: " in documented, name
+
+
+def test_a_table_with_a_zero_gradient_and_no_call_moves_no_row() -> None:
+    # A table unused in a step whose gradients were zeroed in place (zero_grad(set_to_none=False)) has
+    # a zero gradient and no call: the rule touches no row. It was warned about and updated densely
+    # (every row with momentum moved); a later change had silenced the warning.
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.head = nn.Embedding(10, 4), nn.Embedding(10, 4), nn.Linear(4, 1)
+
+        def forward(self, tokens: torch.Tensor, use_b: bool) -> torch.Tensor:
+            return self.head(self.a(tokens) + (self.b(tokens) if use_b else 0)).sum()
+
+    model, tokens = Two(), torch.tensor([[1, 2]])
+    optimizer = LazyAdamW(model, lr=0.1)
+    optimizer.zero_grad()
+    model(tokens, True).backward()
+    optimizer.step()
+    weight, moments = model.b.weight.detach().clone(), optimizer.state[model.b.weight]["exp_avg"].clone()
+    optimizer.zero_grad(set_to_none=False)
+    model(tokens, False).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.step()
+    assert torch.equal(model.b.weight, weight) and torch.equal(optimizer.state[model.b.weight]["exp_avg"], moments)

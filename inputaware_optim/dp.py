@@ -562,12 +562,10 @@ class ClippedSums(Reduction):
         shapes = capture.model_input_shapes(forward)
         given = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
         count = self._agreed_batch(sizes, given)
-        if any(m is capture.root for m in calls):
-            return count  # the model is itself a layer: its call says what its samples are
-        if count in given:
-            self._refuse_broadcast_indices(calls, [s for s in shapes or () if len(s) > batch_dim], count)
-        if not given or count in given:
-            return count
+        if count in given and count > 1:
+            self._refuse_broadcast_inputs(calls, [s for s in shapes or () if len(s) > batch_dim], count)
+        if not given or count in given or any(m is capture.root for m in calls):
+            return count  # agrees, or the model is itself a layer whose call says what its samples are
         called = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
             f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
@@ -603,18 +601,27 @@ class ClippedSums(Reduction):
             )
         return count
 
-    def _refuse_broadcast_indices(self, calls: _Calls, shapes: list[torch.Size], count: int) -> None:
-        """Where the batch equals another dimension of the model's input (batch 64, context 64), every
-        call agrees on the batch even if one holds positions (``torch.arange(T)``, broadcast over the
-        samples): refuse indices with fewer dimensions than the batched model input, whose rows are
-        not samples."""
+    def _refuse_broadcast_inputs(self, calls: _Calls, shapes: list[torch.Size], count: int) -> None:
+        """Calls whose inputs are not batched although their size says so: a parameter itself (learned
+        queries, before they are expanded to the batch), and, where the batch equals another dimension
+        of the model's input (batch 64, context 64), indices with fewer dimensions than that input
+        (positions ``torch.arange(T)``). Their outputs are broadcast over the samples."""
         batched = [s for s in shapes if s[self.batch_dim] == count]
         others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
-        if count not in others:
-            return
+        params = {(p.data_ptr(), p.shape): n for n, p in self.capture.root.named_parameters()}
         for module, module_calls in calls.items():
             first = module_calls[0].args[0] if module_calls[0].args else None
-            if isinstance(first, Tensor) and not first.is_floating_point() and first.dim() < min(map(len, batched)):
+            if not isinstance(first, Tensor):
+                continue
+            name = params.get((first.data_ptr(), first.shape)) if first.is_floating_point() else None
+            if name is not None:
+                raise RuntimeError(
+                    f"{self.capture.name(module)} is called on the parameter {name} itself, the same for every "
+                    "sample: its output is broadcast over the batch, so its gradient cannot be clipped per sample. "
+                    f"Expand it to the batch before the call ({name}.expand(B, ...)), or freeze that layer. No "
+                    "parameter was changed"
+                )
+            if count in others and not first.is_floating_point() and first.dim() < min(map(len, batched)):
                 raise RuntimeError(
                     f"{self.capture.name(module)} is called with indices of shape {tuple(first.shape)}, fewer "
                     f"dimensions than the model's input {tuple(batched[0])}, whose batch ({count}) equals another "

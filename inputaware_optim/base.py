@@ -418,9 +418,13 @@ class InputAwareOptimizer(Optimizer):
         cache = self.__dict__.setdefault("_kept_cache", {})
         kept = cache.get(key)
         watched = self.capture.modules
-        # The group dicts and parameters themselves (kept, so an object compared later is never a reused id).
+        # The group dicts and parameters themselves (kept, so an object compared later is never a reused id),
+        # and what each watched module registers by name (pruning or a parametrization moves its weight).
         now = [x for group in self.param_groups for x in (group, *group["params"])]
+        now += [x for module in watched for item in module._parameters.items() for x in item]
         if kept is None or kept[0] != watched or len(kept[1]) != len(now) or not all(map(operator.is_, kept[1], now)):
+            if kept is not None:  # the layers changed: the fallbacks are reported again at the next step
+                self._coverage_checked = False
             kept = cache[key] = (watched, now, compute())
         return kept[2]
 
@@ -498,10 +502,7 @@ class InputAwareOptimizer(Optimizer):
         if module is None:
             return "not a parameter of any module (used functionally)", matrix
         if param is not weight_or_none(module):
-            if param is bias_of(module) and layer_kind(module) is not None:
-                return "its layer is not covered, or the bias is trained apart from the weight", False
-            name = next((n for n, p in module._parameters.items() if p is param), "?")
-            return f"{type(module).__name__}.{name} is not a weight matrix", matrix
+            return _not_the_weight(param, module), matrix and param is not bias_of(module)
         kind = layer_kind(module)
         if kind is None:
             return why_no_kind(module), matrix
@@ -582,13 +583,7 @@ class InputAwareOptimizer(Optimizer):
     def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The outermost step, once torch's wrapper ran the step pre-hooks (``args`` are theirs)."""
         try:
-            for index, group in enumerate(self.param_groups):
-                try:
-                    self._check_group(group)
-                except ValueError as error:
-                    raise ValueError(f"param group {index}: {error}. No parameter was changed") from None
-            if not self._coverage_checked:
-                self._check_coverage()
+            self._check_before_step()
             if self._amp_skips_step():
                 return None
             closure, inputs = _step_arguments(args, kwargs)
@@ -626,6 +621,18 @@ class InputAwareOptimizer(Optimizer):
             raise
         finally:
             self._unscaled_by = None
+
+    def _check_before_step(self) -> None:
+        """The groups' values as they are now, and (once, and after the layers changed) the coverage report."""
+        for index, group in enumerate(self.param_groups):
+            try:
+                self._check_group(group)
+            except ValueError as error:
+                raise ValueError(f"param group {index}: {error}. No parameter was changed") from None
+        if self.reads_capability is not None:
+            self._layers(self.reads_capability)  # (a layout changed since re-arms the coverage report)
+        if not self._coverage_checked:
+            self._check_coverage()
 
     def _resolve_inputs(self, inputs: Any) -> Inputs:
         if inputs is None:
@@ -748,6 +755,17 @@ def _rebuilt(
     optimizer = cls(*args, **kwargs)
     optimizer.load_state_dict(state)
     return optimizer
+
+
+def _not_the_weight(param: Tensor, module: nn.Module) -> str:
+    """Why ``param``, a parameter of ``module`` other than its weight matrix, is left to the stock update."""
+    kind = layer_kind(module)
+    if param is bias_of(module) and kind is not None:
+        return "its layer is not covered, or the bias is trained apart from the weight"
+    name = next((n for n, p in module._parameters.items() if p is param), "?")
+    if kind is not None and module._parameters.get(kind.weight_name) is None:  # computed from ``param``
+        return f"its {kind.weight_name} is computed from {name} (pruning, weight_norm or a parametrization)"
+    return f"{type(module).__name__}.{name} is not a weight matrix"
 
 
 def _with_base_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:

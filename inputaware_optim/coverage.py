@@ -70,7 +70,10 @@ _UNREGISTERED = (
     ),
     ("`nn.LSTM`, `nn.GRU`, `nn.RNN` and their cells", (_FALLBACK,) * 3 + ("stock", "refused")),
     ("`nn.BatchNorm*d` in training mode", ("stock", "stock", "stock", "stock", "refused")),
-    ("weights under `weight_norm` / `spectral_norm`", (_FALLBACK,) * 3 + ("stock", "refused")),
+    (
+        "weights under `weight_norm`, `spectral_norm` or `prune` (before or during training)",
+        (_FALLBACK,) * 3 + ("stock", "refused"),
+    ),
     ("any layer with complex weights", (_FALLBACK,) * 3 + ("stock", "refused")),
 )
 

@@ -229,11 +229,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         """Replace every gradient by its clipped, noised estimate, then take the stock step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        trained = frozenset(p for p in self._params() if p.requires_grad)
-        if trained != self.__dict__.get("_checked_trained"):  # requires_grad changed since: check again
-            self._refuse_unsupported_layers()
-            self._checked_trained = trained
         root = unwrap_model(self.model)
+        # requires_grad, or what a module registers (pruning and parametrizations move a weight), changed since
+        checked = (
+            frozenset(p for p in self._params() if p.requires_grad),
+            [(m, tuple(m._parameters)) for m in root.modules()],
+        )
+        if checked != self.__dict__.get("_checked_layout"):
+            self._refuse_unsupported_layers()
+            self._checked_layout = checked
         mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BATCH_NORMS) and m.training]
         if mixing:  # even without parameters, a batch norm in training mode mixes the samples
             raise RuntimeError(
@@ -822,8 +826,8 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
     if unknown:
         return (
             f"its parameters {', '.join(unknown)} are not the weight and bias its layer is computed with (a "
-            "weight_norm / spectral_norm hook derives the weight from them). Remove the hook before training with "
-            "DP (torch.nn.utils.remove_weight_norm / remove_spectral_norm)"
+            "pruning, weight_norm or spectral_norm hook derives the weight from them). Remove the hook before "
+            "training with DP (torch.nn.utils.prune.remove, remove_weight_norm, remove_spectral_norm)"
         )
     return None
 

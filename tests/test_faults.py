@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, CoverageWarning, Eva, InputAwareSGD, LazyAdamW
 
@@ -464,3 +466,37 @@ def test_a_complex_layer_falls_back_to_the_stock_update_with_the_reason(cls: typ
 def test_dp_refuses_complex_parameters_by_module() -> None:
     with pytest.raises(ValueError, match=r"per-sample gradients of complex \(Linear\): its parameters are complex"):
         DPSGD(_HalfComplex(), lr=0.1, max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("cls", [FOOF, KFAC, Eva, NLMS])
+def test_a_layer_pruned_mid_run_falls_back_with_the_reason_and_dp_refuses_it(cls: type) -> None:
+    # torch.nn.utils.prune moves a weight to weight_orig and computes the weight in a hook. The rules
+    # kept the layer they had found: they read the computed weight's .grad (torch warned of a non-leaf
+    # tensor), left weight_orig to plain SGD without a word and reported the bias as preconditioned.
+    model, x = mlp(), torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    optimizer = cls(model, lr=0.1, momentum=0.0)
+    model(x).sum().backward()
+    optimizer.step()
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    pruned = {name: (p.detach().clone(), p.grad.clone()) for name, p in model[0].named_parameters()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    messages = [str(w.message) for w in caught]
+    assert any("0.weight_orig (Linear): its weight is computed from weight_orig" in m for m in messages), messages
+    assert {w.filename for w in caught if issubclass(w.category, CoverageWarning)} == {__file__}  # step()'s caller
+    assert not any("not a leaf Tensor" in m for m in messages), messages
+    treatments = {row.name: row.treatment for row in optimizer.coverage()}
+    assert treatments["0.weight_orig"].startswith("stock") and treatments["0.bias"].startswith("stock")
+    assert not treatments["2.weight"].startswith("stock")
+    for name, param in model[0].named_parameters():  # plain SGD without momentum
+        before, grad = pruned[name]
+        torch.testing.assert_close(param.detach(), before - 0.1 * grad, rtol=0, atol=1e-7)
+    dp_model = mlp()
+    dp = DPSGD(dp_model, lr=0.1, noise_multiplier=0.0)
+    prune.l1_unstructured(dp_model[0], "weight", amount=0.5)
+    dp_model(x).sum().backward()
+    with pytest.raises(ValueError, match=r"0 \(Linear\): its parameters weight_orig.*prune\.remove"):
+        dp.step()

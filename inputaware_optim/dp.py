@@ -575,8 +575,10 @@ class ClippedSums(Reduction):
             f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
             f"tensor argument of the model has {count} there (it has {sorted(given)}): a layer sees the batch along "
             "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
-            "sample. Pass batch_dim=1 if every layer gets (T, B, ...), or keep the batch first throughout "
-            "(batch_first=True). No parameter was changed"
+            "sample; or each call holds one sample (a layer called on one sample at a time, its input without the "
+            "batch dimension), where DP clips a sample by its row in every call. Pass batch_dim=1 if every layer "
+            "gets (T, B, ...), keep the batch first throughout (batch_first=True), and call each layer on the "
+            "whole batch. No parameter was changed"
         )
 
     def _agreed_batch(self, sizes: dict[nn.Module, set[int]], given: set[int]) -> int:
@@ -600,8 +602,9 @@ class ClippedSums(Reduction):
                 "Either those inputs are not batched (positions torch.arange(T): pass them expanded to the batch; "
                 "T5's relative_attention_bias, whose output is broadcast over "
                 "the samples: leave its parameters out of the optimizer, or freeze them with requires_grad_(False)), "
-                "or some layers see the batch along another dimension (sequence-first tensors: see batch_dim). No "
-                "parameter was changed"
+                "or some layers see the batch along another dimension (sequence-first tensors: see batch_dim), or "
+                "are called on one sample at a time (an input without its batch dimension: call them on the batch). "
+                "No parameter was changed"
             )
         return count
 

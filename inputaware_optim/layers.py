@@ -447,6 +447,9 @@ class LinearKind(_WeightMatrix):
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
         return sum(x.shape[0] if x.dim() > 1 else 1 for x in entry.inputs())
 
+    def samples(self, module: nn.Module, call: Call) -> int:
+        return int(call.input.shape[0]) if call.input.dim() > 1 else 1  # (an unbatched input: one sample)
+
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
         if x.dim() == 1:
@@ -492,6 +495,9 @@ class ConvKind(_WeightMatrix):
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
         dims = weight_of(module).dim()
         return sum(x.shape[0] if x.dim() == dims else 1 for x in entry.inputs())
+
+    def samples(self, module: nn.Module, call: Call) -> int:
+        return int(call.input.shape[0]) if call.input.dim() == weight_of(module).dim() else 1  # (unbatched: one)
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         groups = self.blocks(module)

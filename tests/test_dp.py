@@ -424,3 +424,29 @@ def test_dp_refuses_a_layer_called_on_a_parameter_when_its_rows_pass_for_samples
     with pytest.raises(RuntimeError, match=r"proj is called on the parameter queries itself.*expand"):
         optimizer.step()
     assert_step_is_clipped_mean(_Queries(expand=True).double(), torch.randn(4, 4, 3, dtype=torch.float64))
+
+
+class _OneAtATime(nn.Module):
+    """A layer called on one sample at a time (its input without the batch dimension)."""
+
+    def __init__(self, conv: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Conv2d(3, 2, 3) if conv else nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.layer(sample) for sample in x]).flatten(1)
+
+
+@pytest.mark.parametrize("conv", [False, True], ids=["Linear", "Conv2d"])
+def test_dp_refuses_a_layer_called_on_one_sample_at_a_time_and_is_exact_for_one(conv: bool) -> None:
+    # A call without the batch dimension holds one sample, but DP counted its leading dimension as
+    # samples: with a batch as large as the features (4) or the channels (3, RGB), each feature or
+    # channel was clipped as a sample, silently.
+    shape = (3, 5, 5) if conv else (4,)
+    model = _OneAtATime(conv).double()
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    model(torch.randn(shape[0], *shape, dtype=torch.float64)).pow(2).sum(1).mean().backward()
+    with pytest.raises(RuntimeError, match=r"called on one sample at a time.*No parameter was changed"):
+        optimizer.step()
+    assert_step_is_clipped_mean(_OneAtATime(conv).double(), torch.randn(1, *shape, dtype=torch.float64))

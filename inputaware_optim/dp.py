@@ -609,13 +609,15 @@ class ClippedSums(Reduction):
         return count
 
     def _refuse_broadcast_inputs(self, calls: _Calls, shapes: list[torch.Size], count: int) -> None:
-        """Calls whose inputs are not batched although their size says so: a parameter itself (learned
-        queries, before they are expanded to the batch), and, where the batch equals another dimension
-        of the model's input (batch 64, context 64), indices with fewer dimensions than that input
-        (positions ``torch.arange(T)``). Their outputs are broadcast over the samples."""
+        """Calls whose inputs are not batched although their size says so: a parameter or buffer itself
+        (learned queries before they are expanded to the batch, a memory bank), and, where the batch
+        equals another dimension of the model's input (batch 64, context 64), indices with fewer
+        dimensions than that input (positions ``torch.arange(T)``). Their outputs are broadcast over
+        the samples."""
         batched = [s for s in shapes if s[self.batch_dim] == count]
         others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
-        params = {(p.data_ptr(), p.shape): n for n, p in self.capture.root.named_parameters()}
+        root = self.capture.root  # (a parameter or a buffer, as a memory bank of keys)
+        params = {(t.data_ptr(), t.shape): n for n, t in [*root.named_buffers(), *root.named_parameters()]}
         for module, module_calls in calls.items():
             first = module_calls[0].args[0] if module_calls[0].args else None
             if not isinstance(first, Tensor):
@@ -623,7 +625,7 @@ class ClippedSums(Reduction):
             name = params.get((first.data_ptr(), first.shape)) if first.is_floating_point() else None
             if name is not None:
                 raise RuntimeError(
-                    f"{self.capture.name(module)} is called on the parameter {name} itself, the same for every "
+                    f"{self.capture.name(module)} is called on the model's tensor {name} itself, the same for every "
                     "sample: its output is broadcast over the batch, so its gradient cannot be clipped per sample. "
                     f"Expand it to the batch before the call ({name}.expand(B, ...)), or freeze that layer. No "
                     "parameter was changed"

@@ -403,10 +403,14 @@ def test_dp_with_positions_expanded_to_the_batch_is_exact_when_batch_equals_cont
 class _Queries(nn.Module):
     """Learned queries (a parameter of the model) through a layer, beside the batch."""
 
-    def __init__(self, expand: bool) -> None:
+    def __init__(self, expand: bool, buffer: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.queries, self.proj, self.inp = nn.Parameter(torch.randn(4, 3)), nn.Linear(3, 3), nn.Linear(3, 3)
+        self.proj, self.inp = nn.Linear(3, 3), nn.Linear(3, 3)
+        if buffer:  # a memory bank
+            self.register_buffer("queries", torch.randn(4, 3))
+        else:
+            self.queries = nn.Parameter(torch.randn(4, 3))
         self.expand = expand
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -414,14 +418,15 @@ class _Queries(nn.Module):
         return (self.inp(x) * self.proj(queries)).sum(2)
 
 
-def test_dp_refuses_a_layer_called_on_a_parameter_when_its_rows_pass_for_samples() -> None:
+@pytest.mark.parametrize("buffer", [False, True], ids=["parameter", "buffer"])
+def test_dp_refuses_a_layer_called_on_a_parameter_when_its_rows_pass_for_samples(buffer: bool) -> None:
     # With 4 queries and a batch of 4 the layer's rows passed for samples: each query's gradient,
     # summed over the batch, was clipped as a sample's. (The model owning a parameter itself also
     # skipped every batch check.) Expanded to the batch, it is exact.
-    model = _Queries(expand=False).double()
+    model = _Queries(expand=False, buffer=buffer).double()
     optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
     model(torch.randn(4, 4, 3, dtype=torch.float64)).pow(2).flatten(1).sum(1).mean().backward()
-    with pytest.raises(RuntimeError, match=r"proj is called on the parameter queries itself.*expand"):
+    with pytest.raises(RuntimeError, match=r"proj is called on the model's tensor queries itself.*expand"):
         optimizer.step()
     assert_step_is_clipped_mean(_Queries(expand=True).double(), torch.randn(4, 4, 3, dtype=torch.float64))
 

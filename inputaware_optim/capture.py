@@ -48,6 +48,7 @@ class _Record:
     # gradient): it waits for the next pass, its readers' forward results kept in forward_kept.
     rearm: bool = False
     forward_kept: list[Any] | None = None
+    output: Any = None  # compiled code's call: what it returned, until its readers' forward (Reduction.reads_output)
 
     def view(self) -> Call:
         return Call(self.module, _detached(self.args), _detached(self.kwargs or {}), self.slot, self.forward)
@@ -156,6 +157,7 @@ class _Log:
         self.released_some = False  # the last clear released what some key held
         self.error: str | Exception | None = None
         self.grad_scaler: Any = None
+        self.keep_outputs = False  # some reduction reads call.output (compiled code keeps it until backward)
         # Calls recorded by compiled code, (module, args, kwargs, key, previous): a linked list grown by
         # rebinding one attribute, as Dynamo would guard on a list's length (a recompile per call count).
         self.head: Any = None
@@ -517,7 +519,7 @@ class _Log:
         if not tensors:
             return None
         key = torch.ops.inputaware_optim.open_call(tensors[0], id(self), len(tensors))
-        self.head = (module, args, kwargs, key, self.head)
+        self.head = (module, args, kwargs, _detached(output) if self.keep_outputs else None, key, self.head)
         tapped = iter([_GradTap.apply(t, key, id(self), i) if t.requires_grad else t for i, t in enumerate(tensors)])
         return tree_unflatten([next(tapped) if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec)
 
@@ -540,11 +542,12 @@ class _Log:
             return
         if record.task is None and record.kept is None and self.readers.get(record.module):
             # First gradient of the call: the readers' forward, from the kept arguments.
-            call = Call(record.module, _detached(record.args), _detached(record.kwargs or {}), None, record.forward)
+            args, kwargs = _detached(record.args), _detached(record.kwargs or {})
+            call = Call(record.module, args, kwargs, None, record.forward, record.output)
             readers = self.readers[record.module]
             if self.grad_outputs or any(r.grad_outputs for r in readers):
                 record.slot = record.slot or [None] * record.waiting
-            record.kept = self.reduce(lambda: [r.forward(call) for r in readers])
+            record.kept, record.output = self.reduce(lambda: [r.forward(call) for r in readers]), None
         elif record.slot is None and self.grad_outputs:
             record.slot = [None] * record.waiting
         if record.slot is not None and position >= len(record.slot):
@@ -555,10 +558,10 @@ class _Log:
         """Give the records compiled code opened their module and arguments (the linked list ``head``)."""
         node, self.head = self.head, None
         while node is not None:
-            module, args, kwargs, opened, node = node
+            module, args, kwargs, output, opened, node = node
             bound = self.compiled.get(int(opened))
             if bound is not None and (self.keep_calls or module in self.readers):  # (else left pending: unread)
-                bound.module, bound.args, bound.kwargs = module, args, kwargs or None
+                bound.module, bound.args, bound.kwargs, bound.output = module, args, kwargs or None, output
                 if self.storage == "reference" and self.keep_calls:  # later reads check these versions
                     bound.check = _versions(args, kwargs or {})
 
@@ -909,6 +912,7 @@ class Capture:
         if reduction in log.reductions:
             return
         log.reductions.append(reduction)
+        log.keep_outputs = any(r.reads_output for r in log.reductions)
         for module in self._watched:
             if reduction.wants(module):
                 log.set_readers(module, (*log.readers.get(module, ()), reduction))
@@ -921,6 +925,7 @@ class Capture:
         if reduction not in log.reductions:
             return
         log.reductions.remove(reduction)
+        log.keep_outputs = any(r.reads_output for r in log.reductions)
         for module, readers in list(log.readers.items()):
             log.set_readers(module, tuple(r for r in readers if r is not reduction))
         for key in log.keys.values():

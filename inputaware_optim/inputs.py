@@ -25,7 +25,8 @@ class Call:
         forward: Which forward of the root model the call was made in (a counter; ``None``
             for calls built by hand). Calls of one forward see the same samples.
         output: What the call returned (tensors detached), in ``Reduction.forward``, which runs
-            as the call returns; ``None`` elsewhere (the capture keeps no output).
+            as the call returns (in compiled code, at its first gradient, for a reduction with
+            ``reads_output``); ``None`` elsewhere (the capture keeps no output).
     """
 
     __slots__ = ("_grad_slot", "args", "forward", "kwargs", "module", "output")

@@ -34,6 +34,8 @@ class ExpertLoads(Reduction):
     """Tokens each expert received, per router: a bincount of each router call's selected experts,
     kept under the router's first trained parameter while its gradient holds the call."""
 
+    reads_output = True
+
     def __init__(self, experts: dict[nn.Module, int], key: dict[nn.Module, Tensor], selected: Callable[[Call], Tensor]):
         self.experts = experts
         self.key = key

@@ -36,6 +36,8 @@ class Reduction:
       what to keep until the call's backward.
     * ``keeps_inputs`` (class attribute): ``forward`` keeps the inputs until backward; under non-reentrant
       checkpointing it then gets the inputs of the re-run in backward.
+    * ``reads_output`` (class attribute): ``forward`` reads ``call.output``; compiled code's calls, whose
+      readers run at the first gradient, then keep their output until then.
     * ``backward(call, kept)``: once the call's output gradients arrived (``call.grad_outputs``, with
       ``grad_outputs = True``); returns its statistics (default: ``kept``).
     * ``finish(entries)``: once a backward pass is complete, over ``(call, statistics)`` of each call it reached;
@@ -49,6 +51,7 @@ class Reduction:
 
     grad_outputs: ClassVar[bool] = False
     keeps_inputs: ClassVar[bool] = False
+    reads_output: ClassVar[bool] = False
 
     def wants(self, module: nn.Module) -> bool:
         return True

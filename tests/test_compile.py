@@ -315,3 +315,23 @@ def test_monitor_and_finder_on_a_compiled_model_compile_once_and_report_as_eager
         torch.compile(model, backend="aot_eager")(torch.randint(0, 20, (6, 4))).sum().backward()
         finder.optimizer.step()
     assert finder.found is not None and (finder.found.module, finder.found.phase) == ("a", "forward")
+
+
+def test_load_balancing_on_a_compiled_moe_moves_the_biases_as_eager() -> None:
+    # Compiled code kept a call's arguments, not its output, so LoadBalancing (which reads the
+    # experts each token was routed to from the router's output) failed on a compiled model.
+    from .test_moe import Net, attach, data
+
+    biases = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = Net()
+        optimizer = InputAwareSGD(model, lr=0.05)
+        attach(model, optimizer, 0.01)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        for step in range(3):
+            optimizer.zero_grad()
+            run(data(step)).pow(2).mean().backward()
+            optimizer.step()
+        biases.append(model.moe.router.expert_bias.detach().clone())
+    assert biases[0].any() and torch.equal(biases[0], biases[1])

@@ -8,6 +8,10 @@ checks are done, and a run passes when
 - every rank exited 0, or
 - every nonzero exit is SIGABRT (-6, or 134 through a shell) and every rank's marker is present.
 
+Under load the same teardown can hang instead (a rank that wrote its marker never exits): once every
+rank's marker has been there for ``TEARDOWN_GRACE`` seconds, ``run_torchrun`` stops the run and
+counts such a rank as that teardown too.
+
 Anything else (an exception, a SIGABRT before some rank's marker, another signal or exit code, a
 timeout) fails, showing each rank's exit code, marker and output.
 
@@ -29,6 +33,8 @@ from typing import Any
 
 ABORT_CODES = frozenset({-signal.SIGABRT, 128 + signal.SIGABRT})  # as Popen/multiprocessing report it; via a shell
 TAIL = 4000  # characters of each rank's output shown on failure
+TEARDOWN_GRACE = 60.0  # seconds a run may hang in teardown once every rank has finished its work
+HUNG_IN_TEARDOWN = -1000  # the exit code recorded for a rank stopped there (not a real exit code)
 
 
 def _marker(directory: Path, rank: int) -> Path:
@@ -63,7 +69,7 @@ def failures(directory: str | Path, exit_codes: Mapping[int, int | None]) -> lis
             continue
         if code is None:
             problems.append(f"rank {rank}: no exit code (timed out, or stopped after another rank failed)")
-        elif code in ABORT_CODES and not missing:
+        elif (code in ABORT_CODES or code == HUNG_IN_TEARDOWN) and not missing:
             continue  # torch's gloo teardown, after every rank had finished its work
         elif code in ABORT_CODES:
             problems.append(f"rank {rank}: SIGABRT while ranks {missing} had not finished their work")
@@ -162,7 +168,9 @@ def run_spawned(entry: Callable[..., None], args: tuple[Any, ...] = (), world: i
 # destroy_process_group() (everything before it ran without an exception).
 
 
-def run_torchrun(script: str | Path, world: int = 2, timeout: float = 180) -> None:
+def run_torchrun(
+    script: str | Path, world: int = 2, timeout: float = 180, teardown_grace: float = TEARDOWN_GRACE
+) -> None:
     """Run ``script`` as a user would with ``torchrun --nproc_per_node=world``; raise if it failed."""
     script = Path(script).resolve()
     directory = script.parent / f"{script.stem}-ranks"
@@ -178,20 +186,31 @@ def run_torchrun(script: str | Path, world: int = 2, timeout: float = 180) -> No
         str(script),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    deadline, finished, hung = time.monotonic() + timeout, None, False
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as agent:
-        try:
-            output, _ = agent.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        while True:
+            try:
+                output, _ = agent.communicate(timeout=5)
+                break
+            except subprocess.TimeoutExpired:
+                if finished is None and all(_marker(directory, rank).is_file() for rank in range(world)):
+                    finished = time.monotonic()
+                hung = finished is not None and time.monotonic() - finished > teardown_grace
+                if hung or time.monotonic() > deadline:
+                    break
+        if agent.returncode is None:
             agent.terminate()  # torchrun stops its workers' process groups on SIGTERM
             try:
                 output, _ = agent.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 agent.kill()
                 output, _ = agent.communicate()
-            output += f"\ntorchrun timed out after {timeout} s"
+            output += "\ntorchrun hung in teardown" if hung else f"\ntorchrun timed out after {timeout} s"
     codes = {rank: _read_exit(directory, rank) for rank in range(world)}
+    if hung:  # every rank had finished its work; those that had not exited hung in torch's teardown
+        codes = {rank: HUNG_IN_TEARDOWN if code is None else code for rank, code in codes.items()}
     problems = failures(directory, codes)
-    if agent.returncode != 0:
+    if agent.returncode != 0 and not (hung and not problems):
         problems.insert(0, f"torchrun exit code {agent.returncode}{_signal_name(agent.returncode)}")
     if problems:
         raise AssertionError(report(directory, codes, problems, extra=output))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from .multiprocess import failures, mark_done, run_spawned, run_torchrun
+from .multiprocess import HUNG_IN_TEARDOWN, failures, mark_done, run_spawned, run_torchrun
 
 ABORT = -signal.SIGABRT
 
@@ -28,6 +28,8 @@ ABORT = -signal.SIGABRT
         ({0: -signal.SIGSEGV, 1: 0}, [0, 1], [0]),  # so is any other signal
         ({0: -signal.SIGTERM, 1: ABORT}, [0, 1], [0]),
         ({0: None, 1: 0}, [0, 1], [0]),  # timed out
+        ({0: HUNG_IN_TEARDOWN, 1: 0}, [0, 1], []),  # the teardown hung, after every rank finished
+        ({0: HUNG_IN_TEARDOWN, 1: 0}, [1], [0]),  # rank 0 hung before finishing
     ],
 )
 def test_failures(codes: dict[int, int | None], marked: list[int], bad: list[int], tmp_path: Path) -> None:
@@ -67,7 +69,7 @@ def test_spawned_fails_otherwise_with_the_output(mode: str, shown: str) -> None:
 
 
 SCRIPT = """
-import os, sys
+import os, sys, time
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
@@ -75,7 +77,11 @@ rank = dist.get_rank()
 dist.barrier()
 if rank == 1 and "{mode}" == "raise":
     raise ValueError("rank 1 broke")
+if rank == 0 and "{mode}" == "hang-early":
+    time.sleep(600)
 dist.destroy_process_group()
+if rank == 0 and "{mode}" == "hang-late":
+    time.sleep(600)
 if rank == 0 and "{mode}" == "abort-late":
     sys.stdout.flush()
     os.abort()
@@ -96,3 +102,18 @@ def test_torchrun_fails_otherwise_with_the_output(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="multi-process run failed") as failed:
         run_torchrun(script)
     assert "ValueError: rank 1 broke" in str(failed.value)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_torchrun_forgives_a_hang_in_teardown_after_every_marker_and_fails_one_before(tmp_path: Path) -> None:
+    # Under load torch's gloo teardown can hang instead of aborting (a CI run once stopped at the
+    # 180 s timeout with every rank past its work): stopped once every marker is TEARDOWN_GRACE old.
+    late = tmp_path / "late.py"
+    late.write_text(textwrap.dedent(SCRIPT.format(mode="hang-late")))
+    started = time.monotonic()
+    run_torchrun(late, timeout=120, teardown_grace=3)
+    assert time.monotonic() - started < 100
+    early = tmp_path / "early.py"
+    early.write_text(textwrap.dedent(SCRIPT.format(mode="hang-early")))
+    with pytest.raises(AssertionError, match="timed out after 20 s"):
+        run_torchrun(early, timeout=20, teardown_grace=3)

@@ -5,7 +5,7 @@ on dim 0 over a 1-D mesh), all a row-wise rule (FOOF's ``G̃ A⁻¹``) needs; wo
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,12 @@ def local_tensor(t: Tensor) -> Tensor:
     """The local shard of a DTensor (FSDP2), which in-place updates write through; else ``t`` itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if to_local is not None else t
+
+
+def all_zero(grads: Iterable[Tensor | None]) -> bool:
+    """Whether every gradient given is zero (this rank's shard of it, under FSDP2; a sparse one's values)."""
+    local = [local_tensor(g) for g in grads if g is not None]
+    return not any(bool((g.coalesce().values() if g.is_sparse else g).any()) for g in local)
 
 
 def sharded(t: Tensor) -> bool:

@@ -21,7 +21,7 @@ from ._torch import tree_flatten
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
 from .capture import unwrap_model
-from .distributed import all_reduce_sum_, local_tensor, reduce_scatter_like, sharded
+from .distributed import all_reduce_sum_, all_zero, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
 from .layers import Materialized, MatrixRows, PerSample, layer_kind
 from .reduction import Reduction, add_statistics
@@ -839,10 +839,7 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
 
 def _no_release(groups: list[dict[str, Any]], params: list[Tensor]) -> bool:
     """Whether every learning rate is 0 and every gradient of ``params`` zero (this rank's shard, under FSDP2)."""
-    if any(float(g["lr"]) != 0 for g in groups):
-        return False
-    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
-    return not any(bool((g.coalesce().values() if g.is_sparse else g).any()) for g in grads)
+    return all(float(g["lr"]) == 0 for g in groups) and all_zero(p.grad for p in params)
 
 
 def _is_layer_norm(module: nn.Module) -> TypeGuard[nn.LayerNorm]:

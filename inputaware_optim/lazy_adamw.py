@@ -15,7 +15,7 @@ from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import Storage, unwrap_model
 from .coverage import CoverageWarning
-from .distributed import local_tensor, row_range, sharded
+from .distributed import all_zero, local_tensor, row_range, sharded
 from .inputs import Call, Captured, Inputs
 from .layers import LayerKind, layer_kind, weight_of, weight_or_none
 from .reduction import Reduction
@@ -282,7 +282,7 @@ class LazyAdamW(InputAwareAdamW):
         """The rows of ``weight`` (a dense gradient) to update this step (``None``: update it densely)."""
         rows = touched.get(weight)
         extra = self._rows.take(weight)
-        if rows is None and not bool(local_tensor(weight.grad).any()):  # type: ignore[arg-type]
+        if rows is None and all_zero([weight.grad]):
             return torch.zeros(0, dtype=torch.long, device=weight.device)  # a zero gradient touches no row
         if rows is None:
             inputs.get(weight)  # (warns that the table falls back to the dense update)

@@ -67,11 +67,8 @@ def test_a_rule_in_front_of_a_base_is_the_base_fed_the_rules_gradient(rule: str,
     assert optimizer.state_dict()["param_groups"][0]["lr"] == kwargs["lr"]
 
 
-@pytest.mark.parametrize("rule", ["FOOF", "Eva", "DPSGD"])
-def test_resume_through_a_saved_state_dict_is_bitwise(rule: str) -> None:
-    def make(model: nn.Module) -> Any:
-        return RULES[rule](model, base=torch.optim.AdamW, lr=0.01)
-
+def _uninterrupted_and_first_half(make: Callable[[nn.Module], Any]) -> tuple[nn.Module, nn.Module, Any]:
+    """A model trained 4 steps, and another trained the first 2 by the optimizer returned (to be resumed)."""
     model, resumed_model = net(), net()
     uninterrupted = make(model)
     for step in range(4):
@@ -81,6 +78,15 @@ def test_resume_through_a_saved_state_dict_is_bitwise(rule: str) -> None:
     for step in range(2):
         backward(resumed_model, step)
         first.step()
+    return model, resumed_model, first
+
+
+@pytest.mark.parametrize("rule", ["FOOF", "Eva", "DPSGD"])
+def test_resume_through_a_saved_state_dict_is_bitwise(rule: str) -> None:
+    def make(model: nn.Module) -> Any:
+        return RULES[rule](model, base=torch.optim.AdamW, lr=0.01)
+
+    model, resumed_model, first = _uninterrupted_and_first_half(make)
     buffer = io.BytesIO()
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
@@ -107,15 +113,7 @@ def test_resume_through_torch_distributed_checkpoint_is_bitwise(rule: str, base:
     def make(model: nn.Module) -> Any:
         return RULES[rule](model, lr=0.01, **({} if base is None else {"base": base}))
 
-    model, resumed_model = net(), net()
-    uninterrupted = make(model)
-    for step in range(4):
-        backward(model, step)
-        uninterrupted.step()
-    first = make(resumed_model)
-    for step in range(2):
-        backward(resumed_model, step)
-        first.step()
+    model, resumed_model, first = _uninterrupted_and_first_half(make)
     dcp.save(get_optimizer_state_dict(resumed_model, first), checkpoint_id=tmp_path)
     resumed_model.zero_grad()  # (as in a new process)
     resumed = make(resumed_model)

@@ -25,7 +25,7 @@ from ._torch import (
     unhooked,
     unscales_itself,
 )
-from .capture import Capture, Storage, unwrap_model
+from .capture import Capture, Storage, parameter_names, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
 from .distributed import data_parallel_group
 from .hooks import InputsHook, InputsHookHandle, Reads, StepHooks, When
@@ -464,11 +464,7 @@ class InputAwareOptimizer(Optimizer):
         ``print(opt.coverage())`` shows it as a table; ``.fallbacks()`` lists the weight matrices
         the rule could be expected to cover but leaves to the stock update.
         """
-        owners: dict[Tensor, tuple[str, nn.Module]] = {}  # each parameter's first name and module
-        for module_name, module in unwrap_model(self._model).named_modules():
-            for param_name, param in module._parameters.items():
-                if param is not None and param not in owners:
-                    owners[param] = (f"{module_name}.{param_name}" if module_name else param_name, module)
+        owners = parameter_names(self._model)
         rows = Coverage()
         for param in self._params():
             if param.requires_grad:

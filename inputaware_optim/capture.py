@@ -23,7 +23,7 @@ from ._torch import drop_compiled_code, remove_hooks_of, tree_flatten, tree_map_
 from .inputs import Call, Inputs, UncapturedInputsWarning
 from .reduction import Reduction
 
-__all__ = ["Capture", "Storage", "unwrap_model"]
+__all__ = ["Capture", "Storage", "module_names", "parameter_names", "unwrap_model"]
 
 Storage = Literal["reference", "clone", "cpu"]
 
@@ -683,6 +683,22 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return _wrapper_chain(model)[-1]
 
 
+def module_names(model: nn.Module) -> dict[nn.Module, str]:
+    """Every module of ``model`` (unwrapped) by its first qualified name, as the model holds them now (the root: "")."""
+    return {module: name for name, module in unwrap_model(model).named_modules()}
+
+
+def parameter_names(model: nn.Module) -> dict[Tensor, tuple[str, nn.Module]]:
+    """Every parameter of ``model`` (unwrapped) by its first qualified name now, with the module that registers it
+    under that name (a pruned weight is its module's ``weight_orig``; a tied one is named where first found)."""
+    named: dict[Tensor, tuple[str, nn.Module]] = {}
+    for module, prefix in module_names(model).items():
+        for name, param in module._parameters.items():
+            if param is not None and param not in named:
+                named[param] = (f"{prefix}.{name}" if prefix else name, module)
+    return named
+
+
 def _wrapper_chain(model: nn.Module) -> list[nn.Module]:
     from torch.nn.parallel import DataParallel, DistributedDataParallel
 
@@ -724,17 +740,27 @@ def _shutdown(log: _Log, handles: dict[Any, RemovableHandle]) -> None:
 
 @dataclasses.dataclass(eq=False)
 class _Watching:
-    """A ``Capture.watch``: its modules and callbacks; ``remove()`` ends it."""
+    """A ``Capture.watch``: its modules (or which to select) and callbacks; ``remove()`` ends it."""
 
     capture: weakref.ref[Capture]
     modules: list[nn.Module]
     on_call: Callable[..., Any]
     on_forward: Callable[..., Any] | None
+    select: Callable[[nn.Module], bool] | None = None
 
     def remove(self) -> None:
         capture = self.capture()
         if capture is not None and self in capture._watches:
             capture._set_watches([w for w in capture._watches if w is not self])
+
+    def follow(self, *_: Any) -> None:
+        """Before each forward: select the modules again, as the model holds them now (one added or replaced)."""
+        capture = self.capture()
+        if capture is not None and self.select is not None:
+            now = [m for m in capture._root.modules() if self.select(m)]
+            if now != self.modules:
+                self.modules = capture._part_of_model(now)
+                capture._set_watches(capture._watches)
 
 
 class Capture:
@@ -838,9 +864,7 @@ class Capture:
         return modules
 
     def _name_modules(self) -> None:
-        root = self._root
-        for name, module in root.named_modules(remove_duplicate=False):
-            self._names.setdefault(module, name or type(root).__name__)
+        self._names.update({m: n or type(m).__name__ for m, n in module_names(self._root).items()})
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
@@ -971,12 +995,14 @@ class Capture:
 
     def watch(
         self,
-        modules: Iterable[nn.Module],
+        modules: Iterable[nn.Module] | Callable[[nn.Module], bool],
         on_call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None],
         on_forward: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None] | None = None,
-    ) -> RemovableHandle:
+    ) -> _Watching:
         """Call ``on_call(module, args, kwargs, output)`` after every call (grad enabled) of each of ``modules``
         and ``on_forward(root, args, kwargs)`` before every forward, through the capture's own hooks.
+        ``modules`` may be a predicate instead: the modules of the model it selects, as the model holds them
+        at each forward (a module added or replaced since is watched from then on).
 
         They run eagerly in compiled code too (a graph break at each watched call). The callbacks must
         not hold the tool that registered them, so its finalizer can run. ``remove()`` on
@@ -984,9 +1010,12 @@ class Capture:
         # Run eagerly in compiled code too (a graph break each): traced, a callback's bookkeeping
         # would be guarded on (a recompile per tensor it keys by) or dropped.
         on_call, on_forward = torch.compiler.disable(on_call), on_forward and torch.compiler.disable(on_forward)
-        watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward)
+        select = None
+        if not isinstance(modules, Iterable):
+            select, modules = modules, [m for m in self._root.modules() if modules(m)]
+        watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward, select)
         self._set_watches([*self._watches, watching])
-        return watching  # type: ignore[return-value]
+        return watching
 
     def _set_watches(self, watches: list[_Watching]) -> None:
         watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}
@@ -994,7 +1023,9 @@ class Capture:
             for module in watching.modules:
                 watchers[module] = (*watchers.get(module, ()), watching.on_call)
         self._watches, self._log.watchers = watches, watchers
-        self._log.openers = tuple(w.on_forward for w in watches if w.on_forward is not None)
+        # The selections first (they hook this forward's calls), eagerly in compiled code too.
+        openers = [torch.compiler.disable(w.follow) for w in watches if w.select is not None]
+        self._log.openers = (*openers, *(w.on_forward for w in watches if w.on_forward is not None))
         self._sync_hooks()
 
     def owners(self, param: Tensor) -> tuple[nn.Module, ...]:
@@ -1002,7 +1033,9 @@ class Capture:
         return self._owners.get(param, ())
 
     def name(self, module: nn.Module) -> str:
-        """The qualified name of ``module`` in the model."""
+        """The qualified name of ``module`` in the model (the root: its class name)."""
+        if module not in self._names:
+            self._name_modules()  # added to the model since
         return self._names.get(module, type(module).__name__)
 
     def refresh(self) -> None:

@@ -20,7 +20,7 @@ from . import layers
 from ._torch import tree_flatten
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
-from .capture import unwrap_model
+from .capture import module_names, unwrap_model
 from .distributed import all_reduce_sum_, all_zero, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
 from .layers import Materialized, MatrixRows, PerSample, layer_kind
@@ -170,7 +170,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 f"{name} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
                 "uses): its batch count and noise must be combined over every data-parallel rank"
             )
-        names = {m: n for n, m in unwrap_model(self.model).named_modules()}
+        names = module_names(self.model)
         for module in self._modules_to_capture(self._params()):
             if isinstance(module, _BATCH_NORMS):
                 raise ValueError(
@@ -207,7 +207,7 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _refuse_unsupported_layers(self) -> None:
         trained = {p for p in self._params() if p.requires_grad}
-        for qualified, module in unwrap_model(self._model).named_modules():
+        for module, qualified in module_names(self._model).items():
             reason = _unsupported(module, trained)
             if reason is not None:
                 where = f"{qualified or 'the model'} ({type(module).__name__})"

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from .base import evaluate_closure
-from .capture import unwrap_model
+from .capture import module_names
 from .distributed import (
     all_reduce_sum_,
     computed_once,
@@ -151,7 +151,7 @@ class KroneckerRule(InputAwareSGD):
 
     def _check_sharded_layers(self) -> None:
         """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""
-        names = {m: n for n, m in unwrap_model(self._model).named_modules()}
+        names = module_names(self._model)
         for module in self._modules_to_capture(self._params()):
             weight, bias = weight_of(module), bias_of(module)
             if not any(sharded(t) for t in (weight, bias) if t is not None):

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ._torch import fused_adamw_, set_grad_enabled
 from .adamw import InputAwareAdamW
 from .base import evaluate_closure
-from .capture import Storage, unwrap_model
+from .capture import Storage, module_names
 from .coverage import CoverageWarning
 from .distributed import all_zero, local_tensor, row_range, sharded
 from .inputs import Call, Captured, Inputs
@@ -178,7 +178,7 @@ class LazyAdamW(InputAwareAdamW):
         its touched rows could not be found in the shard this rank holds."""
         super()._check_param_groups()
         trained = set(self._params())
-        for name, module in unwrap_model(self.model).named_modules():
+        for module, name in module_names(self.model).items():
             kind, weight = layer_kind(module), weight_or_none(module)
             if kind is None or not kind.provides("touched_rows") or weight not in trained or not sharded(weight):
                 continue

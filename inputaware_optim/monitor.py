@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ._torch import foreach_norm, kernel_skips_step, scaler_handoff, tree_flatten
 from .base import InputAwareOptimizer
-from .capture import Capture, unwrap_model
+from .capture import Capture, parameter_names, unwrap_model
 from .distributed import data_parallel_group
 from .inputs import Call, Inputs
 from .reduction import Reduction
@@ -171,6 +171,9 @@ def _describe(row: Sequence[float]) -> dict[str, float]:
     }
 
 
+_KINDS = ("input", "grad_output")  # the statistics tables' row kinds, in order
+
+
 def _layer_description(module: nn.Module) -> str:
     """``"Linear 8x4"``: the module's class and the shape of its first parameter."""
     param = next((p for p in module._parameters.values() if p is not None), None)
@@ -310,7 +313,6 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
                     "unscales by: pass the one the loss is scaled with to both, or leave the Monitor's out"
                 )
             self.capture.grad_scaler = grad_scaler
-        self._param_names = {param: name for name, param in self.capture._root.named_parameters()}  # first names
         group, dist = self._group(), torch.distributed
         writes = group is None or not dist.is_initialized() or dist.get_rank(group) == 0
         self._sinks = _Sinks(tensorboard, jsonl, csv, callback, writes)
@@ -390,17 +392,20 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         grad_scale = scaler_handoff(self.optimizer)[0]  # (a fused kernel unscales them in the step, after this)
         if grad_scale is not None:
             grad_norms = grad_norms / grad_scale.to(grad_norms.device, torch.float64)
+        named = {param: name for param, (name, _) in parameter_names(self.capture.root).items()}  # as named now
         self._pending = {
-            "rows": [(self._module_name(k), kind) for kind in ("input", "grad_output")[: len(tables)] for k in keys],
+            "names": named,
+            "rows": [(self._module_name(k, named), kind) for kind in _KINDS[: len(tables)] for k in keys],
             "table": table,
             "params": list(grads),
             "grad_norms": grad_norms,
-            "layers": {
-                self._module_name(key): _layer_description(self.capture.owners(key)[0])
-                for key in keys
-                if self.capture.owners(key)
-            },
+            "layers": self._layers(keys, named),
         }
+
+    def _layers(self, keys: list[Tensor], named: dict[Tensor, str]) -> dict[str, str]:
+        """Each logged module's class and shape (``"Linear 8x4"``), by the name its rows carry."""
+        owners = {key: self.capture.owners(key) for key in keys}
+        return {self._module_name(k, named): _layer_description(found[0]) for k, found in owners.items() if found}
 
     def _keep_weights(self, params: list[Tensor]) -> None:
         """Copy the weights before the update into buffers kept across logged steps, and take their norms."""
@@ -413,8 +418,8 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         norms = _written_norms(copies, lambda i: copies[i].copy_(params[i].detach()))
         self._weight_norms = dict(zip(params, norms, strict=True))
 
-    def _module_name(self, param: Tensor) -> str:
-        return " + ".join(self.capture.name(m) for m in self.capture.owners(param)) or self._param_names.get(param, "?")
+    def _module_name(self, param: Tensor, named: dict[Tensor, str]) -> str:
+        return " + ".join(self.capture.name(m) for m in self.capture.owners(param)) or named.get(param, "?")
 
     @torch.no_grad()
     def _after_update(self, optimizer: Any, inputs: Any, updates: Any) -> None:
@@ -442,7 +447,7 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
         for i, param in enumerate(params):
             grad_norm, weight_norm, update_norm = flat[offset + i], flat[offset + n + i], flat[offset + 2 * n + i]
             ratio = update_norm / weight_norm if weight_norm > 0 else (0.0 if update_norm == 0 else math.inf)
-            name = self._param_names.get(param, f"param{i}")
+            name = pending["names"].get(param, f"param{i}")
             record["parameters"][name] = {"grad_norm": grad_norm, "update_norm": update_norm, "update_to_weight": ratio}
         self.last = record
         self._sinks.write(record)
@@ -595,12 +600,16 @@ def _total(t: Tensor) -> Tensor:
     return t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()
 
 
+def _computes(module: nn.Module) -> bool:
+    """What the finder watches: leaf modules and containers that own a parameter themselves."""
+    return not module._modules or any(p is not None for p in module._parameters.values())
+
+
 class _Watch:
     """What the finder's hooks saw since the last check. The hooks hold this, never the finder or
     its optimizer, so dropping those (or the finder's ``remove()``) takes everything off the model."""
 
-    def __init__(self, names: dict[nn.Module, str], inside: dict[nn.Module, set[int]]) -> None:
-        self.names, self.inside = names, inside  # each module's name; the ids of the modules in each hooked one
+    def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
@@ -656,18 +665,18 @@ class _Watch:
             self.arrivals += 1
         self.reached.add(entry.forward)
 
-    def origin(self, step: int) -> NonFiniteOrigin | None:
+    def origin(self, step: int, name: Callable[[nn.Module], str]) -> NonFiniteOrigin | None:
         """Where a non-finite step began, over the calls of the forwards that reached a backward."""
         calls = [c for f, group in self.calls.items() if f in self.reached for c in group]
         _mark_finite(list({id(e): e for c in calls for e in (*c.inputs, *c.outputs)}.values()))
-        found = _forward_origin(calls) or _backward_origin(calls, self.inside)
+        found = _forward_origin(calls) or _backward_origin(calls)
         if found is None:
             return None
         call, phase = found
         if call is None:
             return NonFiniteOrigin("", 0, step, "loss")
         number = sum(c.module is call.module for c in calls[: calls.index(call)])
-        return NonFiniteOrigin(self.names[call.module], number, step, phase)
+        return NonFiniteOrigin(name(call.module), number, step, phase)
 
 
 _Found = tuple[_Seen | None, Literal["forward", "input", "backward", "loss"]]
@@ -685,7 +694,7 @@ def _arrival(c: _Seen) -> int:
     return min((e.arrival for e in c.outputs if e.arrival is not None), default=-1)
 
 
-def _backward_origin(calls: list[_Seen], inside: dict[nn.Module, set[int]]) -> _Found | None:
+def _backward_origin(calls: list[_Seen]) -> _Found | None:
     """The backward phase of ``NonFiniteFinder``'s rule (innermost module first), else the loss."""
     arrived = sorted((c for c in calls if _arrival(c) >= 0), key=_arrival)
     # A parameter's gradient sums over the module's calls: it names the module only where the
@@ -698,6 +707,7 @@ def _backward_origin(calls: list[_Seen], inside: dict[nn.Module, set[int]]) -> _
         and (not _grads_finite(c.inputs) or (c.module in clean and not _parameter_gradients_finite(c.module)))
     ]
     # A module whose gradient went bad inside a hooked submodule is a candidate too: name the innermost.
+    inside = {c.module: {id(m) for m in c.module.modules()} for c in candidates}
     inner = [
         c
         for c in candidates
@@ -788,11 +798,9 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
             self.capture = optimizer.capture
         else:  # a plain optimizer: a capture of its own, with nothing but this watch
             self.capture = self._own_capture = Capture(model, [], keep_calls=False)
-        names = {m: self.capture.name(m) for m in self.capture.root.modules()}
-        hooked = [m for m in names if not m._modules or any(p is not None for p in m._parameters.values())]
-        self._watch = _Watch(names, {m: {id(s) for s in m.modules()} for m in hooked})
+        self._watch = _Watch()
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
-        self._watching = self.capture.watch(hooked, self._watch.record, self._watch.open_forward)
+        self._watching = self.capture.watch(_computes, self._watch.record, self._watch.open_forward)
         self._finalizer = weakref.finalize(self, self._watching.remove)
         if isinstance(optimizer, InputAwareOptimizer):  # its pre-step hooks run once the closure has
             self._step_handle: Any = optimizer.register_inputs_hook(
@@ -816,7 +824,7 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
             grads = [_dense_values(p.grad) for p in _params(self.optimizer) if p.grad is not None]
             if not grads or _all_finite(grads):
                 return
-            origin = self.found = self._watch.origin(step)
+            origin = self.found = self._watch.origin(step, self.capture.name)
             message = "the gradient is not finite; " + (
                 origin.describe()
                 if origin

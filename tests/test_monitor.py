@@ -22,6 +22,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.nn.utils import prune
 
 from inputaware_optim import (
     FOOF,
@@ -572,6 +573,29 @@ def test_nonfinite_finder_names_the_module_and_call(phase: str, call: int, optim
     finder.remove()
 
 
+@pytest.mark.parametrize("optimizer", ["InputAwareSGD", "SGD"])
+def test_the_finder_watches_a_module_put_into_the_model_after_it_was_built(optimizer: str) -> None:
+    """A layer swapped in mid-run (a new head, a module replaced for an experiment) is watched from the
+    next step: its NaN is named, not left to whichever watched module it reaches next."""
+    model = Reused()
+    opt: torch.optim.Optimizer = (
+        InputAwareSGD(model, lr=0.1) if optimizer == "InputAwareSGD" else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    finder = NonFiniteFinder(opt, action="raise") if optimizer == "InputAwareSGD" else NonFiniteFinder(opt, model)
+    finder.action = "raise"
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    opt.step()
+    model.poison = Poison()  # replaces the old one: a new module the finder has not seen
+    model.poison.forward_at = 0
+    opt.zero_grad()
+    model(batch(1)).sum().backward()
+    with pytest.raises(NonFiniteError, match="poison"):
+        opt.step()
+    assert finder.found is not None and (finder.found.module, finder.found.phase) == ("poison", "forward")
+    finder.remove()
+
+
 def test_nonfinite_finder_raises_before_the_update_and_names_data_and_loss() -> None:
     model = Reused()
     opt = InputAwareSGD(model, lr=0.1)
@@ -851,6 +875,34 @@ def test_a_module_with_a_frozen_weight_and_a_trained_bias_is_logged(optimizer: s
     assert_statistics(got, by_hand([c.input for c in calls]), "input")
     assert_statistics(got, by_hand([c.grad_output for c in calls]), "grad_output")
     assert "shared.bias" in monitor.last["parameters"] and "shared.weight" not in monitor.last["parameters"]
+    monitor.remove()
+
+
+@pytest.mark.parametrize("optimizer", ["InputAwareAdamW", "AdamW"])
+def test_parameters_are_logged_by_the_names_the_model_gives_them_at_that_step(optimizer: str) -> None:
+    """Pruning mid-run registers the weight as ``weight_orig`` (the same tensor): the log says so from that
+    step on, not the name it had when the Monitor was built; a layer added since is named too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    if optimizer == "InputAwareAdamW":
+        opt: torch.optim.Optimizer = InputAwareAdamW(model, lr=0.05)
+        monitor = Monitor(opt)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        monitor = Monitor(opt, model)
+
+    def step() -> dict[str, Any]:
+        opt.zero_grad()
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        assert monitor.last is not None
+        return monitor.last["parameters"]
+
+    assert set(step()) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    prune.l1_unstructured(model[0], "weight", amount=0.5)
+    assert set(step()) == {"0.weight_orig", "0.bias", "2.weight", "2.bias"}
+    model.add_module("head", nn.Linear(3, 2))
+    assert monitor.capture.name(model.head) == "head"
     monitor.remove()
 
 

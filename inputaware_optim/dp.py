@@ -248,7 +248,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         clip, sigma = self._group_privacy()
         private = self._private_gradients(inputs, clip, sigma)
         for param, grad in private.items():
-            assert param.grad is not None
+            if param.grad is None:  # no sample reached it (a branch not taken, an expert no token chose): noise alone
+                param.grad = torch.zeros_like(param)
             if param.grad.is_sparse:  # the noised estimate is dense: every row moves
                 param.grad = grad.to(param.dtype)
             elif grad is not param.grad:  # not written in place; under FSDP2, ``grad`` is this rank's shard
@@ -259,9 +260,13 @@ class _PerSampleClipping(InputAwareOptimizer):
         return loss
 
     def _private_gradients(self, inputs: Inputs, clip: float, sigma: float) -> dict[Tensor, Tensor]:
-        """The private gradients; whatever the clipped sums cannot privatize is refused before any change."""
-        targets = [p for p in self._params() if p.grad is not None]
-        if not targets:
+        """The private gradients of every trained parameter, a parameter no sample reached this step (a branch
+        not taken, an expert no token chose) included: its clipped sum is zero, its noise is not, or which
+        parameters moved would tell what the batch held. Whatever the clipped sums cannot privatize is refused
+        before any change."""
+        trained = [p for p in self._params() if p.requires_grad]
+        targets = [p for p in trained if p.grad is not None]
+        if not targets:  # no backward since the gradients were cleared: no step (as the stock optimizers)
             return {}
         totals = inputs.reduced(self._clipped)
         data_parallel = self.data_parallel_group
@@ -275,18 +280,28 @@ class _PerSampleClipping(InputAwareOptimizer):
             # moves no parameter; nothing is accounted. (At another rate it is refused: a skipped empty batch
             # must still be noised.)
             return {}
+        present = self._refuse_what_is_not_clipped(targets, totals, distributed)
+        batch = self._step_batch(present, totals, clip)
+        sums = _sums_or_zeros(trained, totals)
+        if distributed:
+            unreached = {p for p in trained if p.grad is None}
+            return self._private_gradients_over_ranks(sums, totals, batch, clip * sigma, data_parallel, unreached)
+        divisor = self._divisor(batch)
+        with record_function("DP: noise"):
+            return {p: self._noised_into_grad(p, total, sigma * clip, divisor) for p, total in sums.items()}
+
+    def _refuse_what_is_not_clipped(
+        self, targets: list[Tensor], totals: dict[Tensor, Any], distributed: bool
+    ) -> list[Tensor]:
+        """The parameters whose gradient the clipped sums explain; refused: a gradient no call explains (in one
+        process), a forward split over backward passes, sums that do not add up to the gradient."""
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
         self._refuse_split_forwards(totals)
         with record_function("DP: add-up check"):
             self._check_sums_add_up(present, totals, frozenset().union(*(totals[p]["dtypes"] for p in present)))
-        batch = self._step_batch(present, totals, clip)
-        if distributed:
-            return self._private_gradients_over_ranks(targets, totals, batch, clip * sigma, data_parallel)
-        divisor = self._divisor(batch)
-        with record_function("DP: noise"):
-            return {p: self._noised_into_grad(p, totals[p]["sum"], sigma * clip, divisor) for p in targets}
+        return present
 
     def _step_batch(self, present: list[Tensor], totals: dict[Tensor, Any], clip: float) -> float:
         """The batch of this step; refuses a clip changed since backward, or accumulation not told its batch."""
@@ -323,18 +338,25 @@ class _PerSampleClipping(InputAwareOptimizer):
         return float(batch)
 
     def _private_gradients_over_ranks(
-        self, targets: list[Tensor], totals: dict[Tensor, Any], batch: float, std: float, data_parallel: Any
+        self,
+        sums: dict[Tensor, Tensor],
+        totals: dict[Tensor, Any],
+        batch: float,
+        std: float,
+        data_parallel: Any,
+        unreached: set[Tensor],
     ) -> dict[Tensor, Tensor]:
         """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
         Every rank adds the same list: zeros for a module its samples never reached (a branch, an expert)."""
-        dtype = next((totals[p]["sum"].dtype for p in targets if p in totals), None)
-        sums = {p: totals[p]["sum"].clone() if p in totals else _zeros(p, dtype or p.dtype) for p in targets}
+        targets = list(sums)
+        sums = {p: total.clone() if p in totals else total for p, total in sums.items()}  # (the capture keeps them)
         if std > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
             for total in sums.values():  # drawn once over all ranks (replicas stay identical), as in one process
                 noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
                 total.add_(noise.to(total.device, total.dtype), alpha=std)
         count = torch.tensor(float(batch), dtype=torch.float64)
-        captured = torch.tensor([float(p in totals) for p in targets], dtype=torch.float64)  # ranks that saw each
+        # The ranks that saw each (a parameter without a gradient has nothing to explain).
+        captured = torch.tensor([float(p in totals or p in unreached) for p in targets], dtype=torch.float64)
         all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count, captured], data_parallel)
         nowhere = [p for p, ranks in zip(targets, captured.tolist(), strict=True) if ranks == 0]
         if nowhere:  # on every rank alike, after the collective (no rank is left waiting)
@@ -391,12 +413,8 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _noised_into_grad(self, param: Tensor, total: Tensor, std: float, divisor: float) -> Tensor:
         """``(total + N(0, std² I)) / divisor``, written into ``param.grad`` where it fits (dense, same
         dtype and device); ``total``, which the capture keeps, is left as it is."""
-        grad = param.grad
-        assert grad is not None
-        generator = self._generator
-        fits = not grad.is_sparse and grad.dtype == total.dtype and grad.device == total.device
-        fits = fits and grad.shape == total.shape and grad.is_contiguous()
-        out = grad if fits else torch.empty_like(total)
+        grad, generator = param.grad, self._generator
+        out = grad if grad is not None and _fits(grad, total) else torch.empty_like(total)
         if std == 0:
             return torch.div(total, divisor, out=out)
         if out.dtype == torch.get_default_dtype() and out.device == generator.device:
@@ -737,8 +755,20 @@ class _Piece(NamedTuple):
     calls: list[Call]
 
 
+def _fits(grad: Tensor, total: Tensor) -> bool:
+    """Whether ``total``'s noised estimate can be written into ``grad`` itself (dense, alike, contiguous)."""
+    alike = grad.dtype == total.dtype and grad.device == total.device and grad.shape == total.shape
+    return not grad.is_sparse and alike and grad.is_contiguous()
+
+
 def _zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
+
+
+def _sums_or_zeros(params: list[Tensor], totals: dict[Tensor, Any]) -> dict[Tensor, Tensor]:
+    """Each parameter's clipped sum, zeros (in the sums' dtype) for one no sample reached."""
+    dtype = next((totals[p]["sum"].dtype for p in params if p in totals), None)
+    return {p: totals[p]["sum"] if p in totals else _zeros(p, dtype or p.dtype) for p in params}
 
 
 def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bool = False) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.utils.checkpoint import checkpoint
 
-from inputaware_optim import DPSGD
+from inputaware_optim import DPSGD, DPAdamW
 
 
 class Chain(nn.Module):
@@ -287,6 +287,46 @@ def test_an_empty_batch_takes_a_noise_only_step(name: str, reduction: str) -> No
     for key, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=stream) * (sigma * clip / divisor)
         torch.testing.assert_close(param.grad, noise, rtol=1e-6, atol=1e-7, msg=key)
+
+
+class Routed(nn.Module):
+    """Two experts; the batch goes to the one ``route`` names (``both``: through ``a``, with ``b``'s output times 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.a, self.b, self.head = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 1)
+        self.route = "a"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = self.a(h) + 0 * self.b(h) if self.route == "both" else getattr(self, self.route)(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("optimizer_class", [DPSGD, DPAdamW])
+def test_a_parameter_no_sample_reached_is_noised_as_one_reached_with_a_zero_gradient(optimizer_class: type) -> None:
+    """An expert no sample was routed to (its gradient stays None) is released as DP-SGD releases every trained
+    parameter: its clipped sum is zero, its noise is not. Left unmoved, it would tell that no sample of the
+    batch chose it. The run equals, bitwise, one where the expert is called and contributes exactly zero."""
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for route in ("a", "both"):
+        model = Routed()
+        model.route = route
+        optimizer = optimizer_class(
+            model, lr=0.1, max_grad_norm=0.5, noise_multiplier=1.0, generator=torch.Generator().manual_seed(5)
+        )
+        before = model.b.weight.detach().clone()
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(x).mean().backward()
+            assert (model.b.weight.grad is None) == (route == "a")
+            optimizer.step()
+        assert not torch.equal(model.b.weight, before)  # the noise moved the idle expert
+        assert optimizer.privacy_history == [(1.0, None, 2)]
+        runs[route] = [p.detach().clone() for p in model.parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(runs["a"], runs["both"], strict=True))
 
 
 @pytest.mark.parametrize("name", list(EMPTY_BATCHES))

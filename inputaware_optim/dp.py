@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple, NoReturn, TypeGuard
@@ -20,7 +21,7 @@ from . import layers
 from ._torch import tree_flatten
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, evaluate_closure
-from .capture import module_names, unwrap_model
+from .capture import module_names, parameter_names, unwrap_model
 from .distributed import all_reduce_sum_, all_zero, local_tensor, reduce_scatter_like, sharded
 from .inputs import Call, Inputs
 from .layers import Materialized, MatrixRows, PerSample, layer_kind
@@ -205,6 +206,21 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
 
+    def _warn_outside(self, requiring_grad: frozenset[Tensor]) -> None:
+        """Warn of parameters of the model that require grad outside this optimizer: their gradient is not private."""
+        outside = requiring_grad - set(self._params())
+        if outside:
+            names = [name for p, (name, _) in parameter_names(self.model).items() if p in outside]
+            warnings.warn(
+                f"{type(self).__name__}: {len(names)} parameter(s) of the model require grad but are not among its "
+                f"params ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}): backward computes their "
+                "gradients from the batch without clipping or noise, so the privacy guarantee covers nothing "
+                "that reads or trains them (another optimizer, a logged gradient norm). Freeze them "
+                "(requires_grad_(False)) or give them to this optimizer",
+                UserWarning,
+                stacklevel=7,  # the caller of step()
+            )
+
     def _refuse_unsupported_layers(self) -> None:
         trained = {p for p in self._params() if p.requires_grad}
         for module, qualified in module_names(self._model).items():
@@ -232,11 +248,12 @@ class _PerSampleClipping(InputAwareOptimizer):
         root = unwrap_model(self.model)
         # requires_grad, or what a module registers (pruning and parametrizations move a weight), changed since
         checked = (
-            frozenset(p for p in self._params() if p.requires_grad),
+            frozenset(p for p in root.parameters() if p.requires_grad),
             [(m, tuple(m._parameters)) for m in root.modules()],
         )
         if checked != self.__dict__.get("_checked_layout"):
             self._refuse_unsupported_layers()
+            self._warn_outside(checked[0])
             self._checked_layout = checked
         mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BATCH_NORMS) and m.training]
         if mixing:  # even without parameters, a batch norm in training mode mixes the samples

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import pickle
 import traceback
+import warnings
 from typing import Any
 
 import pytest
@@ -327,6 +328,31 @@ def test_a_parameter_no_sample_reached_is_noised_as_one_reached_with_a_zero_grad
         assert optimizer.privacy_history == [(1.0, None, 2)]
         runs[route] = [p.detach().clone() for p in model.parameters()]
     assert all(torch.equal(p, q) for p, q in zip(runs["a"], runs["both"], strict=True))
+
+
+def test_parameters_that_require_grad_outside_the_optimizer_are_named_once_as_not_private() -> None:
+    """A second optimizer on the rest of the model (or a gradient norm logged from it) reads gradients DP never
+    clipped or noised: said once, by name, at the first step and again when the set changes."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    optimizer = DPSGD(model, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, params=list(model[0].parameters()))
+    x = torch.randn(8, 3)
+
+    def step() -> list[str]:
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            optimizer.step()
+        return [str(w.message) for w in caught if "not among its params" in str(w.message)]
+
+    (first,) = step()
+    assert "2 parameter(s)" in first and "(2.weight, 2.bias)" in first and "requires_grad_(False)" in first
+    assert step() == []  # the same set: said once
+    model[2].requires_grad_(False)
+    assert step() == []
+    model[2].bias.requires_grad_(True)
+    (again,) = step()
+    assert "1 parameter(s)" in again and "(2.bias)" in again
 
 
 @pytest.mark.parametrize("name", list(EMPTY_BATCHES))

@@ -494,7 +494,8 @@ class _PerSampleClipping(InputAwareOptimizer):
             "Typical causes: the weight is also used without calling its module (a tied head written "
             "F.linear(h, embed.weight): call the module instead), the gradient was changed after backward "
             "(clip_grad_norm_, Lightning's gradient_clip_val, Hugging Face's max_grad_norm, manual edits: leave "
-            "it as backward made it), or a gradient penalty (torch.autograd.grad(..., create_graph=True) then "
+            "it as backward made it), a gradient still holding the last step's (call zero_grad() before the first "
+            "backward of each step), or a gradient penalty (torch.autograd.grad(..., create_graph=True) then "
             f"backward), whose double-backward terms mix samples{hint if float16 else ''}. No parameter was changed"
         )
 

@@ -330,6 +330,20 @@ def test_a_parameter_no_sample_reached_is_noised_as_one_reached_with_a_zero_grad
     assert all(torch.equal(p, q) for p, q in zip(runs["a"], runs["both"], strict=True))
 
 
+def test_a_gradient_not_cleared_since_the_last_step_is_refused_saying_zero_grad() -> None:
+    """Without zero_grad() the next backward adds to the private gradient the last step wrote: it no longer
+    adds up to this step's per-sample gradients, so it is refused, naming the likely cause."""
+    model = nn.Linear(3, 1).double()
+    optimizer = DPSGD(model, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    model(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+    optimizer.step()
+    model(torch.randn(4, 3, dtype=torch.float64)).sum().backward()  # (no zero_grad)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"do not add up .* still holding the last step's \(call zero_grad\(\)"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 def test_parameters_that_require_grad_outside_the_optimizer_are_named_once_as_not_private() -> None:
     """A second optimizer on the rest of the model (or a gradient norm logged from it) reads gradients DP never
     clipped or noised: said once, by name, at the first step and again when the set changes."""

@@ -115,8 +115,15 @@ class LoadBalancing:
 
         Raises:
             ValueError: If a router trains no parameter of ``optimizer`` (its calls could not be
-                told from other steps'), or its bias is trained by the optimizer.
+                told from other steps'), or its bias is trained by the optimizer, or ``optimizer``
+                is differentially private (the loads are the batch's, not privatized).
         """
+        if getattr(optimizer, "privacy_history", None) is not None:  # DPSGD, DPAdamW
+            raise ValueError(
+                f"LoadBalancing on {type(optimizer).__name__}: the expert biases would move by the token counts of "
+                "each batch, which no clipping or noise covers, and they are part of the model released. Keep the "
+                "biases fixed under DP (or train them as parameters of the DP optimizer)"
+            )
         trained = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
         key: dict[nn.Module, Tensor] = {}
         for router in self.routers:

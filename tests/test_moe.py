@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from inputaware_optim import InputAwareAdamW, InputAwareSGD, LazyAdamW, LoadBalancing
+from inputaware_optim import DPAdamW, InputAwareAdamW, InputAwareSGD, LazyAdamW, LoadBalancing
 
 EXPERTS, TOP_K, DIM = 4, 2, 6
 
@@ -164,6 +164,13 @@ def test_refusals_name_the_router_and_change_nothing() -> None:
     model.moe.router.expert_bias = nn.Parameter(torch.zeros(EXPERTS))
     optimizer = InputAwareSGD(model, lr=0.1)
     with pytest.raises(ValueError, match=r"expert bias of moe\.router is trained"):
+        LoadBalancing([model.moe.router]).attach(optimizer)
+
+
+def test_balancing_under_dp_is_refused_the_loads_are_not_private() -> None:
+    model = Net()
+    optimizer = DPAdamW(model, lr=0.1, noise_multiplier=1.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match=r"LoadBalancing on DPAdamW: .* token counts of each batch, which no clipping"):
         LoadBalancing([model.moe.router]).attach(optimizer)
 
 

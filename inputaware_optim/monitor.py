@@ -269,14 +269,12 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer")
-        if getattr(optimizer, "privacy_history", None) is not None:  # DPSGD, DPAdamW
-            warnings.warn(
-                f"Monitor on {type(optimizer).__name__}: its statistics (gradient norms before clipping and noise, "
-                "input statistics) are computed from the batch itself and are not covered by the privacy "
-                "guarantee; keep them out of anything released",
-                UserWarning,
-                stacklevel=2,
-            )
+        _warn_if_private(
+            optimizer,
+            "Monitor",
+            "its statistics (gradient norms before clipping and noise, input statistics) are computed from the "
+            "batch itself",
+        )
         self.optimizer = optimizer
         self._every = every
         self.last: dict[str, Any] | None = None
@@ -780,6 +778,12 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
     ) -> None:
         if action not in ("warn", "raise"):
             raise ValueError(f"Invalid action: {action!r}; choose 'warn' or 'raise'")
+        _warn_if_private(
+            optimizer,
+            "NonFiniteFinder",
+            "its reports name where the batch's own gradient, before clipping and noise, was not finite (and "
+            'action="raise" skips a step by it)',
+        )
         if model is None:
             if not isinstance(optimizer, InputAwareOptimizer):
                 raise TypeError(
@@ -854,6 +858,17 @@ PLOTTED = (
     ("modules", "input_zero_fraction", "fraction of exact zeros in the input", False),
     ("parameters", "update_to_weight", "update norm / weight norm", True),
 )
+
+
+def _warn_if_private(optimizer: Any, tool: str, what: str) -> None:
+    """Say that ``tool`` on a DP optimizer reads the batch outside the privacy guarantee."""
+    if getattr(optimizer, "privacy_history", None) is not None:  # DPSGD, DPAdamW
+        warnings.warn(
+            f"{tool} on {type(optimizer).__name__}: {what}, which the privacy guarantee does not cover; keep "
+            "them out of anything released",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _all_reduce_statistics(table: Tensor, group: Any) -> None:

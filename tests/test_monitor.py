@@ -942,15 +942,19 @@ def test_a_monitor_refuses_a_grad_scaler_other_than_its_optimizers() -> None:
         Monitor(opt, grad_outputs=True, grad_scaler=torch.amp.GradScaler("cpu"))
 
 
-def test_a_monitor_on_a_private_optimizer_warns_that_its_statistics_are_not_private() -> None:
+def test_the_tools_on_a_private_optimizer_warn_that_what_they_read_is_not_private() -> None:
     from inputaware_optim import DPSGD
 
     model = nn.Sequential(nn.Linear(4, 3))
-    with pytest.warns(UserWarning, match="not covered by the privacy guarantee"):
+    with pytest.warns(UserWarning, match=r"^Monitor on DPSGD: .* which the privacy guarantee does not cover") as caught:
         Monitor(DPSGD(model, lr=0.1))
+    assert caught[0].filename == __file__  # (the caller's line)
+    with pytest.warns(UserWarning, match=r"^NonFiniteFinder on DPSGD: .*skips a step.* privacy guarantee does not"):
+        NonFiniteFinder(DPSGD(model, lr=0.1), action="raise")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Monitor(InputAwareSGD(model, lr=0.1))
+        NonFiniteFinder(InputAwareSGD(model, lr=0.1))
 
 
 @pytest.mark.parametrize("scale", [1e37, 3e20])  # the sum overflows float32; the sum of squares only

@@ -237,6 +237,13 @@ class InputAwareOptimizer(Optimizer):
                 raise ValueError(
                     f"{name}: the model has no parameter that requires grad, so there is nothing to train"
                 ) from error
+            if base is not None and "parameter" in str(error):
+                muon = issubclass(base, getattr(torch.optim, "Muon", ()))
+                recipe = " (Muon: the 2-D weight matrices of the hidden layers; AdamW for the rest)" if muon else ""
+                raise ValueError(
+                    f"{name}(base={base.__name__}): {base.__name__} refused the parameters given: {error}. Pass "
+                    f"params= only those it takes{recipe}, and train the others with another optimizer"
+                ) from error
             raise
 
     def __new__(cls, *args: Any, **kwargs: Any) -> InputAwareOptimizer:

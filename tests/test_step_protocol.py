@@ -315,6 +315,14 @@ def test_a_rule_in_front_of_muon_is_muon_fed_the_rules_gradient(rule: str) -> No
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
+def test_a_base_refusing_some_parameters_is_reported_with_the_recipe() -> None:
+    """Muon takes 2-D parameters only: a rule given the whole model says which ones to pass instead."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    with pytest.raises(ValueError, match=r"FOOF\(base=Muon\): Muon refused .*Pass params= only .*2-D weight"):
+        FOOF(model, lr=0.02, base=torch.optim.Muon)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
 @pytest.mark.parametrize("cls", [FOOF, KFAC, Eva, NLMS, DPSGD, InputAwareSGD, InputAwareAdamW])
 def test_every_hyperparameter_of_a_rule_is_in_its_signature(cls: type) -> None:
     import inspect

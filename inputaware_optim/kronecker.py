@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+from torch.nn.parameter import is_lazy
 
 from .base import evaluate_closure
 from .capture import module_names
@@ -47,8 +48,9 @@ class FactorSums(Reduction):
         self.layers = {module: layer for layer in layers for module in layer.modules()}
 
     def wants(self, module: nn.Module) -> bool:
-        # A layer of width 0 (Linear(6, 0)) has nothing to precondition: its step is the stock one.
-        return module in self.layers and weight_of(module).numel() > 0
+        # A layer of width 0 (Linear(6, 0)) has nothing to precondition: its step is the stock one. (A lazy
+        # module's weight is sized at its first call.)
+        return module in self.layers and (is_lazy(weight := weight_of(module)) or weight.numel() > 0)
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         return (weight_of(module),)

@@ -315,6 +315,26 @@ def test_a_rule_in_front_of_muon_is_muon_fed_the_rules_gradient(rule: str) -> No
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters(), strict=True))
 
 
+@pytest.mark.parametrize("rule", list(RULES))
+def test_a_lazy_module_sized_at_its_first_call_trains_as_one_built_sized(rule: str) -> None:
+    """nn.LazyLinear's weight is an UninitializedParameter until the first forward; a rule built
+    before it (as torch.optim allows) updates it exactly as one built on the sized model."""
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.LazyLinear(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    sized = copy.deepcopy(lazy)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        sized(torch.zeros(1, 4, dtype=torch.float64))  # sized before its optimizer, from the same draws
+    optimizers = [RULES[rule](lazy, lr=0.05), RULES[rule](sized, lr=0.05)]
+    torch.manual_seed(1)  # (the lazy one is sized by its first training forward)
+    for step in range(3):
+        for model, optimizer in zip((lazy, sized), optimizers, strict=True):
+            backward(model, step)
+            optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(lazy.parameters(), sized.parameters(), strict=True))
+    assert optimizers[0].coverage().fallbacks() == []
+
+
 def test_a_base_refusing_some_parameters_is_reported_with_the_recipe() -> None:
     """Muon takes 2-D parameters only: a rule given the whole model says which ones to pass instead."""
     model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))

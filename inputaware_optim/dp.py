@@ -419,12 +419,19 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _uncaptured(self, params: list[Tensor]) -> RuntimeError:
         capture = self.capture
-        where = ", ".join(dict.fromkeys(capture.name(m) for p in params for m in capture.owners(p)))
-        where = where or "a module the optimizer does not capture"
+        owners = list(dict.fromkeys(m for p in params for m in capture.owners(p)))
+        where = ", ".join(capture.name(m) for m in owners) or "a module the optimizer does not capture"
+        containers = [capture.name(m) for m in owners if isinstance(m, (nn.ParameterList, nn.ParameterDict))]
+        hint = (
+            f"; {', '.join(containers)} holds them but is never called: register them on the module whose forward "
+            "uses them (that module is then differentiated per sample)"
+            if containers
+            else " (a weight used without calling its module, as nn.MultiheadAttention does with out_proj, is not "
+            "supported)"
+        )
         return RuntimeError(
             f"{type(self).__name__} cannot compute per-sample gradients of {len(params)} parameter(s) with a "
-            f"gradient: no forward call of {where} is in that gradient (a weight used without calling its "
-            "module, as nn.MultiheadAttention does with out_proj, is not supported). No parameter was changed"
+            f"gradient: no forward call of {where} is in that gradient{hint}. No parameter was changed"
         )
 
     def _noised_into_grad(self, param: Tensor, total: Tensor, std: float, divisor: float) -> Tensor:

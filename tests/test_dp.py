@@ -151,6 +151,40 @@ def test_batch_norm_is_refused_and_uncaptured_weights_raise_before_any_change() 
     assert all(not m._forward_hooks for m in attention.modules())
 
 
+class Listed(nn.Module):
+    """Weights in an ``nn.ParameterList`` (never called) or registered on the module that uses them."""
+
+    def __init__(self, listed: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        weights = [nn.Parameter(torch.randn(20, 4, dtype=torch.float64)), nn.Parameter(torch.randn(4, 3).double())]
+        if listed:
+            self.weights = nn.ParameterList(weights)
+        else:
+            self.first, self.second = weights
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        first, second = self.weights if hasattr(self, "weights") else (self.first, self.second)
+        return torch.tanh(first[tokens]).mean(1) @ second
+
+
+def test_a_parameter_list_is_refused_saying_where_to_register_them_and_that_is_exact() -> None:
+    tokens, target = data(4, seed=1)
+    model = Listed(listed=True)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    (model(tokens) - target).pow(2).sum(1).mean().backward()
+    with pytest.raises(RuntimeError, match=r"weights holds them but is never called: register them on the module"):
+        optimizer.step()
+    model = Listed(listed=False)
+    expected = per_sample_clipped_mean(model, tokens, target, 0.05)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.05, noise_multiplier=0.0)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    (model(tokens) - target).pow(2).sum(1).mean().backward()
+    optimizer.step()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(before[name] - param.detach(), expected[name], rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch
@@ -241,8 +242,7 @@ class _Log:
         if not torch.compiler.is_compiling():
             self.forwards += 1
             if self.input_shapes is not None and _grad_enabled():
-                leaves = tree_flatten((args, kwargs))[0]
-                self.input_shapes[self.forwards] = [t.shape for t in leaves if isinstance(t, Tensor)]
+                self.input_shapes[self.forwards] = _batch_shapes((args, kwargs))
                 if len(self.input_shapes) > _INPUT_SHAPES_KEPT:
                     del self.input_shapes[next(iter(self.input_shapes))]
 
@@ -681,6 +681,19 @@ class _GradTap(torch.autograd.Function):
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module that holds the layers: ``model`` without ``torch.compile`` and data-parallel wrappers."""
     return _wrapper_chain(model)[-1]
+
+
+def _batch_shapes(tree: Any) -> list[torch.Size]:
+    """The shapes of the tensors in ``tree``; a ``PackedSequence`` as the batch-first padded tensor it packs
+    (its data's rows are the tokens of every sequence, not samples)."""
+    leaves = tree_flatten(tree, is_leaf=lambda x: isinstance(x, PackedSequence))[0]
+    return [
+        torch.Size([int(t.batch_sizes[0]), len(t.batch_sizes), *t.data.shape[1:]])
+        if isinstance(t, PackedSequence)
+        else t.shape
+        for t in leaves
+        if isinstance(t, (Tensor, PackedSequence))
+    ]
 
 
 def module_names(model: nn.Module) -> dict[nn.Module, str]:

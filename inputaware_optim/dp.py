@@ -619,9 +619,10 @@ class ClippedSums(Reduction):
             f"tensor argument of the model has {count} there (it has {sorted(given)}): a layer sees the batch along "
             "another dimension, and sequence-first tensors (T, B, ...) would be clipped per time step, not per "
             "sample; or each call holds one sample (a layer called on one sample at a time, its input without the "
-            "batch dimension), where DP clips a sample by its row in every call. Pass batch_dim=1 if every layer "
-            "gets (T, B, ...), keep the batch first throughout (batch_first=True), and call each layer on the "
-            "whole batch. No parameter was changed"
+            "batch dimension), where DP clips a sample by its row in every call; or a layer gets a PackedSequence's "
+            ".data, whose rows are the tokens of every sequence. Pass batch_dim=1 if every layer gets (T, B, ...), "
+            "keep the batch first throughout (batch_first=True, padded sequences rather than packed), and call "
+            "each layer on the whole batch. No parameter was changed"
         )
 
     def _agreed_batch(self, sizes: dict[nn.Module, set[int]], given: set[int]) -> int:

@@ -168,6 +168,29 @@ class Listed(nn.Module):
         return torch.tanh(first[tokens]).mean(1) @ second
 
 
+def test_a_layer_on_a_packed_sequences_data_is_refused_its_rows_are_tokens() -> None:
+    """``packed.data`` stacks the tokens of every sequence (12 rows for 4 sequences): each row clipped as a
+    sample would bound a token, not a sequence. The model's input counts as the padded batch it packs."""
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    class OnPacked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 1)
+
+        def forward(self, packed: Any) -> torch.Tensor:
+            return self.linear(packed.data).sum()
+
+    model = OnPacked()
+    packed = pack_padded_sequence(torch.randn(4, 5, 3), torch.tensor([5, 4, 2, 1]), batch_first=True)
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=4)
+    model(packed).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"hold 12 samples .*\(it has \[4\]\).*PackedSequence's .data"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 def test_a_parameter_list_is_refused_saying_where_to_register_them_and_that_is_exact() -> None:
     tokens, target = data(4, seed=1)
     model = Listed(listed=True)

@@ -206,6 +206,25 @@ def test_a_drop_in_without_a_rule_holds_nothing_and_attaches_no_hook(cls: type) 
     handle.remove()
 
 
+def test_a_watch_by_predicate_follows_modules_put_into_the_model_and_comes_off() -> None:
+    """``Capture.watch(select, ...)`` watches what ``select`` picks as the model holds it at each forward:
+    a Linear swapped in is seen from its first call, the one it replaced no more; ``remove()`` leaves no hook."""
+    model = mlp()
+    capture = Capture(model, [])
+    seen: list[nn.Module] = []
+    handle = capture.watch(lambda m: isinstance(m, nn.Linear), lambda m, args, kwargs, out: seen.append(m))
+    model(torch.randn(3, 4)).sum().backward()
+    assert seen == [m for m in model if isinstance(m, nn.Linear)]
+    old, model[0] = model[0], nn.Linear(4, model[0].out_features)
+    seen.clear()
+    model(torch.randn(3, 4)).sum().backward()
+    assert seen[0] is model[0] and old not in seen and hooks_on(old) == 0
+    assert capture.name(model[0]) == "0"
+    handle.remove()
+    capture.remove()
+    assert hooks_on(model) == 0
+
+
 def test_a_thousand_steps_hold_memory_flat() -> None:
     model = mlp()
     optimizer = InputAwareAdamW(model, lr=1e-3)

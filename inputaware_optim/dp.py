@@ -206,20 +206,22 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
 
-    def _warn_outside(self, requiring_grad: frozenset[Tensor]) -> None:
-        """Warn of parameters of the model that require grad outside this optimizer: their gradient is not private."""
-        outside = requiring_grad - set(self._params())
-        if outside:
+    def _warn_outside(self, root: nn.Module) -> None:
+        """Warn (once per set) of parameters of the model outside this optimizer that got a gradient: not private."""
+        mine = set(self._params())
+        outside = frozenset(p for p in root.parameters() if p.requires_grad and p.grad is not None and p not in mine)
+        if outside and outside != self.__dict__.get("_warned_outside"):
             names = [name for p, (name, _) in parameter_names(self.model).items() if p in outside]
             warnings.warn(
-                f"{type(self).__name__}: {len(names)} parameter(s) of the model require grad but are not among its "
-                f"params ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}): backward computes their "
-                "gradients from the batch without clipping or noise, so the privacy guarantee covers nothing "
-                "that reads or trains them (another optimizer, a logged gradient norm). Freeze them "
-                "(requires_grad_(False)) or give them to this optimizer",
+                f"{type(self).__name__}: {len(names)} parameter(s) of the model got a gradient but are not among its "
+                f"params ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}): backward computed it from "
+                "the batch without clipping or noise, so the privacy guarantee covers nothing that reads or trains "
+                "them (another optimizer, a logged gradient norm). Freeze them (requires_grad_(False)) or give them "
+                "to this optimizer",
                 UserWarning,
                 stacklevel=7,  # the caller of step()
             )
+        self._warned_outside = outside
 
     def _refuse_unsupported_layers(self) -> None:
         trained = {p for p in self._params() if p.requires_grad}
@@ -248,13 +250,13 @@ class _PerSampleClipping(InputAwareOptimizer):
         root = unwrap_model(self.model)
         # requires_grad, or what a module registers (pruning and parametrizations move a weight), changed since
         checked = (
-            frozenset(p for p in root.parameters() if p.requires_grad),
+            frozenset(p for p in self._params() if p.requires_grad),
             [(m, tuple(m._parameters)) for m in root.modules()],
         )
         if checked != self.__dict__.get("_checked_layout"):
             self._refuse_unsupported_layers()
-            self._warn_outside(checked[0])
             self._checked_layout = checked
+        self._warn_outside(root)
         mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BATCH_NORMS) and m.training]
         if mixing:  # even without parameters, a batch norm in training mode mixes the samples
             raise RuntimeError(

@@ -58,18 +58,15 @@ class _PerSampleClipping(InputAwareOptimizer):
         **kwargs: Any,
     ) -> None:
         _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
-        if expected_batch_size is not None and (
-            isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1
-        ):
-            raise ValueError(f"Invalid expected_batch_size: {expected_batch_size!r} (must be None or an integer >= 1)")
+        _check_batching(expected_batch_size, sample_rate)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"Invalid generator: {generator!r} (must be a torch.Generator, or None)")
         if batch_dim not in (0, 1) or isinstance(batch_dim, bool):
             raise ValueError(f"Invalid batch_dim: {batch_dim!r} (must be 0, or 1 for sequence-first inputs)")
-        if sample_rate is not None and not 0.0 < sample_rate <= 1.0:
-            raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
-        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)  # the defaults of new param groups
-        self._expected_batch_size, self._batch_dim, self._sample_rate = expected_batch_size, batch_dim, sample_rate
+        # The defaults of new param groups (each step reads the groups' own: a schedule may change them).
+        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
+        self._batching = {"expected_batch_size": expected_batch_size, "sample_rate": sample_rate}
+        self._batch_dim = batch_dim
         self._privacy_history: list[tuple[float, float | None, int]] = []
         # Seeded from the global RNG (reproducible under torch.manual_seed); drawing leaves its stream undisturbed.
         self._generator = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
@@ -92,7 +89,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             ValueError: If no ``sample_rate`` was given, or ``"gdp"`` is asked of a changing noise.
             ImportError: If ``opacus`` is not installed.
         """
-        if self._sample_rate is None:
+        if all(rate is None for _, rate, _ in self._privacy_history) and self.param_groups[0]["sample_rate"] is None:
             raise ValueError(
                 f"{type(self).__name__}.epsilon needs the sampling rate: construct it with "
                 "sample_rate=<batch size / dataset size> (the probability of a sample being in a batch)"
@@ -142,6 +139,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         groups = [{k: v for k, v in g.items() if k not in own} for g in state_dict.get("param_groups", ())]
         saved = {k: v for k, v in [*state_dict.items(), *state_dict.get("param_groups", [{}])[0].items()] if k in own}
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in own} | {"param_groups": groups})
+        self._set_group_defaults(**self._batching)  # (a state dict from before they were group keys)
         if saved.get("noise_generator") is not None:
             self._generator.set_state(saved["noise_generator"])
         if "privacy_history" in saved:
@@ -151,10 +149,10 @@ class _PerSampleClipping(InputAwareOptimizer):
             ]
         elif saved.get("privacy_steps"):
             sigma = float(self.param_groups[0]["noise_multiplier"])
-            self._privacy_history = [(sigma, self._sample_rate, int(saved["privacy_steps"]))]
+            self._privacy_history = [(sigma, self.param_groups[0]["sample_rate"], int(saved["privacy_steps"]))]
 
     def _account(self, sigma: float) -> None:
-        history, rate = self._privacy_history, self._sample_rate
+        history, rate = self._privacy_history, self.param_groups[0]["sample_rate"]
         if history and history[-1][:2] == (sigma, rate):
             history[-1] = (sigma, rate, history[-1][2] + 1)
         else:
@@ -162,7 +160,7 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _check_param_groups(self) -> None:
         clip, sigma, _ = self._privacy
-        self._set_group_defaults(max_grad_norm=clip, noise_multiplier=sigma)
+        self._set_group_defaults(max_grad_norm=clip, noise_multiplier=sigma, **self._batching)
         self._group_privacy()
         name, trained = type(self).__name__, {p for p in self._params() if p.requires_grad}
         meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
@@ -190,21 +188,24 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._refuse_unsupported_layers()
 
     def _group_privacy(self) -> tuple[float, float]:
-        """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now, checked equal in all."""
-        clip, sigma = self.param_groups[0]["max_grad_norm"], self.param_groups[0]["noise_multiplier"]
+        """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now, checked equal in all (with
+        ``expected_batch_size`` and ``sample_rate``: all four describe the whole batch)."""
+        first = self.param_groups[0]
         for index, group in enumerate(self.param_groups):
             self._check_group(group)  # (also read in the hooks, where the clipping happens)
-            if (group["max_grad_norm"], group["noise_multiplier"]) != (clip, sigma):
+            differ = [k for k in _WHOLE_BATCH if group[k] != first[k]]
+            if differ:
                 raise ValueError(
-                    "max_grad_norm and noise_multiplier bound each sample's gradient over all parameters at "
-                    f"once, so every param group must use the same values: param group 0 has max_grad_norm={clip}, "
-                    f"noise_multiplier={sigma}, param group {index} max_grad_norm={group['max_grad_norm']}, "
-                    f"noise_multiplier={group['noise_multiplier']}. Change them in every group at once"
+                    f"{', '.join(_WHOLE_BATCH)} describe every sample's gradient over all parameters at once, so "
+                    "every param group must use the same values: param group 0 has "
+                    f"{', '.join(f'{k}={first[k]}' for k in differ)}, param group {index} "
+                    f"{', '.join(f'{k}={group[k]}' for k in differ)}. Change them in every group at once"
                 )
-        return float(clip), float(sigma)
+        return float(first["max_grad_norm"]), float(first["noise_multiplier"])
 
     def _check_group(self, group: dict[str, Any]) -> None:
         _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
+        _check_batching(group["expected_batch_size"], group["sample_rate"])
 
     def _warn_outside(self, root: nn.Module) -> None:
         """Warn (once per set) of parameters of the model outside this optimizer that got a gradient: not private."""
@@ -333,15 +334,23 @@ class _PerSampleClipping(InputAwareOptimizer):
                 "steps, before the next backward (a schedule's step() after optimizer.step()). No parameter was changed"
             )
         first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
+        expected = self.param_groups[0]["expected_batch_size"]
+        used = set().union(*(totals[p]["expected"] for p in present))
+        if used - {expected}:
+            raise RuntimeError(
+                f"{name}: expected_batch_size is {expected} now, but the samples of this step were scaled by "
+                f"{', '.join(map(str, used))} when their backward pass ended. Change it between steps, before the "
+                "next backward. No parameter was changed"
+            )
         passes = len(first["passes"])
-        if self._privacy[2] == "mean" and self._expected_batch_size is None and passes > 1:
+        if self._privacy[2] == "mean" and expected is None and passes > 1:
             raise RuntimeError(
                 f"{name} got {passes} backward passes in one step (gradient accumulation) with "
                 "loss_reduction='mean': to clip each sample's own gradient it must know the batch the loss is a "
                 "mean over. Pass expected_batch_size=<samples per step> (each micro-batch's loss being its sum "
                 "divided by that), or use loss_reduction='sum'. No parameter was changed"
             )
-        return self._expected_batch_size or first["samples"]
+        return expected or first["samples"]
 
     def _divisor(self, batch: float) -> float:
         """What the noised sum is divided by: the batch the loss is a mean over (1 for a summed loss)."""
@@ -522,7 +531,7 @@ class ClippedSums(Reduction):
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
         self.passes = itertools.count()  # a token per backward pass
-        self.reduction, self.expected = optimizer._privacy[2], optimizer._expected_batch_size
+        self.reduction = optimizer._privacy[2]
         capture = self.capture = optimizer.capture
         self.batch_dim, self.name = optimizer._batch_dim, capture.name
         trained = set(optimizer._params())  # all of the groups': which require grad is read when each pass ends
@@ -572,8 +581,11 @@ class ClippedSums(Reduction):
         if not by_forward:
             return {}
         samples = {forward: self._samples(forward, calls) for forward, calls in by_forward.items()}
-        scale = float(self.expected or sum(samples.values())) if self.reduction == "mean" else 1.0
-        clip = self.owner()._group_privacy()[0]  # type: ignore[union-attr]  # read now: a schedule may change it
+        owner = self.owner()
+        assert owner is not None
+        clip = owner._group_privacy()[0]  # read now: a schedule may change it (as expected_batch_size)
+        expected = owner.param_groups[0]["expected_batch_size"]
+        scale = float(expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
         for forward, calls in by_forward.items():  # an empty batch (Poisson sampling): zero sums
@@ -588,6 +600,7 @@ class ClippedSums(Reduction):
             "samples": float(sum(samples.values())),
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
             "clips": frozenset({clip}),
+            "expected": frozenset({expected}),
             # Those the backward ran in (bfloat16 under autocast), for the add-up check.
             "dtypes": frozenset(t.dtype for t in tensors if t.is_floating_point()),
         }
@@ -691,7 +704,8 @@ class ClippedSums(Reduction):
             return b
         if "error" in a:
             return a
-        out = {k: a[k] + b[k] for k in ("sum", "samples")} | {k: a[k] | b[k] for k in ("passes", "clips", "dtypes")}
+        out = {k: a[k] + b[k] for k in ("sum", "samples")}
+        out |= {k: a[k] | b[k] for k in ("passes", "clips", "expected", "dtypes")}
         return out | {"unclipped": add_statistics(a["unclipped"], b["unclipped"])}
 
     def _per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
@@ -966,6 +980,19 @@ def _merged(per_call: list[PerSample]) -> PerSample:
         return layers.merged_rows(per_call)  # type: ignore[arg-type]
     grads = [p.grads() for p in per_call]
     return Materialized({n: torch.stack([g[n] for g in grads]).sum(0) for n in grads[0]})
+
+
+_WHOLE_BATCH = ("max_grad_norm", "noise_multiplier", "expected_batch_size", "sample_rate")
+
+
+def _check_batching(expected_batch_size: Any, sample_rate: Any) -> None:
+    if expected_batch_size is not None and (
+        isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1
+    ):
+        raise ValueError(f"Invalid expected_batch_size: {expected_batch_size!r} (must be None or an integer >= 1)")
+    real = isinstance(sample_rate, numbers.Real) and not isinstance(sample_rate, bool)
+    if sample_rate is not None and not (real and 0.0 < float(sample_rate) <= 1.0):
+        raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
 
 
 def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:

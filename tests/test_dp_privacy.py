@@ -119,13 +119,66 @@ def test_a_clip_changed_between_backward_and_step_is_refused() -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
+def test_a_batch_schedule_is_read_at_each_step_and_accounted_at_its_rate() -> None:
+    """``expected_batch_size`` and ``sample_rate`` are param-group keys, read when the step runs (a batch-size
+    schedule sets both): the noised sum is divided by the step's, and ``privacy_history`` records each step at
+    its own rate. One changed between a backward and its step is refused, as the clip is."""
+    model = Chain().double()
+    optimizer = DPSGD(
+        model,
+        lr=0.1,
+        max_grad_norm=0.5,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
+        sample_rate=0.01,
+        generator=torch.Generator().manual_seed(3),
+    )
+    stream = torch.Generator().manual_seed(3)
+    for step, (size, rate) in enumerate([(4, 0.01), (8, 0.02), (8, 0.02)]):
+        optimizer.param_groups[0].update(expected_batch_size=size, sample_rate=rate)
+        x = batch(size, seed=20 + step)
+        expected = reference(model, x, 0.5)
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+        for key, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=stream) * (1.0 * 0.5 / size)
+            torch.testing.assert_close(param.grad, expected[key] + noise.double(), rtol=1e-7, atol=1e-9, msg=key)
+    assert optimizer.privacy_history == [(1.0, 0.01, 1), (1.0, 0.02, 2)]
+    optimizer.zero_grad()
+    loss_of(model(batch(8, seed=30))).backward()
+    optimizer.param_groups[0]["expected_batch_size"] = 16
+    with pytest.raises(
+        RuntimeError, match=r"expected_batch_size is 16 now, but the samples of this step were scaled by 8"
+    ):
+        optimizer.step()
+    with pytest.raises(ValueError, match=r"Invalid sample_rate: 2.0"):
+        optimizer.param_groups[0].update(expected_batch_size=8, sample_rate=2.0)
+        optimizer.step()
+
+
+def test_a_state_dict_from_before_the_batch_keys_loads_with_the_constructors() -> None:
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.1, expected_batch_size=4, sample_rate=0.01)
+    state = optimizer.state_dict()
+    for group in state["param_groups"]:
+        del group["expected_batch_size"], group["sample_rate"]
+    again = DPSGD(model, lr=0.1, expected_batch_size=4, sample_rate=0.01)
+    again.load_state_dict(state)
+    assert again.param_groups[0]["expected_batch_size"] == 4 and again.param_groups[0]["sample_rate"] == 0.01
+
+
 def test_param_groups_that_disagree_at_the_step_are_refused_by_name() -> None:
     model = Chain().double()
     groups = [{"params": model.first.parameters()}, {"params": [*model.middle.parameters(), *model.head.parameters()]}]
     optimizer = DPSGD(model, lr=0.5, max_grad_norm=1.0, noise_multiplier=0.5, params=groups)
     optimizer.param_groups[1]["noise_multiplier"] = 2.0
     loss_of(model(batch(4, seed=1))).backward()
-    with pytest.raises(ValueError, match=r"param group 1 max_grad_norm=1.0, noise_multiplier=2.0"):
+    with pytest.raises(ValueError, match=r"group 0 has noise_multiplier=0.5, param group 1 noise_multiplier=2.0"):
+        optimizer.step()
+    optimizer.param_groups[1]["noise_multiplier"] = 0.5
+    optimizer.param_groups[0]["sample_rate"] = 0.01
+    with pytest.raises(ValueError, match=r"group 0 has sample_rate=0.01, param group 1 sample_rate=None"):
         optimizer.step()
 
 

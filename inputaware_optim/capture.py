@@ -240,11 +240,17 @@ class _Log:
         for opener in self.openers:
             opener(module, args, kwargs)
         if not torch.compiler.is_compiling():
-            self.forwards += 1
-            if self.input_shapes is not None and _grad_enabled():
-                self.input_shapes[self.forwards] = _batch_shapes((args, kwargs))
-                if len(self.input_shapes) > _INPUT_SHAPES_KEPT:
-                    del self.input_shapes[next(iter(self.input_shapes))]
+            self.count_forward(args, kwargs)
+        elif self.input_shapes is not None:  # a reader of each forward's batch (DP): counted eagerly, a graph break
+            _count_forward_eagerly(self, args, kwargs)
+
+    def count_forward(self, args: Any, kwargs: Any) -> None:
+        """A new forward of the model (its calls' ``Call.forward``), and its input shapes if kept."""
+        self.forwards += 1
+        if self.input_shapes is not None and _grad_enabled():
+            self.input_shapes[self.forwards] = _batch_shapes((args, kwargs))
+            if len(self.input_shapes) > _INPUT_SHAPES_KEPT:
+                del self.input_shapes[next(iter(self.input_shapes))]
 
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not _grad_enabled():  # (the hot path: every call of every watched module)
@@ -578,6 +584,9 @@ class _Log:
         self.generation += 1
 
 
+# Compiled code keeps no count of forwards (read in traced code, it would be a guard: a recompile per
+# forward); where a reader needs each forward's batch, the count runs eagerly at the forward's start.
+_count_forward_eagerly = torch.compiler.disable(_Log.count_forward)
 _DEFERRED = object()  # a reader's forward result still to come (checkpointing's re-run)
 _PENDING = nn.Module()  # the module of a compiled call until its arguments are bound
 _grad_enabled = torch.is_grad_enabled

@@ -214,6 +214,45 @@ def test_rules_under_a_compiled_model_match_eager(rule: str, backend: str) -> No
         torch.testing.assert_close(compiled_param, eager_param, rtol=1e-4, atol=1e-5)
 
 
+class Positions(nn.Module):
+    """Positions ``torch.arange(T)`` broadcast over the samples (batch = context, so the sizes agree)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tokens, self.positions, self.head = nn.Embedding(20, 8), nn.Embedding(4, 8), nn.Linear(8, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tokens(tokens) + self.positions(torch.arange(tokens.shape[1]))).mean(1)
+
+
+def test_dp_on_a_compiled_model_checks_each_forwards_batch_and_accumulates_as_eager() -> None:
+    """Compiled code kept no count of forwards: DP skipped its batch checks there (positions broadcast over
+    the samples were clipped as samples, silently) and took two micro-batches for one forward. The count
+    runs eagerly at each forward's start where DP reads it: refused as in eager, accumulation exact."""
+    model = Positions()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.5, noise_multiplier=0.0)
+    torch.compile(model, backend="aot_eager")(torch.randint(0, 20, (4, 4))).sum().backward()
+    with pytest.raises(RuntimeError, match=r"positions is called with indices of shape \(4,\)"):
+        optimizer.step()
+    generator = torch.Generator().manual_seed(0)
+    tokens, target = torch.randint(0, 20, (6, 4), generator=generator), torch.randn(6, 3, generator=generator)
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = TokenNet()
+        optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=6)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        for _ in range(2):
+            optimizer.zero_grad()
+            for part in (slice(0, 2), slice(2, 6)):  # two micro-batches, each loss its share of the step's
+                ((run(tokens[part]) - target[part]).pow(2).sum(1).sum() / 6).backward()
+            optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for eager_param, compiled_param in zip(*results, strict=True):
+        torch.testing.assert_close(compiled_param, eager_param, rtol=1e-5, atol=1e-7)
+
+
 def test_an_input_changed_in_place_after_a_compiled_call_is_detected() -> None:
     model = MLP()
     optimizer = CallReader(model, lr=0.1)

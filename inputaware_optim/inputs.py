@@ -23,7 +23,9 @@ class Call:
         args: Every positional argument of the call (tensors detached).
         kwargs: Every keyword argument of the call (tensors detached).
         forward: Which forward of the root model the call was made in (a counter; ``None``
-            for calls built by hand). Calls of one forward see the same samples.
+            for calls built by hand). Calls of one forward see the same samples. Compiled code
+            counts no forward (a count read in traced code would recompile each time) unless a
+            reader needs each forward's batch, as DP does: otherwise its calls keep the last count.
         output: What the call returned (tensors detached), in ``Reduction.forward``, which runs
             as the call returns (in compiled code, at its first gradient, for a reduction with
             ``reads_output``); ``None`` elsewhere (the capture keeps no output).

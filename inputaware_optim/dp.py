@@ -326,22 +326,20 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _step_batch(self, present: list[Tensor], totals: dict[Tensor, Any], clip: float) -> float:
         """The batch of this step; refuses a clip changed since backward, or accumulation not told its batch."""
         name = type(self).__name__
-        clips = set().union(*(totals[p]["clips"] for p in present))
-        if clips - {clip}:
-            raise RuntimeError(
-                f"{name}: max_grad_norm is {clip} now, but the samples of this step were clipped at "
-                f"{', '.join(map(str, sorted(clips)))} when their backward pass ended. Change max_grad_norm between "
-                "steps, before the next backward (a schedule's step() after optimizer.step()). No parameter was changed"
-            )
-        first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
         expected = self.param_groups[0]["expected_batch_size"]
-        used = set().union(*(totals[p]["expected"] for p in present))
-        if used - {expected}:
-            raise RuntimeError(
-                f"{name}: expected_batch_size is {expected} now, but the samples of this step were scaled by "
-                f"{', '.join(map(str, used))} when their backward pass ended. Change it between steps, before the "
-                "next backward. No parameter was changed"
-            )
+        for key, setting, now, done in (
+            ("clips", "max_grad_norm", clip, "clipped at"),
+            ("expected", "expected_batch_size", expected, "scaled by"),
+        ):
+            used = set().union(*(totals[p][key] for p in present))
+            if used - {now}:
+                raise RuntimeError(
+                    f"{name}: {setting} is {now} now, but the samples of this step were {done} "
+                    f"{', '.join(map(str, sorted(used, key=str)))} when their backward pass ended. Change {setting} "
+                    "between steps, before the next backward (a schedule's step() after optimizer.step()). No "
+                    "parameter was changed"
+                )
+        first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
         passes = len(first["passes"])
         if self._privacy[2] == "mean" and expected is None and passes > 1:
             raise RuntimeError(

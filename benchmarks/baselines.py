@@ -130,13 +130,14 @@ class Combined(torch.optim.Optimizer):
             part.load_state_dict(state)
 
 
-def muon(model: nn.Module, lr: float, implementation: type[torch.optim.Muon] = Float32Muon) -> Combined:
+def muon(model: nn.Module, lr: float, implementation: Callable[..., torch.optim.Optimizer] = Float32Muon) -> Combined:
     """Muon on ``hidden_matrices(model)``, ``torch.optim.AdamW`` on the rest, one learning rate for both.
 
     Args:
         model: The model whose parameters are trained.
         lr: The learning rate of both parts (Muon's scaled to AdamW's RMS).
-        implementation: ``Float32Muon`` (the default) or ``torch.optim.Muon`` as shipped.
+        implementation: ``Float32Muon`` (the default), ``torch.optim.Muon`` as shipped, or what builds
+            the hidden part from ``(params, lr=, weight_decay=, adjust_lr_fn=)`` (a rule in front of Muon).
     """
     hidden = hidden_matrices(model)
     chosen = {id(p) for p in hidden}

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from inputaware_optim import FOOF, KFAC, Eva
 
+from . import baselines
 from .core import Config, Progress, Target, format_seconds
 from .digits import BATCH, Factory, Sweep, baseline_sweeps, load, sweep, tasks
 from .digits import step_times as shared_step_times
@@ -24,6 +25,7 @@ from .timing import Ratio
 __all__ = [
     "EVA_DAMPING",
     "FOOF_DAMPING",
+    "FOOF_ON_MUON",
     "INVERSE_DTYPE",
     "KFAC_DAMPING",
     "LARGE_BATCH",
@@ -38,6 +40,7 @@ __all__ = [
     "candidate_sweeps",
     "eva",
     "foof",
+    "foof_on_muon",
     "kernel_floor",
     "kfac",
     "step_target",
@@ -109,8 +112,37 @@ def eva(statistics_every: int = STATISTICS_EVERY, base: type[torch.optim.Optimiz
     return lambda model, lr: Eva(model, lr=lr, damping=EVA_DAMPING, statistics_every=statistics_every, **extra)
 
 
+def foof_on_muon() -> Factory:
+    """Muon's recipe (``baselines.muon``) with FOOF in front of its Muon part: FOOF preconditions the
+    hidden matrices' gradients (this module's damping and schedule) and Muon orthogonalizes them;
+    AdamW takes the rest."""
+
+    def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        def hidden_part(params: list[Tensor], **muon_options: Any) -> torch.optim.Optimizer:
+            return FOOF(
+                model,
+                params=params,
+                damping=FOOF_DAMPING,
+                update_every=UPDATE_EVERY,
+                statistics_every=STATISTICS_EVERY,
+                inverse_dtype=INVERSE_DTYPE,
+                base=baselines.Float32Muon,
+                **muon_options,
+            )
+
+        return baselines.muon(model, lr, hidden_part)
+
+    return build
+
+
+FOOF_ON_MUON = (
+    f"FOOF's preconditioned gradient of the hidden matrices handed to Muon (base=Muon, float32 Newton–Schulz, "
+    f"the Muon recipe's part), {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+)
+
+
 def candidate_sweeps(config: Config) -> list[Sweep]:
-    """FOOF, K-FAC, Eva and FOOF in front of AdamW on ``SCHEDULE``, each with its learning-rate sweep."""
+    """FOOF, K-FAC, Eva and FOOF in front of AdamW and of Muon on ``SCHEDULE``, each with its learning-rate sweep."""
     return [
         Sweep(
             "FOOF",
@@ -139,6 +171,7 @@ def candidate_sweeps(config: Config) -> list[Sweep]:
             sweep(config, (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)),
             f"FOOF's preconditioned gradient handed to torch.optim.AdamW (base=torch.optim.AdamW), {SCHEDULE}",
         ),
+        Sweep("FOOF on Muon", foof_on_muon(), sweep(config, (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)), FOOF_ON_MUON),
     ]
 
 

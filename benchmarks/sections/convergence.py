@@ -93,6 +93,7 @@ def _gpt_sweeps(config: Config) -> list[Sweep]:
             f"K-FAC's preconditioned gradient (damping λ = {rules.KFAC_DAMPING:g}) handed to torch.optim.AdamW, "
             f"{rules.SCHEDULE}; {EMBEDDINGS}",
         ),
+        Sweep("FOOF on Muon", rules.foof_on_muon(), rates(adamw), f"{rules.FOOF_ON_MUON}; {EMBEDDINGS}"),
         Sweep(
             "Eva on AdamW",
             rules.eva(base=torch.optim.AdamW),

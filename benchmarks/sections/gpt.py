@@ -41,6 +41,7 @@ ADAMW, SGD = "AdamW", "SGD (momentum 0.9)"
 MUON = "Muon + AdamW"
 DROP_IN, MONITOR, FINDER = "InputAwareAdamW, no rule", "Monitor(every=1)", "NonFiniteFinder"
 EVA, FOOF, KFAC, DP = "Eva → AdamW", "FOOF → AdamW", "K-FAC → AdamW", "DPAdamW (σ = 1, C = 1)"
+FOOF_MUON = "FOOF → Muon + AdamW"
 FOOF_FLOOR, KFAC_FLOOR, NOISE_FLOOR = "FOOF's arithmetic → AdamW", "K-FAC's arithmetic → AdamW", "AdamW + DP's noise"
 PROFILED = (FOOF, KFAC, DP)
 
@@ -111,6 +112,10 @@ def variants(size: gpt.GPTSize) -> dict[str, Variant]:
             _alone(rules.kernel_floor(two_sided=False, base=torch.optim.AdamW)),
             "AdamW plus FOOF's statistics products and their running averages, inverses and preconditioning "
             "products, called directly",
+        ),
+        FOOF_MUON: Variant(
+            _alone(rules.foof_on_muon()),
+            f"FOOF in front of the Muon part of the Muon + AdamW recipe (base=Muon), {rules.SCHEDULE}",
         ),
         KFAC: Variant(_alone(rules.kfac(base=torch.optim.AdamW)), rules.SCHEDULE, 1.40, KFAC_FLOOR, FLOOR_LIMIT),
         KFAC_FLOOR: Variant(

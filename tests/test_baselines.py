@@ -10,9 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from inputaware_optim import FOOF
+
 pytest.importorskip("sklearn")  # benchmarks.digits, through the convergence section (the bench extra)
 
-from benchmarks import baselines, gpt
+from benchmarks import baselines, gpt, rules
 from benchmarks.models import SmallCNN, autoencoder, mlp
 
 BFLOAT16_PRECISION = 2e-2  # relative: bfloat16 keeps 8 bits of mantissa, so each Newton–Schulz product rounds at ~4e-3
@@ -84,6 +86,47 @@ def test_muon_recipe_takes_the_hidden_matrices_and_adamw_the_rest(build: Any, hi
         assert group["lr"] == 1e-3 and group["weight_decay"] == baselines.WEIGHT_DECAY
     assert muon.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
     assert type(baselines.muon(model, 1e-3, torch.optim.Muon).parts[0]) is torch.optim.Muon
+
+
+def test_foof_on_muon_is_the_muon_recipe_with_foof_in_front_of_its_muon_part() -> None:
+    """The hidden matrices take FOOF's preconditioned gradient into Float32Muon (the recipe's options),
+    the rest AdamW's own update: checked against both stepped by hand on FOOF's gradient."""
+    torch.manual_seed(0)
+    model = autoencoder((16, 12, 8, 12, 16))
+    twin = autoencoder((16, 12, 8, 12, 16))
+    twin.load_state_dict(model.state_dict())
+    combined = rules.foof_on_muon()(model, 1e-2)
+    foof, adamw = combined.parts
+    assert isinstance(foof, FOOF) and type(adamw) is torch.optim.AdamW
+    hidden = baselines.hidden_matrices(model)
+    assert [p for g in foof.param_groups for p in g["params"]] == hidden
+    assert foof.param_groups[0]["adjust_lr_fn"] == "match_rms_adamw"
+    assert foof.param_groups[0]["weight_decay"] == adamw.param_groups[0]["weight_decay"] == baselines.WEIGHT_DECAY
+    twin_hidden = baselines.hidden_matrices(twin)
+    by_hand = [
+        baselines.Float32Muon(
+            twin_hidden, lr=1e-2, weight_decay=baselines.WEIGHT_DECAY, adjust_lr_fn="match_rms_adamw"
+        ),
+        torch.optim.AdamW(
+            [p for p in twin.parameters() if all(p is not q for q in twin_hidden)],
+            lr=1e-2,
+            weight_decay=baselines.WEIGHT_DECAY,
+        ),
+    ]
+    x = torch.rand(32, 16)
+    for _ in range(3):
+        combined.zero_grad()
+        model(x).square().mean().backward()
+        combined.step()  # FOOF writes its preconditioned gradient into .grad before Muon's step
+        for part in by_hand:
+            part.zero_grad()
+        twin(x).square().mean().backward()
+        for ours, theirs in zip(hidden, twin_hidden, strict=True):
+            assert not torch.allclose(ours.grad, theirs.grad)  # preconditioned, not the raw gradient
+            theirs.grad = ours.grad.clone()  # what FOOF handed Muon
+        for part in by_hand:
+            part.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
 
 
 def test_combined_steps_as_its_parts_stepped_by_hand() -> None:

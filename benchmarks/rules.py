@@ -72,8 +72,11 @@ LARGE_BATCH = 512
 TIMING_LR = 1e-5
 
 
-def foof(statistics_every: int = STATISTICS_EVERY, update_every: int = UPDATE_EVERY, adamw: bool = False) -> Factory:
-    """FOOF with this module's damping and the given schedule; in front of ``torch.optim.AdamW`` if ``adamw``."""
+def foof(
+    statistics_every: int = STATISTICS_EVERY, update_every: int = UPDATE_EVERY, adamw: bool = False, **options: Any
+) -> Factory:
+    """FOOF with this module's damping and the given schedule; in front of ``torch.optim.AdamW`` if ``adamw``;
+    ``options``: FOOF's other arguments (``params``, ``base=`` and the base's)."""
     extra: dict[str, Any] = {"base": torch.optim.AdamW} if adamw else {}
     return lambda model, lr: FOOF(
         model,
@@ -83,6 +86,7 @@ def foof(statistics_every: int = STATISTICS_EVERY, update_every: int = UPDATE_EV
         statistics_every=statistics_every,
         inverse_dtype=INVERSE_DTYPE,
         **extra,
+        **options,
     )
 
 
@@ -118,17 +122,8 @@ def foof_on_muon() -> Factory:
     AdamW takes the rest."""
 
     def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
-        def hidden_part(params: list[Tensor], **muon_options: Any) -> torch.optim.Optimizer:
-            return FOOF(
-                model,
-                params=params,
-                damping=FOOF_DAMPING,
-                update_every=UPDATE_EVERY,
-                statistics_every=STATISTICS_EVERY,
-                inverse_dtype=INVERSE_DTYPE,
-                base=baselines.Float32Muon,
-                **muon_options,
-            )
+        def hidden_part(params: list[Tensor], lr: float, **muon_options: Any) -> torch.optim.Optimizer:
+            return foof(params=params, base=baselines.Float32Muon, **muon_options)(model, lr)
 
         return baselines.muon(model, lr, hidden_part)
 

@@ -568,19 +568,18 @@ class NonFiniteOrigin:
         return f"step {self.step}: {self.module} (call {self.call}) {what}"
 
 
+@dataclass(slots=True, eq=False)
 class _Tensor:
     """A tensor a hooked call saw: its sum and its gradient's (0-d, non-finite wherever a value is)."""
 
-    __slots__ = ("arrival", "finite", "forward", "grad", "grad_finite", "ref", "total", "version")
-
-    def __init__(self, t: Tensor, version: int, forward: int) -> None:
-        self.ref = weakref.ref(t)
-        self.version = version
-        self.forward = forward
-        self.total = _total(t)
-        self.grad: Tensor | None = None
-        self.arrival: int | None = None  # when its gradient arrived, in backward order
-        self.finite = self.grad_finite = True  # (set when a step is looked into)
+    ref: weakref.ref[Tensor]
+    version: int
+    forward: int
+    total: Tensor
+    grad: Tensor | None = None
+    arrival: int | None = None  # when its gradient arrived, in backward order
+    finite: bool = True  # (these two set when a step is looked into)
+    grad_finite: bool = True
 
 
 @dataclass(slots=True, eq=False)  # (compared by identity: calls.index)
@@ -650,7 +649,7 @@ class _Watch:
         entry = self.tensors.get(id(t))
         if entry is not None and entry.ref() is t and entry.version == version:
             return entry
-        entry = self.tensors[id(t)] = _Tensor(t, version, self.forward)
+        entry = self.tensors[id(t)] = _Tensor(weakref.ref(t), version, self.forward, _total(t))
         if t.requires_grad:
             t.register_hook(functools.partial(self._gradient, entry))
         return entry
@@ -724,16 +723,12 @@ def _grads_finite(tensors: list[_Tensor]) -> bool:
 
 def _mark_finite(tensors: list[_Tensor]) -> None:
     """Set ``finite`` and ``grad_finite`` on each tensor, with one host synchronization."""
-    values = [e.total for e in tensors] + [e.grad for e in tensors if e.grad is not None]
-    if not values:
-        return
-    flags = torch.isfinite(_as_float64(values)).tolist()
-    position = len(tensors)
+    grads = {e: e.grad for e in tensors if e.grad is not None}
+    flags = torch.isfinite(_as_float64([*(e.total for e in tensors), *grads.values()])).tolist()
     for e, flag in zip(tensors, flags, strict=False):
         e.finite = flag
-        if e.grad is not None:
-            e.grad_finite = flags[position]
-            position += 1
+    for e, flag in zip(grads, flags[len(tensors) :], strict=True):
+        e.grad_finite = flag
 
 
 def _parameter_gradients_finite(module: nn.Module) -> bool:
@@ -926,12 +921,9 @@ def _panel(figure: Any, axis: Any, panel: Any, names: list[str], records: list[d
     from matplotlib.colors import LogNorm, Normalize
 
     table, statistic, title, logarithmic = panel
-    grid = np.full((max(len(names), 1), len(records)), np.nan)
-    for column, record in enumerate(records):
-        for row, name in enumerate(names):
-            value = record[table].get(name, {}).get(statistic)
-            if value is not None and math.isfinite(value):
-                grid[row, column] = value
+    # A value not logged (None) or not finite is NaN; a panel with no layer keeps one (empty) row.
+    grid = np.array([[r[table].get(n, {}).get(statistic) for r in records] for n in names or [""]], dtype=float)
+    grid[~np.isfinite(grid)] = np.nan
     zeros = logarithmic and bool((grid == 0).any())
     norm: Any = Normalize(0.0, 1.0) if statistic.endswith("fraction") else None
     shown = grid

@@ -27,7 +27,7 @@ from ._torch import (
 )
 from .capture import Capture, Storage, parameter_names, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
-from .distributed import data_parallel_group
+from .distributed import data_parallel_group, sharded
 from .hooks import InputsHook, InputsHookHandle, Reads, StepHooks, When
 from .inputs import Inputs
 from .layers import Layer, bias_of, explained, layer_kind, weight_of, weight_or_none, why_no_kind
@@ -80,9 +80,7 @@ RENAMED = {
 }
 
 
-def _check_arguments(
-    cls: type[InputAwareOptimizer], model: Any, storage: Any, grad_outputs: Any, base: Any, lr: Any
-) -> None:
+def _check_arguments(cls: type[InputAwareOptimizer], model: Any, grad_outputs: Any, base: Any, lr: Any) -> None:
     """Refuse, before anything is built, what the constructor of ``cls`` cannot take."""
     name = cls.__name__
     for owner in cls.__mro__:  # an override that cannot take its inputs
@@ -102,8 +100,6 @@ def _check_arguments(
                 f"{name}(model, lr=...) or {name}(model, params=param_groups, lr=...)"
             )
         raise TypeError(f"{name} expects an nn.Module as its first argument, got {type(model).__name__}{hint}")
-    if storage not in ("reference", "clone", "cpu"):
-        raise ValueError(f"Invalid storage: {storage!r}; choose 'reference', 'clone' or 'cpu'")
     if grad_outputs is False and cls.grad_outputs:
         raise ValueError(f"{name} needs the output gradients of its layers; leave grad_outputs unset")
     if base is not None and not (isinstance(base, type) and issubclass(base, Optimizer)):
@@ -178,7 +174,7 @@ class InputAwareOptimizer(Optimizer):
         base: type[Optimizer] | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_arguments(type(self), model, storage, grad_outputs, base, kwargs.get("lr", args[0] if args else None))
+        _check_arguments(type(self), model, grad_outputs, base, kwargs.get("lr", args[0] if args else None))
         self._capture: Capture | None = None
         self._strict = bool(strict)
         self._process_group = process_group
@@ -409,20 +405,13 @@ class InputAwareOptimizer(Optimizer):
                 )
         return group
 
-    def _param_groups_by_param(self) -> dict[Tensor, dict[str, Any]]:
-        return {p: group for group in self.param_groups for p in group["params"]}
-
     def _layers(self, capability: str, *, with_excluded: bool = False) -> list[Layer]:
         """The captured layers whose weight this optimizer trains and whose kind provides ``capability``
-        (without those the rule excludes, unless ``with_excluded``), kept as ``_kept`` keeps them."""
-        return list(
-            self._kept(("layers", capability, with_excluded), lambda: self._find_layers(capability, with_excluded))
-        )
-
-    def _kept(self, key: Any, compute: Callable[[], Any]) -> Any:
-        """``compute()``, kept under ``key`` while the watched modules and the param groups (each group
-        dict and the parameters in it) stay the same: what is read every step but found by walking the model."""
-        cache = self.__dict__.setdefault("_kept_cache", {})
+        (without those the rule excludes, unless ``with_excluded``); kept while the watched modules and the
+        param groups (each group dict and the parameters in it) stay the same: read every step, found by
+        walking the model."""
+        key = (capability, with_excluded)
+        cache = self.__dict__.setdefault("_layers_cache", {})
         kept = cache.get(key)
         watched = self.capture.modules
         # The group dicts and parameters themselves (kept, so an object compared later is never a reused id),
@@ -432,11 +421,11 @@ class InputAwareOptimizer(Optimizer):
         if kept is None or kept[0] != watched or len(kept[1]) != len(now) or not all(map(operator.is_, kept[1], now)):
             if kept is not None:  # the layers changed: the fallbacks are reported again at the next step
                 self._coverage_checked = False
-            kept = cache[key] = (watched, now, compute())
-        return kept[2]
+            kept = cache[key] = (watched, now, self._find_layers(capability, with_excluded))
+        return list(kept[2])
 
     def _find_layers(self, capability: str, with_excluded: bool) -> list[Layer]:
-        groups = self._param_groups_by_param()
+        groups = {p: group for group in self.param_groups for p in group["params"]}
         owners: dict[Tensor, list[nn.Module]] = {}
         for module in self.capture.modules:
             kind = layer_kind(module)
@@ -517,11 +506,9 @@ class InputAwareOptimizer(Optimizer):
         if others:
             names = ", ".join(f"{self.capture.name(m)} ({type(m).__name__})" for m in others)
             return f"the weight is shared with {names}, whose calls give no {capability.replace('_', ' ')}", True
-        for candidate in self._layers(capability, with_excluded=True):
-            if weight_of(candidate.module) is param:
-                reason = self._excluded(candidate)
-                if reason is not None:
-                    return reason, True
+        layer = next((c for c in self._layers(capability, with_excluded=True) if weight_of(c.module) is param), None)
+        if layer is not None and (reason := self._excluded(layer)) is not None:
+            return reason, True
         return "its module is not captured (a weight shared with a module of another kind?)", matrix
 
     def _check_coverage(self) -> None:
@@ -551,7 +538,7 @@ class InputAwareOptimizer(Optimizer):
 
     def _refuse_sharded_parameters(self, why: str) -> None:
         """Raise at construction if any parameter is sharded (FSDP2 / DTensor): the rule needs whole tensors."""
-        if any(getattr(p, "device_mesh", None) is not None for p in self._params()):
+        if any(sharded(p) for p in self._params()):
             raise NotImplementedError(
                 f"{type(self).__name__} does not support sharded (FSDP2 / DTensor) parameters yet: {why}. "
                 "Use DistributedDataParallel, or InputAwareAdamW / InputAwareSGD / LazyAdamW under FSDP2"

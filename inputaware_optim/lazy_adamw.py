@@ -15,7 +15,7 @@ from .adamw import InputAwareAdamW
 from .base import evaluate_closure
 from .capture import Storage, module_names
 from .coverage import CoverageWarning
-from .distributed import all_zero, local_tensor, row_range, sharded
+from .distributed import all_zero, local_tensor, row_range, row_sharding_problem, sharded
 from .inputs import Call, Captured, Inputs
 from .layers import LayerKind, layer_kind, weight_of, weight_or_none
 from .reduction import Reduction
@@ -52,7 +52,7 @@ class TouchedRows(Reduction):
     # the weight is that call's own: same storage, same version); else the gradient is read once.
 
     def receives(self, module: nn.Module, param: Tensor) -> bool:
-        return param is weight_of(module) and getattr(param, "device_mesh", None) is None  # (FSDP2: not reached)
+        return param is weight_of(module) and not sharded(param)  # (FSDP2: not reached)
 
     def produced(self, module: nn.Module, grad_inputs: Any) -> None:
         made = [(t.data_ptr(), t._version) for t in grad_inputs if isinstance(t, Tensor) and t.layout == torch.strided]
@@ -65,8 +65,7 @@ class TouchedRows(Reduction):
         if len(produced) == 1 and (incoming.data_ptr(), incoming._version) in produced[0]:
             return  # exactly the one captured call's gradient
         rows = incoming.reshape(incoming.shape[0], -1).ne(0).any(1).nonzero().squeeze(1)
-        previous = self.extra.get(id(param))
-        self.extra[id(param)] = rows if previous is None else torch.unique(torch.cat([previous, rows]))
+        self.extra[id(param)] = self.combine(self.extra.get(id(param)), rows)
 
     def take(self, weight: Tensor) -> Tensor | None:
         """The rows with gradient from elsewhere that still hold gradient now (stale ones drop out)."""
@@ -174,20 +173,17 @@ class LazyAdamW(InputAwareAdamW):
         self._warned_extra: set[int] = set()
 
     def _check_param_groups(self) -> None:
-        """Refuse, by name, a table sharded other than on its rows over a 1-D mesh (FSDP2's default):
-        its touched rows could not be found in the shard this rank holds."""
+        """Refuse, by name, a table not sharded on its rows (FSDP2's default): its touched rows could not be found."""
         super()._check_param_groups()
         trained = set(self._params())
         for module, name in module_names(self.model).items():
             kind, weight = layer_kind(module), weight_or_none(module)
-            if kind is None or not kind.provides("touched_rows") or weight not in trained or not sharded(weight):
+            if kind is None or not kind.provides("touched_rows") or weight not in trained:
                 continue
-            mesh, placements = weight.device_mesh, weight.placements  # type: ignore[attr-defined]
-            if mesh.ndim != 1 or not placements[0].is_shard(0):
+            if (problem := row_sharding_problem(weight, None)) is not None:
                 raise NotImplementedError(
-                    f"LazyAdamW cannot update the rows of {name or type(module).__name__} under FSDP2: sharded as "
-                    f"{tuple(placements)} over a {mesh.ndim}-D mesh. Shard it with fully_shard's default placement "
-                    "(Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
+                    f"LazyAdamW cannot update the rows of {name or type(module).__name__} under FSDP2: {problem}. "
+                    "Shard it with fully_shard's default placement, or leave it out of the optimizer's params"
                 )
 
     def _build_reductions(self) -> dict[str, Reduction]:
@@ -203,13 +199,8 @@ class LazyAdamW(InputAwareAdamW):
 
     def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
         """The captured embeddings trained here whose weight no other module uses (a tied weight gets gradient on
-        every row), with weight and param group; kept, as walking a large model each step costs more than the rows."""
-        return self._kept(  # type: ignore[no-any-return]
-            "lazy_tables",
-            lambda: [
-                (t.module, weight_of(t.module), t.group) for t in self._layers("touched_rows") if len(t.owners) == 1
-            ],
-        )
+        every row), with weight and param group."""
+        return [(t.module, weight_of(t.module), t.group) for t in self._layers("touched_rows") if len(t.owners) == 1]
 
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Update the touched embedding rows lazily and everything else with stock AdamW."""
@@ -263,7 +254,7 @@ class LazyAdamW(InputAwareAdamW):
         updates += from_inputs
         for update in updates:  # the gather refuses rows outside the table (on CPU; elsewhere as nn.Embedding does)
             rows = update.rows
-            if getattr(update.weight, "device_mesh", None) is not None:  # FSDP2: the rows this rank's shard holds
+            if sharded(update.weight):  # FSDP2: the rows this rank's shard holds
                 held = row_range(update.weight)
                 rows = rows[(rows >= held.start) & (rows < held.stop)] - held.start
             update.rows = rows = rows if rows.dtype == torch.int64 else rows.long()  # the row writes take int64

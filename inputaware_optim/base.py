@@ -106,7 +106,7 @@ def _check_arguments(cls: type[InputAwareOptimizer], model: Any, grad_outputs: A
         raise TypeError(f"Invalid base: {base!r} (must be a torch.optim.Optimizer subclass, say torch.optim.AdamW)")
     if base is not None and issubclass(base, InputAwareOptimizer):
         raise TypeError(f"Invalid base: {base.__name__} is input-aware itself; pass the stock optimizer class")
-    if isinstance(lr, (Iterable, Mapping)) and not isinstance(lr, (Tensor, str)):
+    if isinstance(lr, Iterable) and not isinstance(lr, (Tensor, str)):
         raise TypeError(
             f"{name} got {type(lr).__name__} for lr: the parameters are a keyword argument here, "
             f"{name}(model, params=param_groups, lr=...)"

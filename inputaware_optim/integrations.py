@@ -186,11 +186,10 @@ class _HuggingFace(_MonitorLogging):
 
     def _write(self, step: int) -> None:
         scalars = self._take()
-        if self._writer is not None:
+        if scalars and self._writer is not None:
             for tag, value in scalars.items():
                 self._writer.add_scalar(tag, value, step)
-            if scalars:
-                self._writer.flush()
+            self._writer.flush()
 
 
 if TYPE_CHECKING:  # the classes are built by __getattr__ below, on first use

@@ -57,8 +57,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         params: Any = None,
         **kwargs: Any,
     ) -> None:
-        _check_privacy(max_grad_norm, noise_multiplier, loss_reduction)
-        _check_batching(expected_batch_size, sample_rate)
+        _check_hyperparameters(loss_reduction, max_grad_norm, noise_multiplier, expected_batch_size, sample_rate)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"Invalid generator: {generator!r} (must be a torch.Generator, or None)")
         if batch_dim not in (0, 1) or isinstance(batch_dim, bool):
@@ -188,11 +187,10 @@ class _PerSampleClipping(InputAwareOptimizer):
         self._refuse_unsupported_layers()
 
     def _group_privacy(self) -> tuple[float, float]:
-        """``(max_grad_norm, noise_multiplier)`` as the param groups hold them now, checked equal in all (with
-        ``expected_batch_size`` and ``sample_rate``: all four describe the whole batch)."""
+        """``(max_grad_norm, noise_multiplier)`` as the groups hold them now, checked equal in all groups."""
         first = self.param_groups[0]
         for index, group in enumerate(self.param_groups):
-            self._check_group(group)  # (also read in the hooks, where the clipping happens)
+            _check_hyperparameters(self._privacy[2], *(group[k] for k in _WHOLE_BATCH))  # (the hooks read them too)
             differ = [k for k in _WHOLE_BATCH if group[k] != first[k]]
             if differ:
                 raise ValueError(
@@ -202,10 +200,6 @@ class _PerSampleClipping(InputAwareOptimizer):
                     f"{', '.join(f'{k}={group[k]}' for k in differ)}. Change them in every group at once"
                 )
         return float(first["max_grad_norm"]), float(first["noise_multiplier"])
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        _check_privacy(group["max_grad_norm"], group["noise_multiplier"], self._privacy[2])
-        _check_batching(group["expected_batch_size"], group["sample_rate"])
 
     def _warn_outside(self, root: nn.Module) -> None:
         """Warn (once per set) of parameters of the model outside this optimizer that got a gradient: not private."""
@@ -280,10 +274,8 @@ class _PerSampleClipping(InputAwareOptimizer):
         return loss
 
     def _private_gradients(self, inputs: Inputs, clip: float, sigma: float) -> dict[Tensor, Tensor]:
-        """The private gradients of every trained parameter, a parameter no sample reached this step (a branch
-        not taken, an expert no token chose) included: its clipped sum is zero, its noise is not, or which
-        parameters moved would tell what the batch held. Whatever the clipped sums cannot privatize is refused
-        before any change."""
+        """The private gradients of every trained parameter, one no sample reached included (else which parameters
+        moved would tell what the batch held); what the clipped sums cannot privatize is refused before any change."""
         trained = [p for p in self._params() if p.requires_grad]
         targets = [p for p in trained if p.grad is not None]
         if not targets:  # no backward since the gradients were cleared: no step (as the stock optimizers)
@@ -291,21 +283,18 @@ class _PerSampleClipping(InputAwareOptimizer):
         totals = inputs.reduced(self._clipped)
         data_parallel = self.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
-        error = next((entry["error"] for entry in totals.values() if "error" in entry), None)
-        if error is not None:
-            self._raise_kept(*error)
-        if not totals and _no_release(self.param_groups, targets):
+        if not totals and all(float(g["lr"]) == 0 for g in self.param_groups) and all_zero(p.grad for p in targets):
             # No data and no release (torch.distributed.checkpoint initializes an optimizer's state so): no call
-            # in any gradient, every one zero, at learning rate 0. The stock step on them is data-independent and
-            # moves no parameter; nothing is accounted. (At another rate it is refused: a skipped empty batch
-            # must still be noised.)
+            # in any gradient, every one zero (this rank's shard), at learning rate 0. The stock step on them is
+            # data-independent and moves no parameter; nothing is accounted. (At another rate it is refused: a
+            # skipped empty batch must still be noised.)
             return {}
         present = self._refuse_what_is_not_clipped(targets, totals, distributed)
         batch = self._step_batch(present, totals, clip)
-        sums = _sums_or_zeros(trained, totals)
+        dtype = next((totals[p]["sum"].dtype for p in trained if p in totals), None)  # of the zeros of those unreached
+        sums = {p: totals[p]["sum"] if p in totals else _zeros(p, dtype or p.dtype) for p in trained}
         if distributed:
-            unreached = {p for p in trained if p.grad is None}
-            return self._private_gradients_over_ranks(sums, totals, batch, clip * sigma, data_parallel, unreached)
+            return self._private_gradients_over_ranks(sums, totals, batch, clip * sigma, data_parallel)
         divisor = self._divisor(batch)
         with record_function("DP: noise"):
             return {p: self._noised_into_grad(p, total, sigma * clip, divisor) for p, total in sums.items()}
@@ -313,8 +302,11 @@ class _PerSampleClipping(InputAwareOptimizer):
     def _refuse_what_is_not_clipped(
         self, targets: list[Tensor], totals: dict[Tensor, Any], distributed: bool
     ) -> list[Tensor]:
-        """The parameters whose gradient the clipped sums explain; refused: a gradient no call explains (in one
-        process), a forward split over backward passes, sums that do not add up to the gradient."""
+        """The parameters whose gradient the clipped sums explain; refused: an error met in the hooks, a gradient
+        no call explains (in one process), a forward split over backward passes, sums not adding up to it."""
+        error = next((entry["error"] for entry in totals.values() if "error" in entry), None)
+        if error is not None:
+            self._raise_kept(*error)
         present = [p for p in targets if p in totals]
         if len(present) < len(targets) and not distributed:
             raise self._uncaptured([p for p in targets if p not in totals])
@@ -364,13 +356,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         return float(batch)
 
     def _private_gradients_over_ranks(
-        self,
-        sums: dict[Tensor, Tensor],
-        totals: dict[Tensor, Any],
-        batch: float,
-        std: float,
-        data_parallel: Any,
-        unreached: set[Tensor],
+        self, sums: dict[Tensor, Tensor], totals: dict[Tensor, Any], batch: float, std: float, data_parallel: Any
     ) -> dict[Tensor, Tensor]:
         """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
         Every rank adds the same list: zeros for a module its samples never reached (a branch, an expert)."""
@@ -382,7 +368,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 total.add_(noise.to(total.device, total.dtype), alpha=std)
         count = torch.tensor(float(batch), dtype=torch.float64)
         # The ranks that saw each (a parameter without a gradient has nothing to explain).
-        captured = torch.tensor([float(p in totals or p in unreached) for p in targets], dtype=torch.float64)
+        captured = torch.tensor([float(p in totals or p.grad is None) for p in targets], dtype=torch.float64)
         all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count, captured], data_parallel)
         nowhere = [p for p, ranks in zip(targets, captured.tolist(), strict=True) if ranks == 0]
         if nowhere:  # on every rank alike, after the collective (no rank is left waiting)
@@ -615,8 +601,7 @@ class ClippedSums(Reduction):
         return by_forward
 
     def _samples(self, forward: Any, calls: _Calls) -> int:
-        """The samples of one forward, which every call in it must share; refused where no tensor argument
-        of the model has that many."""
+        """The samples every call of one forward holds; refused where no tensor argument of the model has that many."""
         batch_dim, capture = self.batch_dim, self.capture
         sizes = {m: {_samples_of(m, _batch_first(c, batch_dim)) for c in cs} for m, cs in calls.items()}
         shapes = capture.model_input_shapes(forward)
@@ -666,11 +651,7 @@ class ClippedSums(Reduction):
         return count
 
     def _refuse_broadcast_inputs(self, calls: _Calls, shapes: list[torch.Size], count: int) -> None:
-        """Calls whose inputs are not batched although their size says so: a parameter or buffer itself
-        (learned queries before they are expanded to the batch, a memory bank), and, where the batch
-        equals another dimension of the model's input (batch 64, context 64), indices with fewer
-        dimensions than that input (positions ``torch.arange(T)``). Their outputs are broadcast over
-        the samples."""
+        """Refuse calls whose input is not batched though its size says so (outputs broadcast over the samples)."""
         batched = [s for s in shapes if s[self.batch_dim] == count]
         others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
         root = self.capture.root  # (a parameter or a buffer, as a memory bank of keys)
@@ -771,8 +752,6 @@ class ClippedSums(Reduction):
         """``compute(*args)``, an error in it raised as ``_Located`` at ``module``'s ``failed`` calls."""
         try:
             return compute(*args)
-        except _Located:
-            raise
         except Exception as error:
             every = calls.get(module, [])
             shapes = ", ".join(
@@ -803,12 +782,6 @@ def _fits(grad: Tensor, total: Tensor) -> bool:
 
 def _zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
-
-
-def _sums_or_zeros(params: list[Tensor], totals: dict[Tensor, Any]) -> dict[Tensor, Tensor]:
-    """Each parameter's clipped sum, zeros (in the sums' dtype) for one no sample reached."""
-    dtype = next((totals[p]["sum"].dtype for p in params if p in totals), None)
-    return {p: totals[p]["sum"] if p in totals else _zeros(p, dtype or p.dtype) for p in params}
 
 
 def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bool = False) -> None:
@@ -876,8 +849,8 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
     reaches = any(p in trained for p in module.parameters())
     kind = layer_kind(module)
     unknown = [n for n in own if kind is not None and n not in (kind.weight_name, kind.bias_name)]
-    if layers.declared_refusal(module) is not None and reaches:
-        return layers.declared_refusal(module)
+    if (declared := layers.declared_refusal(module)) is not None and reaches:
+        return declared
     if any(module._parameters[n].is_complex() for n in own):  # type: ignore[union-attr]
         return "its parameters are complex; per-sample clipping here handles real parameters only"
     if getattr(module, "scale_grad_by_freq", False) and own:
@@ -905,11 +878,6 @@ def _unsupported(module: nn.Module, trained: set[Tensor]) -> str | None:
             "training with DP (torch.nn.utils.prune.remove, remove_weight_norm, remove_spectral_norm)"
         )
     return None
-
-
-def _no_release(groups: list[dict[str, Any]], params: list[Tensor]) -> bool:
-    """Whether every learning rate is 0 and every gradient of ``params`` zero (this rank's shard, under FSDP2)."""
-    return all(float(g["lr"]) == 0 for g in groups) and all_zero(p.grad for p in params)
 
 
 def _is_layer_norm(module: nn.Module) -> TypeGuard[nn.LayerNorm]:
@@ -983,17 +951,9 @@ def _merged(per_call: list[PerSample]) -> PerSample:
 _WHOLE_BATCH = ("max_grad_norm", "noise_multiplier", "expected_batch_size", "sample_rate")
 
 
-def _check_batching(expected_batch_size: Any, sample_rate: Any) -> None:
-    if expected_batch_size is not None and (
-        isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1
-    ):
-        raise ValueError(f"Invalid expected_batch_size: {expected_batch_size!r} (must be None or an integer >= 1)")
-    real = isinstance(sample_rate, numbers.Real) and not isinstance(sample_rate, bool)
-    if sample_rate is not None and not (real and 0.0 < float(sample_rate) <= 1.0):
-        raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
-
-
-def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction: str) -> None:
+def _check_hyperparameters(
+    loss_reduction: str, max_grad_norm: float, noise_multiplier: float, expected_batch_size: Any, sample_rate: Any
+) -> None:
     for name, value in (("max_grad_norm", max_grad_norm), ("noise_multiplier", noise_multiplier)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(
@@ -1006,6 +966,13 @@ def _check_privacy(max_grad_norm: float, noise_multiplier: float, loss_reduction
         raise ValueError(f"Invalid noise_multiplier: {noise_multiplier} (must be finite and >= 0)")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"Invalid loss_reduction: {loss_reduction!r} (choose 'mean' or 'sum')")
+    if expected_batch_size is not None and (
+        isinstance(expected_batch_size, bool) or not isinstance(expected_batch_size, int) or expected_batch_size < 1
+    ):
+        raise ValueError(f"Invalid expected_batch_size: {expected_batch_size!r} (must be None or an integer >= 1)")
+    real = isinstance(sample_rate, numbers.Real) and not isinstance(sample_rate, bool)
+    if sample_rate is not None and not (real and 0.0 < float(sample_rate) <= 1.0):
+        raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
 
 
 class DPSGD(_PerSampleClipping, InputAwareSGD):

@@ -190,7 +190,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         """``(max_grad_norm, noise_multiplier)`` as the groups hold them now, checked equal in all groups."""
         first = self.param_groups[0]
         for index, group in enumerate(self.param_groups):
-            _check_hyperparameters(self._privacy[2], *(group[k] for k in _WHOLE_BATCH))  # (the hooks read them too)
+            self._check_group(group)  # (also read in the hooks, where the clipping happens)
             differ = [k for k in _WHOLE_BATCH if group[k] != first[k]]
             if differ:
                 raise ValueError(
@@ -200,6 +200,9 @@ class _PerSampleClipping(InputAwareOptimizer):
                     f"{', '.join(f'{k}={group[k]}' for k in differ)}. Change them in every group at once"
                 )
         return float(first["max_grad_norm"]), float(first["noise_multiplier"])
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        _check_hyperparameters(self._privacy[2], *(group[k] for k in _WHOLE_BATCH))
 
     def _warn_outside(self, root: nn.Module) -> None:
         """Warn (once per set) of parameters of the model outside this optimizer that got a gradient: not private."""

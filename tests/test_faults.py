@@ -269,6 +269,9 @@ def test_hyperparameters_that_cannot_work_are_refused_at_construction(
         (Eva, "kl_clip", -1.0),
         (NLMS, "damping", -1.0),
         (DPSGD, "max_grad_norm", -1.0),
+        (DPSGD, "noise_multiplier", -1.0),
+        (DPSGD, "sample_rate", 2.0),
+        (DPSGD, "expected_batch_size", 0),
     ],
 )
 def test_a_hyperparameter_set_in_param_groups_mid_run_is_checked_at_the_step(cls: type, key: str, value: Any) -> None:

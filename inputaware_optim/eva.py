@@ -107,7 +107,7 @@ class Eva(KroneckerRule):
                 f"Invalid damping_form: {damping_form!r} (must be one of {', '.join(map(repr, DAMPING_FORMS))})"
             )
         self._direction = DAMPING_FORMS[damping_form]
-        self._eva_defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
+        self._rule_defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
         super().__init__(
             model,
             lr,
@@ -121,10 +121,6 @@ class Eva(KroneckerRule):
             params=params,
             **sgd_kwargs,
         )
-
-    def _check_param_groups(self) -> None:
-        self._set_group_defaults(**self._eva_defaults)
-        super()._check_param_groups()
 
     def _check_group(self, group: dict[str, Any]) -> None:
         if not group["damping"] > 0.0:  # a rank-one factor is singular without it

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from .inputs import Call, Captured
 from .kronecker import FactorSums, KroneckerRule
 from .layers import Layer
 
@@ -15,12 +12,8 @@ __all__ = ["FOOF"]
 
 
 class InputSecondMoment(FactorSums):
-    """Per call, in the forward hook: the sum of ``x̃ x̃ᵀ`` over its input rows, and their number."""
-
-    def forward(self, call: Call) -> Any:
-        layer = self.layers[call.module]
-        rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
-        return {"input": (rows.mT @ rows, rows.new_tensor(float(rows.shape[-2])))}  # per block if grouped
+    """Per call, in the forward hook: the sum of ``x̃ x̃ᵀ`` over its input rows (per block if grouped), and their
+    number."""
 
 
 class FOOF(KroneckerRule):

@@ -28,11 +28,6 @@ class KroneckerFactors(FactorSums):
         super().__init__(layers)
         self.per_position = per_position
 
-    @staticmethod
-    def side(rows: Tensor) -> Tensor:
-        """A side's sum over ``rows`` (per block if grouped)."""
-        return rows.mT @ rows
-
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         entry = Captured([call])
@@ -131,7 +126,7 @@ class KFAC(KroneckerRule):
     ) -> None:
         if convention not in CONVENTIONS:
             raise ValueError(f"Invalid convention: {convention!r} (must be one of {', '.join(map(repr, CONVENTIONS))})")
-        self._loss_reduction = loss_reduction
+        self._rule_defaults = {"loss_reduction": loss_reduction}
         self._kfac_pytorch = convention == "kfac-pytorch"
         super().__init__(
             model,
@@ -151,10 +146,6 @@ class KFAC(KroneckerRule):
 
     def _build_reductions(self) -> dict[str, Reduction]:
         return {"_statistics": KroneckerFactors(self._layers(self.reads_capability), self._kfac_pytorch)}
-
-    def _check_param_groups(self) -> None:
-        self._set_group_defaults(loss_reduction=self._loss_reduction)
-        super()._check_param_groups()
 
     def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         # A mean-reduced loss divides each output gradient by this rank's batch B (all its micro-batches),

@@ -30,7 +30,7 @@ from .distributed import (
     set_local_matrix_rows,
     sharded,
 )
-from .inputs import Inputs
+from .inputs import Call, Captured, Inputs
 from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
@@ -42,7 +42,8 @@ __all__ = ["INVERSES", "FactorSums", "KroneckerRule", "damped_inverse", "eigenba
 
 class FactorSums(Reduction):
     """A Kronecker rule's factor sums per layer (``{factor: (numerator, denominator)}``), computed
-    in the hooks and kept under the layer's weight. Subclasses compute them from one call."""
+    in the hooks and kept under the layer's weight. Per call, by default in the forward hook: the
+    input factor's, ``side`` of its input rows and their number; subclasses read more of the call."""
 
     def __init__(self, layers: list[Layer]) -> None:
         self.layers = {module: layer for layer in layers for module in layer.modules()}
@@ -54,6 +55,16 @@ class FactorSums(Reduction):
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         return (weight_of(module),)
+
+    @staticmethod
+    def side(rows: Tensor) -> Tensor:
+        """A side's sum over ``rows`` (per block if grouped): ``x̃ᵀx̃``."""
+        return rows.mT @ rows
+
+    def forward(self, call: Call) -> Any:
+        layer = self.layers[call.module]
+        rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
+        return {"input": (self.side(rows), rows.new_tensor(float(rows.shape[-2])))}
 
 
 class KroneckerRule(InputAwareSGD):
@@ -96,9 +107,8 @@ class KroneckerRule(InputAwareSGD):
     ) -> None:
         if lr is None:
             raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        self._rule_defaults: dict[str, Any] = dict(
-            damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every
-        )
+        own = dict(damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every)
+        self._rule_defaults = {**self.__dict__.get("_rule_defaults", {}), **own}  # (after a subclass's own)
         if max_dim is not None and not _positive_integer(max_dim):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
@@ -311,14 +321,9 @@ class KroneckerRule(InputAwareSGD):
         return summed_over_ranks(inputs, totals, layers, self._zero_sums, self.data_parallel_group, self._local_sums)
 
     def _zero_sums(self, layer: Layer) -> Sums:
-        """Zero factor sums of ``layer``, shaped as the hooks compute them (per block if it has several)."""
-        weight = local_tensor(weight_of(layer.module))
-        dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
-        blocks, sizes = layer.kind.blocks(layer.module), _sides(layer)
-        lead = (blocks,) if blocks > 1 else ()
-        square = 2 if self.inverts else 1  # (Eva's factors are vectors, with nothing to invert)
-        zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
-        return {factor: (zero(*lead, *(sizes[factor],) * square), zero(())) for factor in self.factors}
+        """Zero factor sums of ``layer`` (Eva's factors are vectors, with nothing to invert)."""
+        sides = _sides(layer)
+        return zero_sums(layer, {factor: (sides[factor],) * (2 if self.inverts else 1) for factor in self.factors})
 
     def _kept_inverse(self, layer: Layer, factor: str, inverse: Tensor) -> Tensor:
         """The kept ``inverse`` of ``factor``; under ``inverse="eigh"``, formed again from the kept
@@ -480,6 +485,17 @@ def summed_over_ranks(
             inputs.get(weight_of(joined[index].module))  # (Inputs warns)
     seen = [(layer, s) for layer, s in zip(joined, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
     return [layer for layer, _ in seen], [s for _, s in seen]
+
+
+def zero_sums(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Sums:
+    """Zero sums of ``layer``, shaped as the hooks compute them: each factor's numerator of its shape in
+    ``shapes`` (per block if the layer has several), its denominator a number."""
+    weight = local_tensor(weight_of(layer.module))
+    dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
+    blocks = layer.kind.blocks(layer.module)
+    lead = (blocks,) if blocks > 1 else ()
+    zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
+    return {factor: (zero(*lead, *shape), zero(())) for factor, shape in shapes.items()}
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .base import evaluate_closure
 from .distributed import local_tensor, sharded
-from .inputs import Call, Captured, Inputs
-from .kronecker import FactorSums, Sums, summed_over_ranks
-from .layers import Layer, bias_of, weight_of
+from .inputs import Inputs
+from .kronecker import FactorSums, summed_over_ranks, zero_sums
+from .layers import bias_of, weight_of
 from .reduction import Reduction
 from .sgd import InputAwareSGD
 
@@ -25,11 +26,10 @@ class InputPower(FactorSums):
     def wants(self, module: nn.Module) -> bool:
         return module in self.layers  # (unlike the Kronecker factors', a layer of width 0 too)
 
-    def forward(self, call: Call) -> Any:
-        layer = self.layers[call.module]
-        rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
+    @staticmethod
+    def side(rows: Tensor) -> Tensor:
         # One power per block of a grouped convolution (each filter sees only its group's inputs).
-        return rows.pow(2).sum((-2, -1)), rows.new_tensor(float(rows.shape[-2]))
+        return rows.pow(2).sum((-2, -1))
 
 
 class NLMS(InputAwareSGD):
@@ -121,9 +121,9 @@ class NLMS(InputAwareSGD):
         """Normalize the gradients of every layer with input rows by its input power, then take the SGD step."""
         loss = evaluate_closure(closure)
         assert inputs is not None
-        totals = {weight: {"input": sums} for weight, sums in inputs.reduced(self._power).items()}
         layers = [layer for layer in self._layers("input_rows") if weight_of(layer.module).grad is not None]
-        layers, sums = summed_over_ranks(inputs, totals, layers, _zero_power, self.data_parallel_group)
+        zeros = functools.partial(zero_sums, shapes={"input": ()})  # (one power per block)
+        layers, sums = summed_over_ranks(inputs, inputs.reduced(self._power), layers, zeros, self.data_parallel_group)
         for layer, layer_sums in zip(layers, sums, strict=True):
             power, count = layer_sums["input"]
             scale = 1.0 / (layer.group["damping"] + power / count)
@@ -136,11 +136,3 @@ class NLMS(InputAwareSGD):
                         grad.mul_(scale.to(grad.dtype))
         super().step(inputs=inputs)
         return loss
-
-
-def _zero_power(layer: Layer) -> Sums:
-    """``InputPower``'s sums of a layer this rank captured no call of (one power per block)."""
-    blocks, weight = layer.kind.blocks(layer.module), local_tensor(weight_of(layer.module))
-    dtype = torch.promote_types(weight.dtype, torch.float32)  # (as the statistics of its inputs)
-    power = weight.new_zeros((blocks,) if blocks > 1 else (), dtype=dtype)
-    return {"input": (power, weight.new_zeros((), dtype=dtype))}

@@ -151,13 +151,13 @@ class Eva(KroneckerRule):
             self._direction(m, a.to(m.dtype), g.to(m.dtype), float(layer.group["damping"]))
             for layer, m, (a, g) in zip(layers, matrices, vectors, strict=True)
         ]
-        scales = self._checked_scales(layers, matrices, directions)
+        scale = self._checked_scale(layers, matrices, directions)
         for index, (layer, (a, g), direction) in enumerate(zip(layers, vectors, directions, strict=True)):
             if index < updated:
                 state = self.state[weight_of(layer.module)]
                 state["input_mean"], state["output_grad_mean"] = a, g
                 state["statistics_steps"] = state.get("statistics_steps", 0) + 1
-            nu = scales[id(layer.group)]
+            nu = 1.0 if layer.group["kl_clip"] is None else scale
             layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
 
     def _running_means(self, layer: Layer, sums: Sums) -> tuple[Tensor, Tensor]:
@@ -165,11 +165,9 @@ class Eva(KroneckerRule):
         a, g = (running_average(state.get(f"{f}_mean"), sums[f][0] / sums[f][1], layer.group) for f in self.factors)
         return a, g
 
-    def _checked_scales(
-        self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]
-    ) -> dict[int, float]:
-        """Each group's KL-clip scale, after one check of every direction, before any change (one
-        transfer to the host for both). One scale for every clipped layer, whatever groups they are in
+    def _checked_scale(self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]) -> float:
+        """The KL-clip scale, after one check of every direction, before any change (one transfer to
+        the host for both). One scale for every clipped layer, whatever groups they are in
         (the KL clip bounds the whole update, as in the authors' code): so their ``kl_clip`` must agree."""
         clips = {group["kl_clip"] for group in self.param_groups} - {None}
         if len(clips) > 1:
@@ -198,11 +196,7 @@ class Eva(KroneckerRule):
                             "or raise damping. No parameter was changed by this step"
                         )
         total = abs(total)
-        scales = {}
-        for group in self.param_groups:
-            kappa = group["kl_clip"]
-            scales[id(group)] = 1.0 if kappa is None or total == 0.0 else min(1.0, math.sqrt(kappa / total))
-        return scales
+        return 1.0 if not clips or total == 0.0 else min(1.0, math.sqrt(clips.pop() / total))
 
 
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:

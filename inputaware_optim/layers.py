@@ -445,7 +445,7 @@ class LinearKind(_WeightMatrix):
         return _statistics_dtype(entry.grad_output_rows())
 
     def batch_size(self, module: nn.Module, entry: Captured) -> int:
-        return sum(x.shape[0] if x.dim() > 1 else 1 for x in entry.inputs())
+        return sum(self.samples(module, call) for call in entry.calls)
 
     def samples(self, module: nn.Module, call: Call) -> int:
         return int(call.input.shape[0]) if call.input.dim() > 1 else 1  # (an unbatched input: one sample)
@@ -492,32 +492,27 @@ class ConvKind(_WeightMatrix):
         grads = [_statistics_dtype(_batched(g, dims)) for g in entry.grad_outputs()]
         return self._split(module, torch.cat([g.flatten(2).transpose(1, 2).reshape(-1, g.shape[1]) for g in grads]))
 
-    def batch_size(self, module: nn.Module, entry: Captured) -> int:
-        dims = weight_of(module).dim()
-        return sum(x.shape[0] if x.dim() == dims else 1 for x in entry.inputs())
+    batch_size = LinearKind.batch_size  # (the samples of every call)
 
     def samples(self, module: nn.Module, call: Call) -> int:
         return int(call.input.shape[0]) if call.input.dim() == weight_of(module).dim() else 1  # (unbatched: one)
 
     def per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         groups = self.blocks(module)
-        rows = _conv_rows(module, call, names) if groups == 1 else None
-        if rows is not None:
-            return rows
+        if groups == 1:
+            return _conv_rows(module, call, names)
         dims = weight_of(module).dim()
         x = self._patches(module, _statistics_dtype(_batched(call.input, dims)), call)
         g = _statistics_dtype(_batched(_grad_output(call), dims)).flatten(2).transpose(1, 2)
-        if groups == 1:  # (a 3-D convolution)
-            return MatrixRows(x, g, names, weight_of(module).shape)
         # (B, T, G * n) -> (B, G, T, n): each group a matrix on its own rows
         x, g = (t.reshape(t.shape[0], t.shape[1], groups, -1).transpose(1, 2) for t in (x, g))
         return BlockRows(x, g, names, weight_of(module).shape)
 
 
-def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRows | None:
+def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRows:
     """An ungrouped convolution call's per-sample gradients: formed where that is the cheaper norm, by
     the weight-gradient kernel run once with the batch as groups; else as rows (im2col by ``F.unfold``,
-    channel-major, only viewed position-major). ``None`` for a 3-D convolution's rows (no 3-D unfold)."""
+    channel-major, only viewed position-major; a 3-D convolution's windows, as there is no 3-D unfold)."""
     assert isinstance(module, nn.modules.conv._ConvNd)
     spatial = module.weight.dim() - 2
     x = _statistics_dtype(_batched(call.input, spatial + 2))
@@ -543,14 +538,13 @@ def _conv_rows(module: nn.Module, call: Call, names: Sequence[str]) -> MatrixRow
         formed = formed.reshape(batch, outputs, -1)
         return MatrixRows(None, None, names, module.weight.shape, formed=formed, bias_rows=bias_rows)
     if spatial == 3:
-        return None  # (the caller takes the unfolded patches)
-    if spatial == 1:  # a row of height one
-        x, kernel, dilation, stride = x[:, :, None], (1, *kernel), (1, *dilation), (1, *stride)
-        padding = [0, *padding]
-    patches = F.unfold(x, kernel, dilation=dilation, padding=tuple(padding), stride=stride)
-    return MatrixRows(
-        patches.transpose(1, 2), g.flatten(2).transpose(1, 2), names, module.weight.shape, bias_rows=bias_rows
-    )
+        rows = _windows(F.pad(x, [p for p in reversed(padding) for _ in range(2)]), kernel, stride, dilation)
+    else:
+        if spatial == 1:  # a row of height one
+            x, kernel, dilation, stride = x[:, :, None], (1, *kernel), (1, *dilation), (1, *stride)
+            padding = [0, *padding]
+        rows = F.unfold(x, kernel, dilation=dilation, padding=tuple(padding), stride=stride).transpose(1, 2)
+    return MatrixRows(rows, g.flatten(2).transpose(1, 2), names, module.weight.shape, bias_rows=bias_rows)
 
 
 def _windows(x: Tensor, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> Tensor:

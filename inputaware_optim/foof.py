@@ -11,9 +11,7 @@ from .layers import Layer
 __all__ = ["FOOF"]
 
 
-class InputSecondMoment(FactorSums):
-    """Per call, in the forward hook: the sum of ``x̃ x̃ᵀ`` over its input rows (per block if grouped), and their
-    number."""
+InputSecondMoment = FactorSums  # FOOF's statistics: per call, x̃ᵀx̃ over its input rows and their number
 
 
 class FOOF(KroneckerRule):

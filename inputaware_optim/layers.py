@@ -606,12 +606,6 @@ class ConvTransposeKind(ConvKind):
     zeros inserted and ``dilation * (kernel - 1) - padding`` padded each side, plus ``output_padding``),
     with the weight ``W'[o, c] = flip(W[c, o])`` per group. Per-sample gradients go through ``torch.func``."""
 
-    def supports(self, module: nn.Module) -> bool:
-        return getattr(module, "padding_mode", "zeros") == "zeros"
-
-    def unsupported(self, module: nn.Module) -> str:
-        return f"{type(module).__name__} with padding_mode={module.padding_mode!r} is not supported"
-
     transposed = True
 
     def _patches(self, module: nn.Module, x: Tensor, call: Call) -> Tensor:

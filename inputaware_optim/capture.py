@@ -422,9 +422,7 @@ class _Log:
         # Calls whose gradient went into no .grad wait for the next pass through them (a gradient penalty's
         # backward after its autograd.grad(create_graph=True)); if none comes, they go with their graph.
         waiting = {
-            id(r)
-            for r in task.records
-            if r.rearm and not r.deferred and not any(key in changed for key in self.keys_of.get(r.module, ()))
+            id(r) for r in task.records if r.rearm and not any(k in changed for k in self.keys_of.get(r.module, ()))
         }
         self._settle_records(task)
         returned = set(task.returned)
@@ -506,14 +504,26 @@ class _Log:
                 record.args, record.kwargs = (), None
             self.compiled.pop(record.index, None)
 
+    @torch.compiler.disable  # (never traced: hooks that ran eagerly inside a compiled call, after a graph break)
     def reduce(self, compute: Any) -> Any:
-        """Run reductions' code from a hook; an error is kept, raised at the next read (not mid-backward)."""
+        """Run reductions' code from a hook, with no autograd graph and no autocast (reductions keep the dtypes
+        they choose: statistics in float32 under a bfloat16 autocast); an error is kept, raised at the next read
+        (not mid-backward)."""
+        previous = _grad_enabled()
+        if previous:  # (off already in a backward pass)
+            _set_grad_enabled(False)  # torch.no_grad() without the context manager's cost (hot path)
         try:
-            return _plain_math(compute)
+            if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
+                with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+                    return compute()
+            return compute()
         except Exception as error:
             if self.error is None:
                 self.error = error  # raised at the read, as its own type, from this one
             return None
+        finally:
+            if previous:
+                _set_grad_enabled(True)
 
     def _record_compiled(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         # Traced by Dynamo: a custom op opens a record at run time, the arguments are kept in ``head``,
@@ -546,18 +556,16 @@ class _Log:
             )
         if record is None or record.module is _PENDING:
             return
-        if record.task is None and record.kept is None and self.readers.get(record.module):
+        readers = self.readers.get(record.module)
+        if record.task is None and record.kept is None and readers:
             # First gradient of the call: the readers' forward, from the kept arguments.
             args, kwargs = _detached(record.args), _detached(record.kwargs or {})
             call = Call(record.module, args, kwargs, None, record.forward, record.output)
-            readers = self.readers[record.module]
-            if self.grad_outputs or any(r.grad_outputs for r in readers):
-                record.slot = record.slot or [None] * record.waiting
+            if self.needs[record.module][0]:
+                record.slot = record.slot or [None] * record.outputs
             record.kept, record.output = self.reduce(lambda: [r.forward(call) for r in readers]), None
-        elif record.slot is None and self.grad_outputs:
-            record.slot = [None] * record.waiting
-        if record.slot is not None and position >= len(record.slot):
-            record.slot.extend([None] * (position + 1 - len(record.slot)))
+        if record.slot is None and self.grad_outputs:
+            record.slot = [None] * record.outputs  # (every position a tapped output can have)
         self.arrive(record, position, grad)
 
     def _bind_compiled(self) -> None:
@@ -596,23 +604,6 @@ _set_grad_enabled = _torch.set_grad_enabled
 _graph_task_id = _torch.graph_task_id
 _functorch_level = _torch.functorch_level
 _recomputing_checkpointed_forward = _torch.recomputing_checkpointed_forward
-
-
-@torch.compiler.disable  # (never traced: hooks that ran eagerly inside a compiled call, after a graph break)
-def _plain_math(compute: Any) -> Any:
-    """``compute()`` with no autograd graph and no autocast: reductions keep the dtypes they choose
-    (statistics in float32 under a bfloat16 autocast), and build no graph from the inputs."""
-    previous = _grad_enabled()
-    if previous:  # (off already in a backward pass)
-        _set_grad_enabled(False)  # torch.no_grad() without the context manager's cost (hot path)
-    try:
-        if torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"):
-            with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-                return compute()
-        return compute()
-    finally:
-        if previous:
-            _set_grad_enabled(True)
 
 
 _INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
@@ -722,13 +713,11 @@ def parameter_names(model: nn.Module) -> dict[Tensor, tuple[str, nn.Module]]:
 
 
 def _wrapper_chain(model: nn.Module) -> list[nn.Module]:
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
     chain = [model]
     while True:
         inner = getattr(chain[-1], "_orig_mod", None)  # torch.compile's OptimizedModule
         if not isinstance(inner, nn.Module):
-            if not isinstance(chain[-1], (DistributedDataParallel, DataParallel)):
+            if not isinstance(chain[-1], (nn.parallel.DistributedDataParallel, nn.DataParallel)):
                 return chain
             inner = chain[-1].module
         chain.append(inner)

@@ -159,7 +159,7 @@ class _Log:
         self.error: str | Exception | None = None
         self.grad_scaler: Any = None
         self.keep_outputs = False  # some reduction reads call.output (compiled code keeps it until backward)
-        # Calls recorded by compiled code, (module, args, kwargs, key, previous): a linked list grown by
+        # Calls recorded by compiled code, (module, args, kwargs, output, key, previous): a linked list grown by
         # rebinding one attribute, as Dynamo would guard on a list's length (a recompile per call count).
         self.head: Any = None
         self.compiled: dict[int, _Record] = {}
@@ -1018,8 +1018,7 @@ class Capture:
         They run eagerly in compiled code too (a graph break at each watched call). The callbacks must
         not hold the tool that registered them, so its finalizer can run. ``remove()`` on
         the returned handle ends the watch. A module not in the model raises ``ValueError``."""
-        # Run eagerly in compiled code too (a graph break each): traced, a callback's bookkeeping
-        # would be guarded on (a recompile per tensor it keys by) or dropped.
+        # Traced, a callback's bookkeeping would be guarded on (a recompile per tensor it keys by) or dropped.
         on_call, on_forward = torch.compiler.disable(on_call), on_forward and torch.compiler.disable(on_forward)
         select = None
         if not isinstance(modules, Iterable):

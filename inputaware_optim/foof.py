@@ -5,13 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kronecker import FactorSums, KroneckerRule
+from .kronecker import KroneckerRule
 from .layers import Layer
 
 __all__ = ["FOOF"]
-
-
-InputSecondMoment = FactorSums  # FOOF's statistics: per call, x̃ᵀx̃ over its input rows and their number
 
 
 class FOOF(KroneckerRule):
@@ -58,7 +55,6 @@ class FOOF(KroneckerRule):
     """
 
     factors = ("input",)
-    statistics = InputSecondMoment
     acts_on_rows = True
 
     def _precondition(

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from inputaware_optim import Capture, InputAwareAdamW, Layer, Reduction, layer_kind
-from inputaware_optim.foof import InputSecondMoment
+from inputaware_optim.kronecker import FactorSums
 
 from ..core import Config, Progress, Result, Section, Table, Target
 from ..timing import Ratio, Timing, interleave
@@ -31,7 +31,7 @@ VARIANTS: dict[str, str] = {
     EMPTY_BOTH: "Linear with a forward hook that puts an empty pre-hook on the output's autograd node",
     DROP_IN: "Linear in a model with InputAwareAdamW, no rule (no hook attached)",
     NO_OP: "Linear captured with a no-op Reduction (the capture's own cost)",
-    FOOF: "Linear captured with FOOF's InputSecondMoment reduction",
+    FOOF: "Linear captured with FOOF's statistics (FactorSums)",
 }
 
 
@@ -89,7 +89,7 @@ def run(config: Config, progress: Progress) -> Result:
     _, no_op = _captured(linears[NO_OP], Reduction())
     kind = layer_kind(linears[FOOF])
     assert kind is not None
-    second_moment = InputSecondMoment([Layer(linears[FOOF], kind, True, {}, (linears[FOOF],))])
+    second_moment = FactorSums([Layer(linears[FOOF], kind, True, {}, (linears[FOOF],))])
     _, foof = _captured(linears[FOOF], second_moment)
     x = torch.randn(batch, width)
     hooks = {name: len(linear._forward_hooks) for name, linear in linears.items()}
@@ -209,7 +209,7 @@ SECTION = Section(
         "that only puts an empty pre-hook on the output's autograd node (the floor of following a call "
         "into backward), in a model with "
         "`InputAwareAdamW` (no hook), captured with a no-op `Reduction` (the capture's own cost), and "
-        "captured with FOOF's `InputSecondMoment` (the capture plus FOOF's arithmetic, `x̃ᵀx̃` per call). "
+        "captured with FOOF's statistics, `FactorSums` (the capture plus FOOF's arithmetic, `x̃ᵀx̃` per call). "
         "Each timed call runs the module several times with one backward through all calls; the added "
         "time per call comes from the per-round differences. An `nn.ReLU` owns no parameter, gets no "
         "hook, and must keep PyTorch's fast call path."

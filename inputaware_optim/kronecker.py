@@ -495,7 +495,7 @@ def zero_sums(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Sums:
     blocks = layer.kind.blocks(layer.module)
     lead = (blocks,) if blocks > 1 else ()
     zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
-    return {factor: (zero(*lead, *shape), zero(())) for factor, shape in shapes.items()}
+    return {factor: (zero((*lead, *shape)), zero(())) for factor, shape in shapes.items()}
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:

@@ -122,12 +122,14 @@ class StepHooks:
         parameter for a hook reading raw calls, each a reduction wants and keys a trained parameter under
         for one reading reductions; stop watching those no hook reads any more, unless the rule does."""
         trained = {id(p) for p in self._params()} if self._entries else set()
-        wanted = [m for m in self.capture.root.modules() if any(e.reads(m, trained) for e in self._entries)]
+        wanted = dict.fromkeys(
+            m for m in self.capture.root.modules() if any(e.reads(m, trained) for e in self._entries)
+        )
         watched = set(self.capture.modules)
         added = [m for m in wanted if m not in watched]
         self.capture.add_modules(added)
         self._widened.update(dict.fromkeys(added))
-        stale = [m for m in self._widened if m not in set(wanted)]
+        stale = [m for m in self._widened if m not in wanted]
         if stale:
             scope = set(self._scope())
             self.capture.remove_modules([m for m in stale if m not in scope])

@@ -111,6 +111,30 @@ def test_gradients_from_autograd_grad_assigned_to_grad_take_the_rules_step(rule:
             assert_same(model, reference.model)
 
 
+def test_a_rule_reading_raw_calls_gets_the_calls_of_gradients_autograd_grad_returned() -> None:
+    # The headline API (a step override reading inputs.items()) in a loop that assigns what
+    # torch.autograd.grad returned: each layer's calls are those of the pass that made its gradient.
+    model = net()
+    optimizer = Recorder(model, lr=LR)
+    linears = layers_of(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncapturedInputsWarning)
+        for step in range(2):
+            x = batch(step)
+            expected = {linears[0]: x, linears[1]: torch.tanh(linears[0](x)).detach()}
+            unused = torch.autograd.grad(loss_of(model, batch(50 + step)), list(model.parameters()))
+            grads = torch.autograd.grad(loss_of(model, x), list(model.parameters()))
+            for param, grad in zip(model.parameters(), grads, strict=True):
+                param.grad = grad
+            optimizer.step()
+            del unused
+            assert set(optimizer.log) == set(linears)
+            for layer, want in expected.items():
+                (got,) = optimizer.log[layer]
+                assert torch.equal(got, want)
+            optimizer.zero_grad()
+
+
 def test_returned_gradients_are_followed_in_any_order_and_accumulate_with_backward() -> None:
     model = net()
     reference = ByHand("FOOF", copy.deepcopy(model))

@@ -670,7 +670,8 @@ class InputAwareOptimizer(Optimizer):
         ``"updates"``, a list of these, or ``None`` (raw calls are read from the step after a backward).
 
         Returns:
-            A handle whose ``remove()`` takes the hook off and whose ``step`` counts its steps.
+            A handle whose ``remove()`` takes the hook off, whose ``step`` counts its steps and whose
+            ``coming_step``, set between steps, resumes a run's numbering.
         """
         hooks = self.__dict__.get("_inputs_hooks")
         if hooks is None:

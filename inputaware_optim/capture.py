@@ -968,6 +968,10 @@ class Capture:
         if not keep_hooks:
             self._sync_hooks()
 
+    def holds(self) -> bool:
+        """Whether it holds what a backward captured for a step not yet taken (or cleared)."""
+        return any(key.holds() for keys in self._log.keys_of.values() for key in keys)
+
     @property
     def active(self) -> bool:
         """Whether anything reads this capture (raw calls or a reduction): only then are hooks attached."""

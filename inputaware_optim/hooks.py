@@ -37,6 +37,18 @@ class InputsHookHandle(contextlib.AbstractContextManager["InputsHookHandle"]):
     def step(self) -> int:
         return self._entry.last
 
+    @property
+    def coming_step(self) -> int:
+        """The hook's index of the coming step. Set it between steps to resume a run's numbering (a run
+        restored from a checkpoint): ``every`` then counts from 0 as if the hook had run from the start."""
+        return self._registry.step - self._entry.start
+
+    @coming_step.setter
+    def coming_step(self, step: int) -> None:
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Invalid coming_step: {step!r}; it must be an integer >= 0")
+        self._registry.renumber(self._entry, step)
+
     def remove(self) -> None:
         """Take the hook off; what only it read stops being kept."""
         self._registry.remove(self._entry)
@@ -105,11 +117,21 @@ class StepHooks:
             raise ValueError("reads='updates' is for a hook with when='post': before the update nothing changed yet")
         entry = _Entry(hook, when, every, calls, updates, reductions)
         # Turning raw calls on would drop the statistics the capture holds: such a hook starts next step.
-        entry.start = self.step + (1 if calls and not self.capture.keep_calls and self._holding() else 0)
+        entry.start = self.step + (1 if calls and not self.capture.keep_calls and self.capture.holds() else 0)
         self._entries.append(entry)
         self.rescope()
         self._arm(releasing=False)
         return InputsHookHandle(self, entry)
+
+    def renumber(self, entry: _Entry, step: int) -> None:
+        """Make the coming step ``entry``'s ``step``-th, and arm the capture for what that makes due."""
+        if self.capture.holds():
+            raise RuntimeError(
+                "a hook's steps are renumbered between steps: this one's backward has run already. Set it after "
+                "optimizer.step() (or zero_grad()), before the next forward"
+            )
+        entry.start = self.step - step
+        self._arm(releasing=False)
 
     def remove(self, entry: _Entry) -> None:
         if entry in self._entries:
@@ -136,9 +158,6 @@ class StepHooks:
             for module in stale:
                 del self._widened[module]
 
-    def _holding(self) -> bool:
-        return any(key.holds() for keys in self.capture._log.keys_of.values() for key in keys)
-
     def _arm(self, releasing: bool) -> None:
         """Make the capture read what the hooks due at the coming step read. Raw calls are toggled (which drops
         what the capture holds) only between steps (``releasing``) or while it holds nothing."""
@@ -153,7 +172,7 @@ class StepHooks:
                 capture.add_reduction(reduction)
                 self._added.add(reduction)
         calls = any(e.calls for e in due)
-        if calls and not capture.keep_calls and (releasing or not self._holding()):
+        if calls and not capture.keep_calls and (releasing or not self.capture.holds()):
             capture.keep_calls = self._calls_on = True
         elif not calls and self._calls_on and releasing:
             capture.keep_calls = self._calls_on = False

@@ -47,7 +47,8 @@ class _MonitorLogging:
         self._private: list[Any] = []  # the DP optimizers whose epsilon is logged
         self._pending: dict[str, float] = {}
 
-    def _attach(self, optimizers: list[Any], model: torch.nn.Module, every: int) -> None:
+    def _attach(self, optimizers: list[Any], model: torch.nn.Module, every: int, step: int) -> None:
+        """A Monitor on each optimizer, numbering the coming step ``step`` (the trainer's, resumed or not)."""
         self._remove()
         self.monitors.clear()
         self._private.clear()
@@ -56,6 +57,7 @@ class _MonitorLogging:
             prefix = f"optimizer{index}/" if len(optimizers) > 1 else ""
             keep = partial(self._keep, prefix=prefix)  # (an input-aware optimizer's monitor watches its own model)
             self.monitors.append(Monitor(optimizer, model, every=every, grad_outputs=self.grad_outputs, callback=keep))
+            self.monitors[-1].load_state_dict({"step": int(step)})
             if isinstance(optimizer, (DPSGD, DPAdamW)):
                 try:
                     optimizer.epsilon(self.delta, accountant=self.accountant)
@@ -100,7 +102,7 @@ class _Lightning(_MonitorLogging):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         every = self.every if self.every is not None else max(1, int(getattr(trainer, "log_every_n_steps", 1)))
-        self._attach(list(trainer.optimizers), pl_module, every)
+        self._attach(list(trainer.optimizers), pl_module, every, trainer.global_step)
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self._write(trainer)
@@ -153,7 +155,7 @@ class _HuggingFace(_MonitorLogging):
         if optimizer is None or model is None:
             raise RuntimeError("HuggingFaceMonitorCallback: the Trainer handed the callback no model or optimizer")
         every = self.every if self.every is not None else max(1, int(state.logging_steps or 1))
-        self._attach([optimizer], model, every)
+        self._attach([optimizer], model, every, state.global_step)
         if not state.is_world_process_zero:
             return
         if self.tensorboard is not None and not isinstance(self.tensorboard, (str, os.PathLike)):

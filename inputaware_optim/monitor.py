@@ -231,7 +231,9 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
     ``input_nonfinite`` over the floating-point arguments of the calls in its gradient (``grad_output_*`` over output
     gradients, with ``grad_outputs=True``). Per parameter: ``grad_norm`` (before the update), ``update_norm`` and
     ``update_to_weight`` (over the weight's norm before it). Under data parallelism rank 0 writes the whole batch's. It
-    lives as long as its optimizer; ``remove()`` (or leaving its ``with`` block) stops it.
+    lives as long as its optimizer; ``remove()`` (or leaving its ``with`` block) stops it. Steps are numbered from 0
+    when it is attached; a resumed run saves ``state_dict()`` with its checkpoint and loads it into the new Monitor
+    (``load_state_dict``) to log on at the same numbers and interval.
 
     Args:
         optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
@@ -339,6 +341,35 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
             "Monitor.every is fixed at construction (the statistics of the coming step are armed already): "
             "remove() this Monitor and attach a new one with the interval you want"
         )
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"step": n}``: the number the coming step will be logged at (for a checkpoint)."""
+        return {"step": self._handles[0].coming_step if self._handles and not self._plain else self._step}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Number the coming step ``state_dict["step"]``, as a resumed run continues its log (logging every
+        ``every`` steps as if from the start). Call it between steps, before the resumed run's first forward.
+
+        Raises:
+            ValueError: If the step is not an integer >= 0.
+            RuntimeError: If a backward ran since the last step (its step was numbered already).
+        """
+        step = state_dict.get("step") if isinstance(state_dict, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"Monitor.load_state_dict takes {{'step': n}} with n an integer >= 0, got {state_dict!r}")
+        if not self._handles:
+            raise RuntimeError("Monitor.load_state_dict: this Monitor was removed; attach a new one and load into it")
+        if self._plain:
+            if self.capture.holds():
+                raise RuntimeError(
+                    "Monitor.load_state_dict between steps: this step's backward has run already. Load it after "
+                    "optimizer.step() (or zero_grad()), before the next forward"
+                )
+            self._step = step
+            self._arm()
+        else:
+            for handle in self._handles:
+                handle.coming_step = step
 
     def _arm(self) -> None:
         """Compute the statistics in the hooks exactly for the steps that log them."""
@@ -456,6 +487,8 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
 
     def remove(self) -> None:
         """Stop monitoring: take the hooks off and close the sinks this monitor opened."""
+        if self._handles and not self._plain:
+            self._step = self._handles[0].coming_step  # (state_dict() still says where it stopped)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

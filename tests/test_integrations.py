@@ -87,7 +87,9 @@ def test_callbacks_validate_their_arguments() -> None:
 # -- Lightning --------------------------------------------------------------------------------------
 
 
-def lightning_fit(tmp_path: Path, make_optimizer: Any, callback: Any) -> Any:
+def lightning_fit(
+    tmp_path: Path, make_optimizer: Any, callback: Any, steps: int = STEPS, ckpt_path: Path | None = None
+) -> Any:
     pl = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.loggers import TensorBoardLogger
 
@@ -111,17 +113,17 @@ def lightning_fit(tmp_path: Path, make_optimizer: Any, callback: Any) -> Any:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
-        max_steps=STEPS,
+        max_steps=steps,
         logger=TensorBoardLogger(str(tmp_path), name="run"),
         log_every_n_steps=1,
-        callbacks=[callback],
+        callbacks=[] if callback is None else [callback],
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     module = Classifier()
-    trainer.fit(module, DataLoader(data, batch_size=8))
-    assert trainer.global_step == STEPS
+    trainer.fit(module, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    assert trainer.global_step == steps
     return module, trainer
 
 
@@ -145,6 +147,28 @@ def test_lightning_callback_logs_the_monitor_to_the_trainers_tensorboard(tmp_pat
     (monitor,) = callback.monitors
     assert_logged_last_record(logged, monitor.last, STEPS)
     assert not any(tag.startswith("privacy/") for tag in logged)
+
+
+def test_lightning_callback_resumed_from_a_checkpoint_logs_at_the_steps_of_a_run_without_the_break(
+    tmp_path: Path,
+) -> None:
+    # Its Monitor numbered steps from the resumed run's start: every 3 steps after a resume at step 4, it
+    # logged at the trainer's steps 5 and 8, where the run without the break logs at 7.
+    pytest.importorskip("lightning")
+    from inputaware_optim import LightningMonitorCallback
+
+    def make(net: nn.Module) -> torch.optim.Optimizer:
+        return FOOF(net, lr=0.05, update_every=1)
+
+    _, first = lightning_fit(tmp_path / "first", make, None, steps=4)  # one epoch of 4 batches
+    first.save_checkpoint(tmp_path / "4.ckpt")
+    callback = LightningMonitorCallback(every=3)
+    _, trainer = lightning_fit(tmp_path / "resumed", make, callback, steps=8, ckpt_path=tmp_path / "4.ckpt")
+    assert sorted(scalars(Path(trainer.logger.log_dir))["input_rms/0"]) == [7]
+    _, whole = lightning_fit(tmp_path / "whole", make, LightningMonitorCallback(every=3), steps=8)
+    assert sorted(scalars(Path(whole.logger.log_dir))["input_rms/0"]) == [1, 4, 7]
+    (monitor,) = callback.monitors
+    assert monitor.state_dict() == {"step": 8} and monitor.last is not None and monitor.last["step"] == 6
 
 
 def test_lightning_callback_logs_dp_epsilon(tmp_path: Path) -> None:
@@ -204,7 +228,9 @@ def language_data(count: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": i, "labels": i, "position_ids": torch.arange(T)} for i in ids]
 
 
-def hugging_face_train(tmp_path: Path, model: nn.Module, optimizer: Any, callback: Any, **overrides: Any) -> Any:
+def hugging_face_train(
+    tmp_path: Path, model: nn.Module, optimizer: Any, callback: Any, resume: Path | None = None, **overrides: Any
+) -> Any:
     transformers = pytest.importorskip("transformers")
     settings = {
         "output_dir": str(tmp_path),
@@ -223,9 +249,9 @@ def hugging_face_train(tmp_path: Path, model: nn.Module, optimizer: Any, callbac
         args=arguments,
         train_dataset=language_data(4 * B),
         optimizers=(optimizer, None),
-        callbacks=[callback],
+        callbacks=[] if callback is None else [callback],
     )
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
     return trainer
 
 
@@ -243,6 +269,23 @@ def test_hugging_face_callback_writes_beside_the_trainers_tensorboard(tmp_path: 
     assert sorted(logged["update_to_weight/transformer.h.0.attn.c_attn.weight"]) == LOGGED_AT
     (monitor,) = callback.monitors
     assert_logged_last_record(logged, monitor.last, STEPS)
+
+
+def test_hugging_face_callback_resumed_from_a_checkpoint_logs_at_the_steps_of_a_run_without_the_break(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("transformers")
+    from inputaware_optim import HuggingFaceMonitorCallback
+
+    model = gpt2()
+    first = tmp_path / "first"
+    hugging_face_train(first, model, FOOF(model, lr=0.05), None, max_steps=4, save_strategy="steps", save_steps=4)
+    model = gpt2()
+    callback = HuggingFaceMonitorCallback(every=3)
+    hugging_face_train(tmp_path, model, FOOF(model, lr=0.05), callback, resume=first / "checkpoint-4", max_steps=8)
+    assert sorted(scalars(tmp_path / "runs")["input_rms/transformer.h.0.mlp.c_fc"]) == [7]  # as 1, 4, 7 unbroken
+    (monitor,) = callback.monitors
+    assert monitor.state_dict() == {"step": 8}
 
 
 def test_hugging_face_callback_logs_dp_epsilon_into_the_trainers_own_folder(

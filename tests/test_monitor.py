@@ -352,6 +352,85 @@ def test_monitor_every_is_fixed_and_says_so(plain: bool) -> None:
     monitor.remove()
 
 
+def _monitored_run(
+    plain: bool, every: int, steps: range, state: dict[str, Any] | None
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``steps`` AdamW steps of ``mlp()`` on ``batch(step)`` under a Monitor, from ``state`` (model, optimizer
+    and monitor state dicts) if given; the records and the state after."""
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01) if plain else InputAwareAdamW(model, lr=0.01)
+    records: list[dict[str, Any]] = []
+    monitor = Monitor(opt, model if plain else None, every=every, callback=records.append)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        monitor.load_state_dict(state["monitor"])
+    for step in steps:
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    saved = {"model": model.state_dict(), "optimizer": opt.state_dict(), "monitor": monitor.state_dict()}
+    monitor.remove()
+    assert monitor.state_dict() == saved["monitor"]  # (what a removed Monitor says: where it stopped)
+    return records, saved
+
+
+@pytest.mark.parametrize("plain", [False, True])
+@given(every=st.integers(1, 4), split=st.integers(0, 7))
+def test_a_resumed_monitor_logs_what_the_run_without_a_break_logs(plain: bool, every: int, split: int) -> None:
+    # It numbered its steps from 0 again: a resumed raw loop logged over the first run's steps.
+    whole, _ = _monitored_run(plain, every, range(8), None)
+    first, state = _monitored_run(plain, every, range(split), None)
+    assert state["monitor"] == {"step": split}
+    second, state = _monitored_run(plain, every, range(split, 8), state)
+    assert state["monitor"] == {"step": 8}
+    assert [r["step"] for r in whole] == list(range(0, 8, every))
+    assert first + second == whole  # the same steps, statistics and norms, bit for bit
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_monitor_load_state_dict_refuses_bad_steps_and_a_step_half_taken(plain: bool) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    records: list[dict[str, Any]] = []
+    monitor = Monitor(opt, model if plain else None, every=2, callback=records.append)
+    for bad in ({"step": -1}, {"step": 1.0}, {"step": True}, {}, [3]):
+        with pytest.raises(ValueError, match=r"takes \{'step': n\}"):
+            monitor.load_state_dict(bad)  # type: ignore[arg-type]
+    model(batch(0)).sum().backward()
+    with pytest.raises(RuntimeError, match="backward has run already"):
+        monitor.load_state_dict({"step": 5})
+    assert monitor.state_dict() == {"step": 0}  # nothing changed: this step is still logged as step 0
+    opt.step()
+    assert [r["step"] for r in records] == [0] and records[0]["modules"]
+    monitor.load_state_dict({"step": 5})  # between steps: the coming one is 5, not logged (every 2)
+    for step in range(2):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    assert [r["step"] for r in records] == [0, 6] and records[1]["modules"]
+    monitor.remove()
+    with pytest.raises(RuntimeError, match="was removed"):
+        monitor.load_state_dict({"step": 0})
+
+
+def test_a_step_hooks_coming_step_renumbers_its_interval() -> None:
+    model = mlp()
+    opt = InputAwareSGD(model, lr=0.1)
+    seen: list[int] = []
+    handle = opt.register_inputs_hook(lambda o, inputs: seen.append(handle.step), every=4, reads=None)
+    assert handle.coming_step == 0
+    handle.coming_step = 6
+    for step in range(7):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    assert seen == [8, 12] and handle.coming_step == 13
+    with pytest.raises(ValueError, match="coming_step"):
+        handle.coming_step = -2
+    handle.remove()
+
+
 RULES = {
     "InputAwareSGD": lambda m: InputAwareSGD(m, lr=0.1, momentum=0.9),
     "FOOF": lambda m: FOOF(m, lr=0.05, update_every=2),

@@ -416,23 +416,24 @@ def damped_inverse(
     Raises:
         RuntimeError: If the damped matrix is not positive definite (damping too small).
     """
-    diagonal = torch.as_tensor(damping, dtype=dtype, device=matrix.device)[..., None, None]
     damped = matrix.to(dtype, copy=True)
-    damped.diagonal(dim1=-2, dim2=-1).add_(diagonal[..., 0])  # (one pass: no identity formed)
+    # (one pass: no identity formed; a damping per block is one per diagonal)
+    damped.diagonal(dim1=-2, dim2=-1).add_(damping[..., None] if isinstance(damping, Tensor) else damping)
     factor, info = torch.linalg.cholesky_ex(damped)
     if bool(info.any()):
         _refuse_not_finite(matrix, name)
         said = _said(damping, given)
         largest = float(matrix.abs().max())
-        if bool((diagonal < largest * matrix.shape[-1] * torch.finfo(dtype).eps).any()):  # below rounding
-            raise _NotPositiveDefinite(
+        if bool((torch.as_tensor(damping) < largest * matrix.shape[-1] * torch.finfo(dtype).eps).any()):
+            raise _NotPositiveDefinite(  # (below rounding)
                 name,
                 said,
                 f": their entries reach {largest:.3g}, so the damping is below their rounding error in {dtype}. "
                 "If training is diverging, lower the learning rate; else increase damping.",
             )
         raise _NotPositiveDefinite(name, said)
-    return torch.cholesky_inverse(factor).to(matrix.dtype).contiguous()
+    # Column-major out of LAPACK and exactly symmetric: its transpose is the row-major inverse, with no copy.
+    return torch.cholesky_inverse(factor).mT.to(matrix.dtype)
 
 
 class _NotPositiveDefinite(RuntimeError):

@@ -795,6 +795,8 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
 
     Attributes:
         found: The latest ``NonFiniteOrigin`` found (``None`` until a step is not finite).
+        step: The number its reports give the coming step: 0 when attached; a resumed run loads the
+            ``state_dict()`` it saved (``{"step": n}``) to report the numbers of the run without the break.
     """
 
     def __init__(
@@ -868,6 +870,23 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
             warnings.warn(message, NonFiniteWarning, stacklevel=3)
         finally:
             self._watch.reset()
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"step": n}``: the number its reports give the coming step (for a checkpoint)."""
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Number the coming step ``state_dict["step"]`` in reports, as a resumed run continues.
+
+        Raises:
+            ValueError: If the step is not an integer >= 0.
+        """
+        step = state_dict.get("step") if isinstance(state_dict, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(
+                f"NonFiniteFinder.load_state_dict takes {{'step': n}} with n an integer >= 0, got {state_dict!r}"
+            )
+        self.step = step
 
     def remove(self) -> None:
         """Take the hooks off the model and the optimizer."""

@@ -874,6 +874,38 @@ def test_finder_checks_the_gradient_of_a_plain_optimizers_closure() -> None:
     finder.remove()
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_resumed_finder_reports_the_step_of_the_run_without_the_break(plain: bool) -> None:
+    # Its reports numbered steps from 0 again: a non-finite step 1003 of a resumed run was reported as step 3.
+    def attach(state: dict[str, int] | None) -> tuple[Reused, torch.optim.Optimizer, NonFiniteFinder]:
+        model = Reused()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+        finder = NonFiniteFinder(opt, model if plain else None)
+        if state is not None:
+            finder.load_state_dict(state)
+        return model, opt, finder
+
+    model, opt, finder = attach(None)
+    for step in range(2):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    saved = finder.state_dict()
+    finder.remove()
+    assert saved == {"step": 2}
+    model, opt, finder = attach(saved)
+    for bad in ({"step": -1}, {"step": 2.0}, {}, None):
+        with pytest.raises(ValueError, match=r"takes \{'step': n\}"):
+            finder.load_state_dict(bad)  # type: ignore[arg-type]
+    model.poison.backward_at = 1
+    opt.zero_grad()
+    model(batch(2)).sum().backward()
+    with pytest.warns(NonFiniteWarning, match=r"step 2: poison \(call 1\) in the backward"):
+        opt.step()
+    assert finder.found is not None and finder.found.step == 2 and finder.state_dict() == {"step": 3}
+    finder.remove()
+
+
 # -- lifecycle (issue 19) -------------------------------------------------------------------------
 
 HOOK_DICTS = (

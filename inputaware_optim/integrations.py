@@ -15,15 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .dp import DPSGD, DPAdamW
-from .monitor import Monitor
+from .monitor import Monitor, unwrap_optimizer
 
 __all__ = ["HuggingFaceMonitorCallback", "LightningMonitorCallback"]
 
 
 def _unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The optimizer under a trainer's wrapper (Accelerate's ``AcceleratedOptimizer``: ``.optimizer``)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
+    """The optimizer under a trainer's wrapper, refused by name if it is none."""
+    optimizer = unwrap_optimizer(optimizer)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"the trainer's optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
     return optimizer

@@ -236,7 +236,8 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
     (``load_state_dict``) to log on at the same numbers and interval.
 
     Args:
-        optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
+        optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``), or
+            a trainer's wrapper of one (Accelerate's ``AcceleratedOptimizer``: the one inside is watched).
         model: The model (or a ``Capture`` of it, cleared after each step) for a plain optimizer.
         every: Log every ``every`` steps, from the first; nothing is computed on the others.
         grad_outputs: Also log statistics of the output gradients.
@@ -271,6 +272,7 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Invalid every: {every!r}; it must be a positive integer")
+        optimizer = unwrap_optimizer(optimizer)
         _warn_if_private(
             optimizer,
             "Monitor",
@@ -787,7 +789,8 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
     own parameter's) was not. It lives as long as its optimizer; ``remove()`` takes it off.
 
     Args:
-        optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``).
+        optimizer: An input-aware optimizer, or any ``torch.optim.Optimizer`` (then give ``model``), or
+            a trainer's wrapper of one (Accelerate's ``AcceleratedOptimizer``: the one inside is watched).
         model: The model (or a ``Capture`` of it, say a ``Monitor``'s, to share its hooks) for a
             plain ``torch.optim`` optimizer (default: the optimizer's).
         action: ``"warn"`` (a ``NonFiniteWarning``) or ``"raise"`` (a ``NonFiniteError`` before the
@@ -808,6 +811,7 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
     ) -> None:
         if action not in ("warn", "raise"):
             raise ValueError(f"Invalid action: {action!r}; choose 'warn' or 'raise'")
+        optimizer = unwrap_optimizer(optimizer)
         _warn_if_private(
             optimizer,
             "NonFiniteFinder",
@@ -905,6 +909,13 @@ PLOTTED = (
     ("modules", "input_zero_fraction", "fraction of exact zeros in the input", False),
     ("parameters", "update_to_weight", "update norm / weight norm", True),
 )
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer under a trainer's wrappers (Accelerate's ``AcceleratedOptimizer``: ``.optimizer``)."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def _warn_if_private(optimizer: Any, tool: str, what: str) -> None:

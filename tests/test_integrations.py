@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from inputaware_optim import DPSGD, FOOF
+from inputaware_optim import DPSGD, FOOF, Monitor, NonFiniteFinder
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -324,3 +324,59 @@ def test_hugging_face_callback_takes_a_writer(tmp_path: Path) -> None:
     logged = scalars(tmp_path / "shared")
     assert sorted(logged["input_rms/transformer.h.0.mlp.c_proj"]) == list(range(1, STEPS + 1))
     assert_logged_last_record(logged, callback.monitors[0].last, STEPS)
+
+
+# -- Accelerate -------------------------------------------------------------------------------------
+
+
+def accelerate_run(
+    folder: Path, steps: range, load: bool, rule: str = "FOOF"
+) -> tuple[list[dict[str, Any]], Any, Any, Any]:
+    """``steps`` optimizer steps of 2 accumulated micro-batches under Accelerate, with a Monitor (every 2) and a
+    NonFiniteFinder given the prepared (wrapped) optimizer and registered for checkpointing; from ``folder``'s
+    saved state if ``load``, saved there after. The records, the accelerator, the model and the monitor."""
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    optimizer: Any = (
+        FOOF(model, lr=0.05, update_every=1)
+        if rule == "FOOF"
+        else DPSGD(model, lr=0.05, max_grad_norm=1.0, expected_batch_size=12)
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    records: list[dict[str, Any]] = []
+    monitor = Monitor(optimizer, every=2, callback=records.append)
+    finder = NonFiniteFinder(optimizer)
+    accelerator.register_for_checkpointing(monitor, finder)
+    if load:
+        accelerator.load_state(str(folder))
+    for step in steps:
+        for micro in range(2):
+            with accelerator.accumulate(model):
+                x = torch.randn(6, 4, generator=torch.Generator().manual_seed(2 * step + micro))
+                accelerator.backward(model(x).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+    accelerator.save_state(str(folder))
+    return records, monitor, finder, model
+
+
+def test_monitor_and_finder_take_accelerates_optimizer_and_resume_through_its_checkpoints(tmp_path: Path) -> None:
+    # Given Accelerate's wrapper, the Monitor asked for the model and watched it with a capture of its own, as if the
+    # optimizer were a plain one; neither tool had a state for accelerator.save_state to keep.
+    whole, _, _, unbroken = accelerate_run(tmp_path / "whole", range(5), load=False)
+    first, monitor, _, _ = accelerate_run(tmp_path / "saved", range(3), load=False)
+    assert monitor.optimizer is not None and isinstance(monitor.optimizer, FOOF)
+    assert monitor.capture is monitor.optimizer.capture  # the optimizer's own capture: no second one
+    second, monitor, finder, resumed = accelerate_run(tmp_path / "saved", range(3, 5), load=True)
+    assert [r["step"] for r in whole] == [0, 2, 4]
+    assert first + second == whole
+    assert monitor.state_dict() == finder.state_dict() == {"step": 5}
+    for got, expected in zip(resumed.parameters(), unbroken.parameters(), strict=True):
+        assert torch.equal(got, expected)
+
+
+def test_monitor_on_accelerates_wrapper_of_a_dp_optimizer_says_its_statistics_are_not_private(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="Monitor on DPSGD: .* the privacy guarantee does not cover"):
+        accelerate_run(tmp_path, range(1), load=False, rule="DPSGD")

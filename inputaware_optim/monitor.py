@@ -356,9 +356,7 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
             ValueError: If the step is not an integer >= 0.
             RuntimeError: If a backward ran since the last step (its step was numbered already).
         """
-        step = state_dict.get("step") if isinstance(state_dict, dict) else None
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"Monitor.load_state_dict takes {{'step': n}} with n an integer >= 0, got {state_dict!r}")
+        step = _loaded_step(state_dict, "Monitor")
         if not self._handles:
             raise RuntimeError("Monitor.load_state_dict: this Monitor was removed; attach a new one and load into it")
         if self._plain:
@@ -885,12 +883,7 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
         Raises:
             ValueError: If the step is not an integer >= 0.
         """
-        step = state_dict.get("step") if isinstance(state_dict, dict) else None
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(
-                f"NonFiniteFinder.load_state_dict takes {{'step': n}} with n an integer >= 0, got {state_dict!r}"
-            )
-        self.step = step
+        self.step = _loaded_step(state_dict, "NonFiniteFinder")
 
     def remove(self) -> None:
         """Take the hooks off the model and the optimizer."""
@@ -909,6 +902,13 @@ PLOTTED = (
     ("modules", "input_zero_fraction", "fraction of exact zeros in the input", False),
     ("parameters", "update_to_weight", "update norm / weight norm", True),
 )
+
+
+def _loaded_step(state_dict: Any, tool: str) -> int:
+    step = state_dict.get("step") if isinstance(state_dict, dict) else None
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"{tool}.load_state_dict takes {{'step': n}} with n an integer >= 0, got {state_dict!r}")
+    return step
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

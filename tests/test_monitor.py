@@ -333,14 +333,19 @@ def test_monitor_every_100_computes_nothing_in_between() -> None:
     monitor.remove()
 
 
+def _sgd_monitor(plain: bool, every: int) -> tuple[nn.Module, torch.optim.Optimizer, Monitor, list[dict[str, Any]]]:
+    """``mlp()`` with SGD (input-aware, or stock with ``plain``) and a Monitor logging every ``every`` steps."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    records: list[dict[str, Any]] = []
+    return model, opt, Monitor(opt, model if plain else None, every=every, callback=records.append), records
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_monitor_every_is_fixed_and_says_so(plain: bool) -> None:
     # It was a plain attribute: set mid-run, an input-aware optimizer's Monitor ignored it and a plain
     # one's logged a step whose statistics the hooks had not been armed for (no module statistics).
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
-    records: list[dict[str, Any]] = []
-    monitor = Monitor(opt, model if plain else None, every=2, callback=records.append)
+    model, opt, monitor, records = _sgd_monitor(plain, every=2)
     with pytest.raises(AttributeError, match=r"fixed at construction.*attach a new one"):
         monitor.every = 1
     for step in range(3):
@@ -390,10 +395,7 @@ def test_a_resumed_monitor_logs_what_the_run_without_a_break_logs(plain: bool, e
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_monitor_load_state_dict_refuses_bad_steps_and_a_step_half_taken(plain: bool) -> None:
-    model = mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
-    records: list[dict[str, Any]] = []
-    monitor = Monitor(opt, model if plain else None, every=2, callback=records.append)
+    model, opt, monitor, records = _sgd_monitor(plain, every=2)
     for bad in ({"step": -1}, {"step": 1.0}, {"step": True}, {}, [3]):
         with pytest.raises(ValueError, match=r"takes \{'step': n\}"):
             monitor.load_state_dict(bad)  # type: ignore[arg-type]

@@ -337,8 +337,7 @@ def _compile_rows(setup: Setup) -> list[Row]:
         try:
             eager_model, model = Net(setup).to(setup.device), Net(setup).to(setup.device)
             eager, optimizer = make(eager_model), make(model)
-            if hasattr(eager, "_generator"):  # DP: the same noise for both runs
-                cast(Any, optimizer)._generator.set_state(cast(Any, eager)._generator.get_state())
+            optimizer.load_state_dict(eager.state_dict())  # (DP: the same noise generator state for both runs)
             compiled = cast(nn.Module, torch.compile(model, backend=setup.compile_backend))
             for batch in batches:
                 _train_step(eager_model, eager, batch)

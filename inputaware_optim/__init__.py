@@ -1,25 +1,27 @@
 """PyTorch optimizers that see the inputs that produced each gradient."""
 
+from .accounting import PrivacyAccountant
 from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer
 from .capture import Capture, unwrap_model
 from .coverage import Coverage, CoverageWarning, Treatment
-from .dp import DPSGD, DPAdamW
-from .eva import Eva
-from .foof import FOOF
+from .dp import DPSGD, DPAdamW, PerSampleClipping
+from .eva import Eva, EvaPreconditioner
+from .foof import FOOF, FOOFPreconditioner
 from .hooks import InputsHookHandle
 from .inputs import Call, Captured, Inputs, UncapturedInputsWarning
 from .integrations import __getattr__ as __getattr__  # the trainer callbacks, built on first use
-from .kfac import KFAC
+from .kfac import KFAC, KFACPreconditioner
 from .layers import Layer, LayerKind, layer_kind, register_layer
 from .lazy_adamw import LazyAdamW
 from .moe import ExpertLoads, LoadBalancing
 from .monitor import Monitor, NonFiniteError, NonFiniteFinder, NonFiniteOrigin, NonFiniteWarning
-from .nlms import NLMS
+from .nlms import NLMS, InputNormalization
 from .reduction import Reduction
+from .rule import Rule
 from .sgd import InputAwareSGD
 
-__version__ = "0.1.0"
+__version__ = "0.4.0.dev0"
 
 __all__ = [
     "DPSGD",
@@ -33,12 +35,16 @@ __all__ = [
     "CoverageWarning",
     "DPAdamW",
     "Eva",
+    "EvaPreconditioner",
     "ExpertLoads",
+    "FOOFPreconditioner",
     "InputAwareAdamW",
     "InputAwareOptimizer",
     "InputAwareSGD",
+    "InputNormalization",
     "Inputs",
     "InputsHookHandle",
+    "KFACPreconditioner",
     "Layer",
     "LayerKind",
     "LazyAdamW",
@@ -48,7 +54,10 @@ __all__ = [
     "NonFiniteFinder",
     "NonFiniteOrigin",
     "NonFiniteWarning",
+    "PerSampleClipping",
+    "PrivacyAccountant",
     "Reduction",
+    "Rule",
     "Treatment",
     "UncapturedInputsWarning",
     "__version__",

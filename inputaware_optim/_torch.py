@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +91,45 @@ def remove_hooks_of(module: Any, owner: object) -> None:
     for hooks in (module._forward_hooks, module._forward_pre_hooks):
         for key in [key for key, hook in hooks.items() if getattr(hook, "__self__", None) is owner]:
             del hooks[key]
+
+
+_LAZILY_DISABLED: list[Callable[[], None]] = []
+
+
+def compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn)``, made once ``torch._dynamo`` is loaded (before, nothing compiles, so nothing
+    traces ``fn``): importing this library does not import ``torch._dynamo``, which takes as long as torch.
+    ``prepare_compiler_disabled()`` makes them all while no code is traced (made while tracing, the first
+    trace breaks its graph once more)."""
+    disabled: list[Callable[..., Any]] = []
+
+    def prepare() -> None:
+        if not disabled and "torch._dynamo" in sys.modules:
+            disabled.append(torch.compiler.disable(fn))
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            prepare()
+            if not disabled:
+                return fn(*args, **kwargs)
+        return disabled[0](*args, **kwargs)
+
+    _LAZILY_DISABLED.append(prepare)
+    return call
+
+
+def prepare_compiler_disabled() -> None:
+    """Make every ``compiler_disabled`` function's disabled form now, if ``torch._dynamo`` is loaded."""
+    if "torch._dynamo" in sys.modules:
+        for prepare in _LAZILY_DISABLED:
+            prepare()
+
+
+def packs_projections(attention: torch.nn.MultiheadAttention) -> bool:
+    """Whether ``nn.MultiheadAttention`` keeps its query, key and value projections in one ``in_proj_weight``
+    (its private ``_qkv_same_embed_dim``: the embedding, key and value sizes agree)."""
+    return bool(attention._qkv_same_embed_dim)
 
 
 set_grad_enabled = torch._C._set_grad_enabled  # torch.no_grad() without the context manager's cost

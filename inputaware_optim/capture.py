@@ -20,7 +20,15 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from . import _torch
-from ._torch import drop_compiled_code, remove_hooks_of, tree_flatten, tree_map_only, tree_unflatten
+from ._torch import (
+    compiler_disabled,
+    drop_compiled_code,
+    prepare_compiler_disabled,
+    remove_hooks_of,
+    tree_flatten,
+    tree_map_only,
+    tree_unflatten,
+)
 from .inputs import Call, Inputs, UncapturedInputsWarning
 from .reduction import Reduction
 
@@ -504,7 +512,7 @@ class _Log:
                 record.args, record.kwargs = (), None
             self.compiled.pop(record.index, None)
 
-    @torch.compiler.disable  # (never traced: hooks that ran eagerly inside a compiled call, after a graph break)
+    @compiler_disabled  # (never traced: hooks that ran eagerly inside a compiled call, after a graph break)
     def reduce(self, compute: Any) -> Any:
         """Run reductions' code from a hook, with no autograd graph and no autocast (reductions keep the dtypes
         they choose: statistics in float32 under a bfloat16 autocast); an error is kept, raised at the next read
@@ -594,7 +602,7 @@ class _Log:
 
 # Compiled code keeps no count of forwards (read in traced code, it would be a guard: a recompile per
 # forward); where a reader needs each forward's batch, the count runs eagerly at the forward's start.
-_count_forward_eagerly = torch.compiler.disable(_Log.count_forward)
+_count_forward_eagerly = compiler_disabled(_Log.count_forward)
 _DEFERRED = object()  # a reader's forward result still to come (checkpointing's re-run)
 _PENDING = nn.Module()  # the module of a compiled call until its arguments are bound
 _grad_enabled = torch.is_grad_enabled
@@ -988,6 +996,7 @@ class Capture:
         if not handles:
             handles["open", id(root)] = root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True)
             _drop_code_compiled_without_hooks(self._model, root)
+            prepare_compiler_disabled()  # (if torch.compile is in use: made now, never while traced)
         self._sync_forward_hooks()
         for module in self._watched:  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
             if ("recomputed", id(module)) not in handles and any(r.keeps_inputs for r in log.readers.get(module, ())):
@@ -1117,7 +1126,10 @@ class Capture:
     def _live_inputs(self) -> Inputs:
         """``Inputs`` that read the capture at each access (used for the duration of one step)."""
         on_missing = functools.partial(self._warn_missing, set())  # (a module once per step, at every step it happens)
-        return Inputs(self._committed, self._owners, self._watched, on_missing=on_missing, reduced=self)
+        kept = functools.partial(getattr, self._log, "keep_calls")
+        return Inputs(
+            self._committed, self._owners, self._watched, on_missing=on_missing, reduced=self, calls_kept=kept
+        )
 
     def uncaptured(self) -> dict[str, nn.Module]:
         """The watched modules that own a parameter with a gradient but no call in it (say, a weight used

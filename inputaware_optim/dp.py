@@ -19,16 +19,18 @@ from torch.profiler import record_function
 
 from . import layers
 from ._torch import tree_flatten
+from .accounting import PrivacyAccountant
 from .adamw import InputAwareAdamW
-from .base import InputAwareOptimizer, evaluate_closure
+from .base import InputAwareOptimizer
 from .capture import module_names, parameter_names, unwrap_model
 from .distributed import all_reduce_sum_, all_zero, local_tensor, reduce_scatter_like, sharded
-from .inputs import Call, Inputs
+from .inputs import Call, Inputs, user_stacklevel
 from .layers import Materialized, MatrixRows, PerSample, layer_kind
 from .reduction import Reduction, add_statistics
+from .rule import Rule
 from .sgd import InputAwareSGD
 
-__all__ = ["DPSGD", "DPAdamW"]
+__all__ = ["DPSGD", "DPAdamW", "PerSampleClipping"]
 
 _Calls = dict[nn.Module, list[Call]]  # one forward's calls, by module
 _Sums = tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]  # clipped and unclipped sums, by parameter
@@ -36,16 +38,22 @@ _BATCH_NORMS: tuple[type[nn.Module], ...] = (nn.BatchNorm1d, nn.BatchNorm2d, nn.
 _BATCH_NORMS += (nn.LazyBatchNorm1d, nn.LazyBatchNorm2d, nn.LazyBatchNorm3d)
 
 
-class _PerSampleClipping(InputAwareOptimizer):
-    """The privatization shared by DPSGD and DPAdamW."""
+class PerSampleClipping(Rule):
+    r"""DP-SGD's transform of the gradients: every gradient replaced by its differentially private estimate
+    (``DPSGD``'s docstring has the rule and its arguments). It must come first in a chain (it clips the gradient
+    as backward made it), and no rule after it may read the inputs (they are the batch's, not private).
 
-    reads_calls = False
-    _clipped: ClippedSums
+    Hyperparameters in every param group (equal in all): ``max_grad_norm``, ``noise_multiplier``,
+    ``expected_batch_size``, ``sample_rate``.
+
+    Attributes:
+        accountant: The ``PrivacyAccountant`` of the steps taken.
+    """
+
+    private = True
 
     def __init__(
         self,
-        model: nn.Module,
-        lr: float = 1e-3,
         max_grad_norm: float = 1.0,
         noise_multiplier: float = 1.0,
         *,
@@ -54,8 +62,6 @@ class _PerSampleClipping(InputAwareOptimizer):
         batch_dim: int = 0,
         sample_rate: float | None = None,
         generator: torch.Generator | None = None,
-        params: Any = None,
-        **kwargs: Any,
     ) -> None:
         _check_hyperparameters(loss_reduction, max_grad_norm, noise_multiplier, expected_batch_size, sample_rate)
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -63,113 +69,51 @@ class _PerSampleClipping(InputAwareOptimizer):
         if batch_dim not in (0, 1) or isinstance(batch_dim, bool):
             raise ValueError(f"Invalid batch_dim: {batch_dim!r} (must be 0, or 1 for sequence-first inputs)")
         # The defaults of new param groups (each step reads the groups' own: a schedule may change them).
-        self._privacy = (max_grad_norm, noise_multiplier, loss_reduction)
-        self._batching = {"expected_batch_size": expected_batch_size, "sample_rate": sample_rate}
-        self._batch_dim = batch_dim
-        self._privacy_history: list[tuple[float, float | None, int]] = []
+        self.defaults = {
+            "max_grad_norm": max_grad_norm,
+            "noise_multiplier": noise_multiplier,
+            "expected_batch_size": expected_batch_size,
+            "sample_rate": sample_rate,
+        }
+        self.loss_reduction = loss_reduction
+        self.batch_dim = batch_dim
+        self.accountant = PrivacyAccountant()
         # Seeded from the global RNG (reproducible under torch.manual_seed); drawing leaves its stream undisturbed.
         self._generator = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
-        super().__init__(model, params, lr=lr, **kwargs)
-        self.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
+        self._clipped: ClippedSums | None = None
+        self._released: float | None = None  # the noise multiplier of the step being taken, once it released
 
     @property
-    def privacy_history(self) -> list[tuple[float, float | None, int]]:
-        """``(noise_multiplier, sample_rate, steps)`` per run of steps at the same pair, as Opacus keeps it."""
-        return list(self._privacy_history)
+    def reads(self) -> list[Reduction]:  # type: ignore[override]
+        return [] if self._clipped is None else [self._clipped]
 
-    def epsilon(self, delta: float, accountant: str = "prv") -> float:
-        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant over ``privacy_history``.
-
-        Args:
-            delta: The target :math:`\delta` (in (0, 1)).
-            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"`` (one noise multiplier only).
-
-        Raises:
-            ValueError: If no ``sample_rate`` was given, or ``"gdp"`` is asked of a changing noise.
-            ImportError: If ``opacus`` is not installed.
-        """
-        if all(rate is None for _, rate, _ in self._privacy_history) and self.param_groups[0]["sample_rate"] is None:
-            raise ValueError(
-                f"{type(self).__name__}.epsilon needs the sampling rate: construct it with "
-                "sample_rate=<batch size / dataset size> (the probability of a sample being in a batch)"
-            )
-        if not 0.0 < delta < 1.0:
-            raise ValueError(f"Invalid delta: {delta!r} (must be in (0, 1))")
-        try:
-            from opacus.accountants import create_accountant
-        except ImportError as error:
-            raise ImportError(
-                "privacy accounting uses Opacus's accountants: pip install opacus (or the 'privacy' extra: "
-                "pip install 'inputaware_optim[privacy]')"
-            ) from error
-        history = self._privacy_history
-        if not history:
-            return 0.0
-        if any(sigma == 0.0 for sigma, _, _ in history):
-            return math.inf
-        if any(rate is None for _, rate, _ in history):
-            raise ValueError(
-                f"{type(self).__name__}.epsilon: some steps were taken without a sampling rate (a state dict saved "
-                "by an optimizer constructed without sample_rate); their privacy cost is unknown"
-            )
-        if accountant == "gdp" and len(history) > 1:
-            raise ValueError(
-                f"{type(self).__name__}.epsilon: Opacus's 'gdp' accountant composes one noise multiplier and sampling "
-                f"rate only, and these steps took {len(history)} (see privacy_history); use 'prv' or 'rdp'"
-            )
-        counter = create_accountant(mechanism=accountant)
-        counter.history = list(history)
-        return float(counter.get_epsilon(delta=delta))
+    @property
+    def _name(self) -> str:
+        return type(self.optimizer).__name__
 
     def state_dict(self) -> dict[str, Any]:
-        """The stock state dict with, in the first param group (where ``torch.distributed.checkpoint``,
-        which keeps only ``state`` and ``param_groups``, carries them too), the noise generator's state
-        (a resumed run never redraws the same noise, which would cancel when updates are differenced)
-        and the privacy history."""
-        state = super().state_dict()
-        history = [list(entry) for entry in self._privacy_history]
-        state["param_groups"][0] |= {"noise_generator": self._generator.get_state(), "privacy_history": history}
-        return state
+        """The noise generator's state (a resumed run never redraws the same noise, which would cancel when
+        updates are differenced) and the privacy history."""
+        return {"noise_generator": self._generator.get_state(), "privacy_history": self.accountant.state_dict()}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict, the noise generator and privacy history with it (also from the top level,
-        where earlier versions kept them; 0.2's step count taken to be at the loaded noise multiplier)."""
-        own = ("noise_generator", "privacy_steps", "privacy_history")
-        groups = [{k: v for k, v in g.items() if k not in own} for g in state_dict.get("param_groups", ())]
-        saved = {k: v for k, v in [*state_dict.items(), *state_dict.get("param_groups", [{}])[0].items()] if k in own}
-        super().load_state_dict({k: v for k, v in state_dict.items() if k not in own} | {"param_groups": groups})
-        self._set_group_defaults(**self._batching)  # (a state dict from before they were group keys)
-        if saved.get("noise_generator") is not None:
-            self._generator.set_state(saved["noise_generator"])
-        if "privacy_history" in saved:
-            self._privacy_history = [
-                (float(sigma), None if rate is None else float(rate), int(steps))
-                for sigma, rate, steps in saved["privacy_history"]
-            ]
-        elif saved.get("privacy_steps"):
-            sigma = float(self.param_groups[0]["noise_multiplier"])
-            self._privacy_history = [(sigma, self.param_groups[0]["sample_rate"], int(saved["privacy_steps"]))]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("noise_generator") is not None:
+            self._generator.set_state(state["noise_generator"])
+        if "privacy_history" in state:
+            self.accountant.load_state_dict(state["privacy_history"])
 
-    def _account(self, sigma: float) -> None:
-        history, rate = self._privacy_history, self.param_groups[0]["sample_rate"]
-        if history and history[-1][:2] == (sigma, rate):
-            history[-1] = (sigma, rate, history[-1][2] + 1)
-        else:
-            history.append((sigma, rate, 1))
-
-    def _check_param_groups(self) -> None:
-        clip, sigma, _ = self._privacy
-        self._set_group_defaults(max_grad_norm=clip, noise_multiplier=sigma, **self._batching)
+    def setup(self, optimizer: Any) -> None:
+        self.accountant.owner = type(optimizer).__name__
         self._group_privacy()
-        name, trained = type(self).__name__, {p for p in self._params() if p.requires_grad}
+        name, trained = type(optimizer).__name__, {p for p in optimizer._params() if p.requires_grad}
         meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
         if meshes - {1}:  # HSDP: the batch count and the noise would be combined over one mesh dimension only
             raise NotImplementedError(
                 f"{name} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
                 "uses): its batch count and noise must be combined over every data-parallel rank"
             )
-        names = module_names(self.model)
-        for module in self._modules_to_capture(self._params()):
+        names = module_names(optimizer.model)
+        for module in optimizer._modules_to_capture(optimizer._params()):
             if isinstance(module, _BATCH_NORMS):
                 raise ValueError(
                     f"{name} cannot clip per-sample gradients through {type(module).__name__} "
@@ -185,12 +129,15 @@ class _PerSampleClipping(InputAwareOptimizer):
                     "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
                 )
         self._refuse_unsupported_layers()
+        optimizer.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
+        self._clipped = ClippedSums(self)
 
     def _group_privacy(self) -> tuple[float, float]:
         """``(max_grad_norm, noise_multiplier)`` as the groups hold them now, checked equal in all groups."""
-        first = self.param_groups[0]
-        for index, group in enumerate(self.param_groups):
-            self._check_group(group)  # (also read in the hooks, where the clipping happens)
+        groups = self.optimizer.param_groups
+        first = groups[0]
+        for index, group in enumerate(groups):
+            self.check_group(group)  # (also read in the hooks, where the clipping happens)
             differ = [k for k in _WHOLE_BATCH if group[k] != first[k]]
             if differ:
                 raise ValueError(
@@ -201,64 +148,60 @@ class _PerSampleClipping(InputAwareOptimizer):
                 )
         return float(first["max_grad_norm"]), float(first["noise_multiplier"])
 
-    def _check_group(self, group: dict[str, Any]) -> None:
-        _check_hyperparameters(self._privacy[2], *(group[k] for k in _WHOLE_BATCH))
+    def check_group(self, group: dict[str, Any]) -> None:
+        _check_hyperparameters(self.loss_reduction, *(group[k] for k in _WHOLE_BATCH))
 
     def _warn_outside(self, root: nn.Module) -> None:
         """Warn (once per set) of parameters of the model outside this optimizer that got a gradient: not private."""
-        mine = set(self._params())
+        mine = set(self.optimizer._params())
         outside = frozenset(p for p in root.parameters() if p.requires_grad and p.grad is not None and p not in mine)
         if outside and outside != self.__dict__.get("_warned_outside"):
-            names = [name for p, (name, _) in parameter_names(self.model).items() if p in outside]
+            names = [name for p, (name, _) in parameter_names(self.optimizer.model).items() if p in outside]
             warnings.warn(
-                f"{type(self).__name__}: {len(names)} parameter(s) of the model got a gradient but are not among its "
+                f"{self._name}: {len(names)} parameter(s) of the model got a gradient but are not among its "
                 f"params ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}): backward computed it from "
                 "the batch without clipping or noise, so the privacy guarantee covers nothing that reads or trains "
                 "them (another optimizer, a logged gradient norm). Freeze them (requires_grad_(False)) or give them "
                 "to this optimizer",
                 UserWarning,
-                stacklevel=7,  # the caller of step()
+                stacklevel=user_stacklevel(),
             )
         self._warned_outside = outside
 
     def _refuse_unsupported_layers(self) -> None:
-        trained = {p for p in self._params() if p.requires_grad}
-        for module, qualified in module_names(self._model).items():
+        optimizer = self.optimizer
+        trained = {p for p in optimizer._params() if p.requires_grad}
+        for module, qualified in module_names(optimizer.model).items():
             reason = _unsupported(module, trained)
             if reason is not None:
                 where = f"{qualified or 'the model'} ({type(module).__name__})"
-                raise ValueError(f"{type(self).__name__} cannot compute per-sample gradients of {where}: {reason}")
+                raise ValueError(f"{self._name} cannot compute per-sample gradients of {where}: {reason}")
 
-    def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+    def treatment(self, optimizer: Any, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
         if module is None:
             return "refused at step", "not a parameter of any module: its per-sample gradient is unknown", True
         kind = layer_kind(module)
         closed = (kind is not None and kind.provides("per_sample")) or _is_layer_norm(module)
         how = f"closed form for {type(module).__name__}" if closed else "torch.func vmap(grad) of its forward"
-        return f"{type(self).__name__}: per-sample clipping ({how})", None, False
+        return f"{type(optimizer).__name__}: per-sample clipping ({how})", None, False
 
-    def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_clipped": ClippedSums(self)}
-
-    @torch.no_grad()
-    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
-        """Replace every gradient by its clipped, noised estimate, then take the stock step."""
-        loss = evaluate_closure(closure)
-        assert inputs is not None
-        root = unwrap_model(self.model)
+    def update(self, optimizer: Any, inputs: Inputs) -> None:
+        """Replace every gradient by its clipped, noised estimate."""
+        self._released = None
+        root = unwrap_model(optimizer.model)
         # requires_grad, or what a module registers (pruning and parametrizations move a weight), changed since
         checked = (
-            frozenset(p for p in self._params() if p.requires_grad),
+            frozenset(p for p in optimizer._params() if p.requires_grad),
             [(m, tuple(m._parameters)) for m in root.modules()],
         )
         if checked != self.__dict__.get("_checked_layout"):
             self._refuse_unsupported_layers()
             self._checked_layout = checked
         self._warn_outside(root)
-        mixing = [self.capture.name(m) for m in root.modules() if isinstance(m, _BATCH_NORMS) and m.training]
+        mixing = [optimizer.capture.name(m) for m in root.modules() if isinstance(m, _BATCH_NORMS) and m.training]
         if mixing:  # even without parameters, a batch norm in training mode mixes the samples
             raise RuntimeError(
-                f"{type(self).__name__} cannot clip per-sample gradients: {', '.join(mixing)} normalizes over the "
+                f"{self._name} cannot clip per-sample gradients: {', '.join(mixing)} normalizes over the "
                 "batch in training mode, so each sample's gradient depends on the others. Use GroupNorm or "
                 "LayerNorm, or put the batch norms in eval mode. No parameter was changed"
             )
@@ -271,22 +214,29 @@ class _PerSampleClipping(InputAwareOptimizer):
                 param.grad = grad.to(param.dtype)
             elif grad is not param.grad:  # not written in place; under FSDP2, ``grad`` is this rank's shard
                 local_tensor(param.grad).copy_(grad)
-        super().step(inputs=inputs)
         if private:  # a step with no gradient releases nothing
-            self._account(sigma)
-        return loss
+            self._released = sigma
+
+    def advance(self, optimizer: Any) -> None:
+        if self._released is not None:
+            self.accountant.record(self._released, optimizer.param_groups[0]["sample_rate"])
+        self._released = None
 
     def _private_gradients(self, inputs: Inputs, clip: float, sigma: float) -> dict[Tensor, Tensor]:
         """The private gradients of every trained parameter, one no sample reached included (else which parameters
         moved would tell what the batch held); what the clipped sums cannot privatize is refused before any change."""
-        trained = [p for p in self._params() if p.requires_grad]
+        trained = [p for p in self.optimizer._params() if p.requires_grad]
         targets = [p for p in trained if p.grad is not None]
         if not targets:  # no backward since the gradients were cleared: no step (as the stock optimizers)
             return {}
         totals = inputs.reduced(self._clipped)
-        data_parallel = self.data_parallel_group
+        data_parallel = self.optimizer.data_parallel_group
         distributed = data_parallel is not None or any(sharded(p) for p in targets)
-        if not totals and all(float(g["lr"]) == 0 for g in self.param_groups) and all_zero(p.grad for p in targets):
+        if (
+            not totals
+            and all(float(g["lr"]) == 0 for g in self.optimizer.param_groups)
+            and all_zero(p.grad for p in targets)
+        ):
             # No data and no release (torch.distributed.checkpoint initializes an optimizer's state so): no call
             # in any gradient, every one zero (this rank's shard), at learning rate 0. The stock step on them is
             # data-independent and moves no parameter; nothing is accounted. (At another rate it is refused: a
@@ -320,8 +270,8 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _step_batch(self, present: list[Tensor], totals: dict[Tensor, Any], clip: float) -> float:
         """The batch of this step; refuses a clip changed since backward, or accumulation not told its batch."""
-        name = type(self).__name__
-        expected = self.param_groups[0]["expected_batch_size"]
+        name = self._name
+        expected = self.optimizer.param_groups[0]["expected_batch_size"]
         for key, setting, now, done in (
             ("clips", "max_grad_norm", clip, "clipped at"),
             ("expected", "expected_batch_size", expected, "scaled by"),
@@ -336,7 +286,7 @@ class _PerSampleClipping(InputAwareOptimizer):
                 )
         first: dict[str, Any] = totals[present[0]] if present else {"samples": 0, "passes": {}}
         passes = len(first["passes"])
-        if self._privacy[2] == "mean" and expected is None and passes > 1:
+        if self.loss_reduction == "mean" and expected is None and passes > 1:
             raise RuntimeError(
                 f"{name} got {passes} backward passes in one step (gradient accumulation) with "
                 "loss_reduction='mean': to clip each sample's own gradient it must know the batch the loss is a "
@@ -347,11 +297,11 @@ class _PerSampleClipping(InputAwareOptimizer):
 
     def _divisor(self, batch: float) -> float:
         """What the noised sum is divided by: the batch the loss is a mean over (1 for a summed loss)."""
-        if self._privacy[2] != "mean":
+        if self.loss_reduction != "mean":
             return 1.0
         if batch == 0:
             raise RuntimeError(
-                f"{type(self).__name__}: the batch of this step is empty (Poisson sampling draws empty batches), "
+                f"{self._name}: the batch of this step is empty (Poisson sampling draws empty batches), "
                 "and with loss_reduction='mean' the noise is divided by the batch the loss is a mean over. Pass "
                 "expected_batch_size=<sample_rate x dataset size> (as Opacus does): an empty batch then takes a "
                 "noise-only step. No parameter was changed"
@@ -393,7 +343,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             return
         shares = "; ".join(f"{', '.join(modules)} in pass {index + 1}" for index, modules in enumerate(split))
         raise RuntimeError(
-            f"{type(self).__name__}: the calls of one forward reached {len(split)} separate backward passes "
+            f"{self._name}: the calls of one forward reached {len(split)} separate backward passes "
             f"({shares}), each clipping its share of every sample's gradient on its own, which does not bound the "
             "whole. Reentrant activation checkpointing does this (checkpoint(..., use_reentrant=True)): checkpoint "
             "with use_reentrant=False (Hugging Face: model.gradient_checkpointing_enable("
@@ -406,7 +356,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         if where is None:  # a refusal of DP's own (its message says what to do), or met outside a layer
             raise error
         message = (
-            f"{type(self).__name__} could not compute the per-sample gradients of {where}: "
+            f"{self._name} could not compute the per-sample gradients of {where}: "
             f"{type(error).__name__}: {error}. No parameter was changed"
         )
         try:
@@ -416,7 +366,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         raise again from error
 
     def _uncaptured(self, params: list[Tensor]) -> RuntimeError:
-        capture = self.capture
+        capture = self.optimizer.capture
         owners = list(dict.fromkeys(m for p in params for m in capture.owners(p)))
         where = ", ".join(capture.name(m) for m in owners) or "a module the optimizer does not capture"
         containers = [capture.name(m) for m in owners if isinstance(m, (nn.ParameterList, nn.ParameterDict))]
@@ -428,7 +378,7 @@ class _PerSampleClipping(InputAwareOptimizer):
             "supported)"
         )
         return RuntimeError(
-            f"{type(self).__name__} cannot compute per-sample gradients of {len(params)} parameter(s) with a "
+            f"{self._name} cannot compute per-sample gradients of {len(params)} parameter(s) with a "
             f"gradient: no forward call of {where} is in that gradient{hint}. No parameter was changed"
         )
 
@@ -450,7 +400,9 @@ class _PerSampleClipping(InputAwareOptimizer):
         """Refuse a gradient the per-sample gradients do not add up to: part of it could not be clipped.
         Gaps are measured against the whole gradient's norm (a bias a normalization cancels is zero up to rounding)."""
         checked = [p for p in targets if totals[p]["unclipped"] is not None and p.grad is not None]
-        compared = {p: (totals[p]["unclipped"], self._clipped.probes.project(p, p.grad)) for p in checked}  # type: ignore[arg-type]
+        assert self._clipped is not None
+        probes = self._clipped.probes
+        compared = {p: (totals[p]["unclipped"], probes.project(p, p.grad)) for p in checked}  # type: ignore[arg-type]
         exact = all(d == torch.float64 for d in dtypes) and all(g.dtype == torch.float64 for _, g in compared.values())
         pairs = [  # per parameter: the gap's norm and the gradient's, read at once below
             torch.stack([vector_norm(plain.to(grad.dtype) - grad), vector_norm(grad)]).double()
@@ -471,7 +423,7 @@ class _PerSampleClipping(InputAwareOptimizer):
         self, compared: dict[Tensor, Any], wrong: dict[Tensor, float], whole: float, tolerance: float, float16: bool
     ) -> NoReturn:
         """Raise the refusal of a gradient its per-sample gradients do not add up to, naming the likely cause."""
-        name = type(self).__name__
+        name = self._name
         # The gradient a factor c (neither 1 nor 0) times the per-sample sums, as after a gradient clip?
         pairs = [(plain.double(), grad.double()) for plain, grad in compared.values()]
         square = sum(float(plain.pow(2).sum()) for plain, _ in pairs)
@@ -487,7 +439,8 @@ class _PerSampleClipping(InputAwareOptimizer):
                 f"accelerator.clip_grad_norm_ and torch.nn.utils.clip_grad_norm_ (leave the call out). {name} clips "
                 "each sample's gradient itself and must see the gradient as backward made it. No parameter was changed"
             )
-        owners = ", ".join(dict.fromkeys(self.capture.name(m) for p in wrong for m in self.capture.owners(p)))
+        capture = self.optimizer.capture
+        owners = ", ".join(dict.fromkeys(capture.name(m) for p in wrong for m in capture.owners(p)))
         worst = max(wrong.values()) / max(whole, 1e-30)
         hint = (
             "; under float16 autocast, a loss scale too small for these gradients, which backward rounded "
@@ -512,15 +465,16 @@ class ClippedSums(Reduction):
     grad_outputs = True
     keeps_inputs = True  # under activation checkpointing, the inputs of the re-run in backward
 
-    def __init__(self, optimizer: _PerSampleClipping) -> None:
-        self.owner = weakref.ref(optimizer)  # the reduction lives in the capture, which the optimizer owns
+    def __init__(self, rule: PerSampleClipping) -> None:
+        self.owner = weakref.ref(rule)  # the reduction lives in the capture, which the optimizer (and rule) owns
         # The add-up check: in one process only (under data parallelism the gradient is averaged already).
         self.verify = not (torch.distributed.is_available() and torch.distributed.is_initialized())
         self.probes = _Probes()
         self.passes = itertools.count()  # a token per backward pass
-        self.reduction = optimizer._privacy[2]
+        self.reduction = rule.loss_reduction
+        optimizer = rule.optimizer
         capture = self.capture = optimizer.capture
-        self.batch_dim, self.name = optimizer._batch_dim, capture.name
+        self.batch_dim, self.name = rule.batch_dim, capture.name
         trained = set(optimizer._params())  # all of the groups': which require grad is read when each pass ends
         self.names: dict[nn.Module, list[str]] = {}  # parameters only this module owns
         self.shared: dict[Tensor, list[tuple[nn.Module, str]]] = {}  # parameters several modules own
@@ -571,7 +525,7 @@ class ClippedSums(Reduction):
         owner = self.owner()
         assert owner is not None
         clip = owner._group_privacy()[0]  # read now: a schedule may change it (as expected_batch_size)
-        expected = owner.param_groups[0]["expected_batch_size"]
+        expected = owner.optimizer.param_groups[0]["expected_batch_size"]
         scale = float(expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
@@ -582,7 +536,7 @@ class ClippedSums(Reduction):
         # This pass, by a token of its own: which forwards it holds, and through which modules.
         modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
         every = [c for calls in by_forward.values() for module_calls in calls.values() for c in module_calls]
-        tensors = [t for c in every for t in (*(c.grad_outputs or ()), *c.args) if isinstance(t, Tensor)]
+        tensors = [t for c in every for t in _tensors_of(c)]
         common = {
             "samples": float(sum(samples.values())),
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
@@ -777,6 +731,12 @@ class _Piece(NamedTuple):
     calls: list[Call]
 
 
+def _tensors_of(call: Call) -> list[Tensor]:
+    """A call's tensor arguments and output gradients."""
+    grads = call.grad_outputs if call.has_grad_outputs else ()
+    return [t for t in (*grads, *call.args) if isinstance(t, Tensor)]
+
+
 def _fits(grad: Tensor, total: Tensor) -> bool:
     """Whether ``total``'s noised estimate can be written into ``grad`` itself (dense, alike, contiguous)."""
     alike = grad.dtype == total.dtype and grad.device == total.device and grad.shape == total.shape
@@ -936,7 +896,7 @@ def _batch_first(call: Call, batch_dim: int) -> Call:
         batched = isinstance(x, Tensor) and x.dim() > batch_dim and x.shape[batch_dim] == batch
         return x.movedim(batch_dim, 0) if batched else x
 
-    grads = None if call.grad_outputs is None else [moved(g) for g in call.grad_outputs]
+    grads = [moved(g) for g in call.grad_outputs] if call.has_grad_outputs else None
     kwargs = {k: moved(v) for k, v in call.kwargs.items()}
     return Call(call.module, tuple(moved(a) for a in call.args), kwargs, grads, call.forward)
 
@@ -978,7 +938,81 @@ def _check_hyperparameters(
         raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be None or in (0, 1])")
 
 
-class DPSGD(_PerSampleClipping, InputAwareSGD):
+class _PrivateOptimizer(InputAwareOptimizer):
+    """What DPSGD and DPAdamW share: a ``PerSampleClipping`` rule in front of the stock update."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float = 1e-3,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float = 1.0,
+        *,
+        loss_reduction: str = "mean",
+        expected_batch_size: int | None = None,
+        batch_dim: int = 0,
+        sample_rate: float | None = None,
+        generator: torch.Generator | None = None,
+        params: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        rule = PerSampleClipping(
+            max_grad_norm,
+            noise_multiplier,
+            loss_reduction=loss_reduction,
+            expected_batch_size=expected_batch_size,
+            batch_dim=batch_dim,
+            sample_rate=sample_rate,
+            generator=generator,
+        )
+        more = kwargs.pop("rules", ())
+        more = [more] if isinstance(more, Rule) else list(more)
+        super().__init__(model, params, lr=lr, rules=[rule, *more], **kwargs)
+
+    @property
+    def privacy_history(self) -> list[tuple[float, float | None, int]]:
+        """``(noise_multiplier, sample_rate, steps)`` per run of steps at the same pair, as Opacus keeps it."""
+        return list(self._clipping.accountant.history)
+
+    def epsilon(self, delta: float, accountant: str = "prv") -> float:
+        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant over ``privacy_history``.
+
+        Args:
+            delta: The target :math:`\delta` (in (0, 1)).
+            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"`` (one noise multiplier only).
+
+        Raises:
+            ValueError: If no ``sample_rate`` was given, or ``"gdp"`` is asked of a changing noise.
+            ImportError: If ``opacus`` is not installed.
+        """
+        return self._clipping.accountant.epsilon(delta, accountant, self.param_groups[0]["sample_rate"])
+
+    @property
+    def _clipping(self) -> PerSampleClipping:
+        return self.rules[0]  # type: ignore[return-value]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict, the noise generator and privacy history with it (also where earlier versions
+        kept them: the top level, or the first param group; 0.2's step count taken to be at the loaded noise
+        multiplier)."""
+        own = ("noise_generator", "privacy_steps", "privacy_history")
+        groups = [{k: v for k, v in g.items() if k not in own} for g in state_dict.get("param_groups", ())]
+        saved = {k: v for k, v in [*state_dict.items(), *state_dict.get("param_groups", [{}])[0].items()] if k in own}
+        if saved and groups:  # an earlier layout: the rule's state where the composition keeps it now
+            if "privacy_steps" in saved and "privacy_history" not in saved:
+                group = groups[0]
+                sigma = float(group.get("noise_multiplier", self.param_groups[0]["noise_multiplier"]))
+                rate = group.get("sample_rate", self.param_groups[0].get("sample_rate"))
+                saved["privacy_history"] = (
+                    [(sigma, rate, int(saved["privacy_steps"]))] if saved["privacy_steps"] else []
+                )
+            rules = dict(groups[0].get("rules", {}))
+            rules["0"] = {k: saved[k] for k in ("noise_generator", "privacy_history") if k in saved}
+            groups[0] = {**groups[0], "rules": rules}
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in own} | {"param_groups": groups})
+
+
+class DPSGD(_PrivateOptimizer, InputAwareSGD):
     r"""SGD with per-sample gradient clipping and Gaussian noise (DP-SGD).
 
     Each step replaces every parameter's gradient by its differentially private estimate (Abadi et al. 2016),
@@ -1012,7 +1046,7 @@ class DPSGD(_PerSampleClipping, InputAwareSGD):
     """
 
 
-class DPAdamW(_PerSampleClipping, InputAwareAdamW):
+class DPAdamW(_PrivateOptimizer, InputAwareAdamW):
     """AdamW with per-sample gradient clipping and Gaussian noise (DP-Adam with decoupled weight decay).
 
     ``DPAdamW(model, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, *, ...)``: the arguments, the private

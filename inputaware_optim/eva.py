@@ -9,11 +9,12 @@ import torch
 from torch import Tensor, nn
 
 from ._torch import foreach_norm
+from .distributed import sharded
 from .kfac import KroneckerFactors
-from .kronecker import KroneckerRule, Sums, running_average
+from .kronecker import KroneckerPreconditioner, SGDWithRule, Sums, running_average
 from .layers import Layer, weight_of
 
-__all__ = ["Eva"]
+__all__ = ["Eva", "EvaPreconditioner"]
 
 
 class KroneckerVectors(KroneckerFactors):
@@ -24,65 +25,19 @@ class KroneckerVectors(KroneckerFactors):
         return rows.sum(-2)
 
 
-class Eva(KroneckerRule):
-    r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
+class EvaPreconditioner(KroneckerPreconditioner):
+    r"""Eva's transform of the gradients (``Eva``'s docstring has the rule and its arguments): each layer's
+    gradient preconditioned by its rank-one Kronecker vectors, then KL-clipped. Chain it in front of any stock
+    optimizer."""
 
-    For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
-    ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
-    :math:`g_r` the gradient that reached its output rows, :math:`B` the batch and
-    :math:`\tilde G` the weight-and-bias gradient, the Kronecker vectors are the mean input row
-    and the mean per-example output derivative (:math:`Ds = B g` for a mean loss), kept as
-    running averages (decay ``stat_decay``; the first step takes its own):
-
-    .. math::
-        \bar a = \frac{1}{N_x}\sum_r \tilde x_r, \qquad \bar g = \frac{1}{B}\sum_r B g_r, \qquad
-        \operatorname{vec} P = (\bar g \bar g^\top \otimes \bar a \bar a^\top + \gamma I)^{-1}\,
-            \operatorname{vec} \tilde G, \qquad
-        P = \frac{1}{\gamma}\Big(\tilde G - \frac{\bar g^\top \tilde G\, \bar a}
-            {\gamma + \lVert \bar g\rVert^2 \lVert \bar a\rVert^2}\, \bar g \bar a^\top\Big)
-
-    (one Sherman-Morrison step: no matrix is formed or inverted). Then all preconditioned
-    gradients are scaled by the KL clip
-    :math:`\nu = \min\big(1, \sqrt{\kappa / (\eta^2 \sum_\ell |\langle P_\ell, \tilde G_\ell\rangle|)}\big)`
-    (``kl_clip`` :math:`\kappa`, learning rate :math:`\eta`: one :math:`\nu` over every clipped layer, whatever
-    its param group, so the groups' ``kl_clip`` must agree) and the SGD momentum update runs.
-    Other parameters take plain SGD. Differences from the authors' code: docs/rules/eva.md.
-
-    State per preconditioned weight: ``input_mean`` (:math:`\bar a`), ``output_grad_mean``
-    (:math:`\bar g`) and ``statistics_steps``.
-
-    Args:
-        model: The model.
-        lr: Learning rate.
-        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\gamma` (> 0), added to the Kronecker product of the rank-one factors.
-        stat_decay: Decay of the running vectors, in [0, 1).
-        kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
-        statistics_every: Collect the vectors every this many steps (>= 1); the kept vectors between.
-        loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``.
-        damping_form: ``"kronecker"`` (default, as above) or ``"factors"``: :math:`\gamma` added to each
-            factor, :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`.
-        max_dim: Leave layers with a larger side to the stock update (None: no limit).
-        distributed_inversion: Accepted for the Kronecker rules' common signature; changes nothing.
-        params: Parameters or param groups of ``model`` (default: all that require grad).
-        **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
-            optimizer class to take the update instead of SGD) and its arguments.
-
-    Reference:
-        Lin Zhang, Shaohuai Shi and Bo Li, "Eva: Practical Second-order Optimization with
-        Kronecker-vectorized Approximation", ICLR 2023.
-    """
-
+    label = "Eva"
     factors = ("input", "output_grad")
     statistics = KroneckerVectors
     inverts = False
-    reads_capability = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
+    layers = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
 
     def __init__(
         self,
-        model: nn.Module,
-        lr: float | None = None,
-        momentum: float | None = None,
         damping: float = 0.03,
         stat_decay: float = 0.95,
         kl_clip: float | None = 0.001,
@@ -92,45 +47,36 @@ class Eva(KroneckerRule):
         damping_form: str = "kronecker",
         max_dim: int | None = None,
         distributed_inversion: bool = False,
-        params: Any = None,
-        **sgd_kwargs: Any,
     ) -> None:
-        for foreign in ("update_every", "inverse", "inverse_dtype"):
-            if foreign in sgd_kwargs:
-                raise TypeError(
-                    f"Eva() got {foreign}=: Eva inverts no matrix (its inverses are closed-form, formed from "
-                    "each statistics step's vectors), so it has no inverse schedule or method; leave it out "
-                    "(statistics_every= sets how often the statistics are read)"
-                )
         if damping_form not in DAMPING_FORMS:
             raise ValueError(
                 f"Invalid damping_form: {damping_form!r} (must be one of {', '.join(map(repr, DAMPING_FORMS))})"
             )
         self._direction = DAMPING_FORMS[damping_form]
-        self._rule_defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
+        self.defaults = {"loss_reduction": loss_reduction, "kl_clip": kl_clip}
         super().__init__(
-            model,
-            lr,
-            momentum,
             damping,
             stat_decay,
             1,
             statistics_every=statistics_every,
             max_dim=max_dim,
             distributed_inversion=distributed_inversion,
-            params=params,
-            **sgd_kwargs,
         )
 
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def check_group(self, group: dict[str, Any]) -> None:
         if not group["damping"] > 0.0:  # a rank-one factor is singular without it
             raise ValueError(f"Invalid damping: {group['damping']} (must be > 0)")
         if group["kl_clip"] is not None and not 0.0 < group["kl_clip"] < math.inf:
             raise ValueError(f"Invalid kl_clip: {group['kl_clip']} (must be None or finite and > 0)")
-        super()._check_group(group)
+        super().check_group(group)
 
-    def _check_sharded_layers(self) -> None:
-        self._refuse_sharded_parameters("its output-side vector mixes the rows of each weight's gradient")
+    def _check_sharded_layers(self, optimizer: Any) -> None:
+        if any(sharded(p) for p in optimizer._params()):
+            raise NotImplementedError(
+                "Eva does not support sharded (FSDP2 / DTensor) parameters yet: its output-side vector mixes the "
+                "rows of each weight's gradient. Use DistributedDataParallel, or InputAwareAdamW / InputAwareSGD / "
+                "LazyAdamW under FSDP2"
+            )
 
     def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         # As K-FAC: a mean-reduced loss divides each output gradient by this rank's batch B, so
@@ -169,7 +115,7 @@ class Eva(KroneckerRule):
         """The KL-clip scale, after one check of every direction, before any change (one transfer to
         the host for both). One scale for every clipped layer, whatever groups they are in
         (the KL clip bounds the whole update, as in the authors' code): so their ``kl_clip`` must agree."""
-        clips = {group["kl_clip"] for group in self.param_groups} - {None}
+        clips = {group["kl_clip"] for group in self.optimizer.param_groups} - {None}
         if len(clips) > 1:
             raise ValueError(
                 f"Eva's kl_clip bounds the KL divergence of the whole update, so every param group must use the "
@@ -191,12 +137,98 @@ class Eva(KroneckerRule):
                 for layer, direction in zip(layers, directions, strict=True):
                     if not bool(direction.isfinite().all()):
                         raise RuntimeError(
-                            f"Eva's preconditioned gradient of {self.capture.name(layer.module)} is not finite: "
-                            "training has diverged (NaN or inf activations or gradients). Lower the learning rate "
-                            "or raise damping. No parameter was changed by this step"
+                            f"Eva's preconditioned gradient of {self.optimizer.capture.name(layer.module)} is not "
+                            "finite: training has diverged (NaN or inf activations or gradients). Lower the learning "
+                            "rate or raise damping. No parameter was changed by this step"
                         )
         total = abs(total)
         return 1.0 if not clips or total == 0.0 else min(1.0, math.sqrt(clips.pop() / total))
+
+
+class Eva(SGDWithRule):
+    r"""Eva (Zhang, Shi & Li, 2023): K-FAC with each factor replaced by a rank-one Kronecker vector.
+
+    For each layer with a Kronecker form (``nn.Linear``, convolutions, Hugging Face ``Conv1D``,
+    ...), with :math:`\tilde x_r` its input rows (a 1 appended when the bias is trained),
+    :math:`g_r` the gradient that reached its output rows, :math:`B` the batch and
+    :math:`\tilde G` the weight-and-bias gradient, the Kronecker vectors are the mean input row
+    and the mean per-example output derivative (:math:`Ds = B g` for a mean loss), kept as
+    running averages (decay ``stat_decay``; the first step takes its own):
+
+    .. math::
+        \bar a = \frac{1}{N_x}\sum_r \tilde x_r, \qquad \bar g = \frac{1}{B}\sum_r B g_r, \qquad
+        \operatorname{vec} P = (\bar g \bar g^\top \otimes \bar a \bar a^\top + \gamma I)^{-1}\,
+            \operatorname{vec} \tilde G, \qquad
+        P = \frac{1}{\gamma}\Big(\tilde G - \frac{\bar g^\top \tilde G\, \bar a}
+            {\gamma + \lVert \bar g\rVert^2 \lVert \bar a\rVert^2}\, \bar g \bar a^\top\Big)
+
+    (one Sherman-Morrison step: no matrix is formed or inverted). Then all preconditioned
+    gradients are scaled by the KL clip
+    :math:`\nu = \min\big(1, \sqrt{\kappa / (\eta^2 \sum_\ell |\langle P_\ell, \tilde G_\ell\rangle|)}\big)`
+    (``kl_clip`` :math:`\kappa`, learning rate :math:`\eta`: one :math:`\nu` over every clipped layer, whatever
+    its param group, so the groups' ``kl_clip`` must agree) and the SGD momentum update runs.
+    Other parameters take plain SGD. Differences from the authors' code: docs/rules/eva.md.
+
+    State per preconditioned weight, in ``optimizer.rules[0].state[weight]``: ``input_mean``
+    (:math:`\bar a`), ``output_grad_mean`` (:math:`\bar g`) and ``statistics_steps``.
+
+    Args:
+        model: The model.
+        lr: Learning rate.
+        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
+        damping: :math:`\gamma` (> 0), added to the Kronecker product of the rank-one factors.
+        stat_decay: Decay of the running vectors, in [0, 1).
+        kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
+        statistics_every: Collect the vectors every this many steps (>= 1); the kept vectors between.
+        loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``.
+        damping_form: ``"kronecker"`` (default, as above) or ``"factors"``: :math:`\gamma` added to each
+            factor, :math:`P = (\bar g \bar g^\top + \gamma I)^{-1} \tilde G (\bar a \bar a^\top + \gamma I)^{-1}`.
+        max_dim: Leave layers with a larger side to the stock update (None: no limit).
+        distributed_inversion: Accepted for the Kronecker rules' common signature; changes nothing.
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
+            optimizer class to take the update instead of SGD) and its arguments.
+
+    Reference:
+        Lin Zhang, Shaohuai Shi and Bo Li, "Eva: Practical Second-order Optimization with
+        Kronecker-vectorized Approximation", ICLR 2023.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float | None = None,
+        momentum: float | None = None,
+        damping: float = 0.03,
+        stat_decay: float = 0.95,
+        kl_clip: float | None = 0.001,
+        *,
+        statistics_every: int = 1,
+        loss_reduction: str = "mean",
+        damping_form: str = "kronecker",
+        max_dim: int | None = None,
+        distributed_inversion: bool = False,
+        params: Any = None,
+        **sgd_kwargs: Any,
+    ) -> None:
+        for foreign in ("update_every", "inverse", "inverse_dtype"):
+            if foreign in sgd_kwargs:
+                raise TypeError(
+                    f"Eva() got {foreign}=: Eva inverts no matrix (its inverses are closed-form, formed from "
+                    "each statistics step's vectors), so it has no inverse schedule or method; leave it out "
+                    "(statistics_every= sets how often the statistics are read)"
+                )
+        rule = EvaPreconditioner(
+            damping,
+            stat_decay,
+            kl_clip,
+            statistics_every=statistics_every,
+            loss_reduction=loss_reduction,
+            damping_form=damping_form,
+            max_dim=max_dim,
+            distributed_inversion=distributed_inversion,
+        )
+        self._construct(model, lr, momentum, rule, params, sgd_kwargs)
 
 
 def eva_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -> Tensor:

@@ -2,16 +2,38 @@
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import Any
 
-from .kronecker import KroneckerRule
+import torch
+from torch import Tensor, nn
+
+from .kronecker import KroneckerPreconditioner, SGDWithRule
 from .layers import Layer
 
-__all__ = ["FOOF"]
+__all__ = ["FOOF", "FOOFPreconditioner"]
 
 
-class FOOF(KroneckerRule):
+class FOOFPreconditioner(KroneckerPreconditioner):
+    r"""FOOF's transform of the gradients: :math:`\tilde G \leftarrow \tilde G\,(\bar A + \lambda I)^{-1}` for
+    each layer with input rows (``FOOF``'s docstring has the whole rule). Chain it in front of any stock
+    optimizer: ``InputAwareOptimizer(model, rules=[FOOFPreconditioner()], base=torch.optim.AdamW, lr=...)``.
+
+    Args: ``damping``, ``stat_decay``, ``update_every``, ``statistics_every``, ``max_dim``,
+    ``distributed_inversion``, ``inverse``, ``inverse_dtype``, as ``FOOF``'s.
+    """
+
+    label = "FOOF"
+    factors = ("input",)
+    acts_on_rows = True
+
+    def _precondition(
+        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
+    ) -> Tensor:
+        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
+        return (matrix.to(dtype) @ inverses["input"].to(dtype))[rows]
+
+
+class FOOF(SGDWithRule):
     r"""FOOF (Benzing 2022): gradient descent on neurons, a one-sided Kronecker preconditioner.
 
     For each layer with input rows (``nn.Linear``, Hugging Face's ``Conv1D``, ``nn.Conv1d/2d/3d``
@@ -29,8 +51,8 @@ class FOOF(KroneckerRule):
     steps; then the SGD momentum update. Other parameters take plain SGD. Under FSDP2 each rank
     preconditions the rows of :math:`\tilde G` it holds.
 
-    State per preconditioned weight: ``input_second_moment`` (:math:`\bar A`), ``input_inverse``
-    and ``statistics_steps``.
+    State per preconditioned weight, in ``optimizer.rules[0].state[weight]``: ``input_second_moment``
+    (:math:`\bar A`), ``input_inverse`` and ``statistics_steps``; ``optimizer.state`` is SGD's (or the base's).
 
     Args:
         model: The model.
@@ -54,11 +76,31 @@ class FOOF(KroneckerRule):
         Second-Order Optimization", ICML 2022.
     """
 
-    factors = ("input",)
-    acts_on_rows = True
-
-    def _precondition(
-        self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
-    ) -> Tensor:
-        dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
-        return (matrix.to(dtype) @ inverses["input"].to(dtype))[rows]
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float | None = None,
+        momentum: float | None = None,
+        damping: float = 0.1,
+        stat_decay: float = 0.95,
+        update_every: int = 10,
+        *,
+        statistics_every: int = 1,
+        max_dim: int | None = None,
+        distributed_inversion: bool = False,
+        inverse: str = "cholesky",
+        inverse_dtype: torch.dtype = torch.float64,
+        params: Any = None,
+        **sgd_kwargs: Any,
+    ) -> None:
+        rule = FOOFPreconditioner(
+            damping,
+            stat_decay,
+            update_every,
+            statistics_every=statistics_every,
+            max_dim=max_dim,
+            distributed_inversion=distributed_inversion,
+            inverse=inverse,
+            inverse_dtype=inverse_dtype,
+        )
+        self._construct(model, lr, momentum, rule, params, sgd_kwargs)

@@ -212,11 +212,3 @@ class StepHooks:
         self._before = None
         self.step += 1
         self._arm(releasing=True)
-
-    def evaluate_closure(self, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
-        """Run the closure now if a hook due reads what it produces; the step gets one that returns its loss."""
-        if closure is None or not any(e.when == "pre" or e.updates for e in self._entries if e.due(self.step)):
-            return closure  # (a post hook reading updates needs the gradients before the update)
-        with torch.enable_grad():
-            loss = closure()
-        return lambda: loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,23 @@ __all__ = ["Call", "Captured", "Inputs", "UncapturedInputsWarning"]
 
 class UncapturedInputsWarning(UserWarning):
     """A rule asked for the inputs of a parameter that has a gradient but no captured call."""
+
+
+_LIBRARY = __name__.rsplit(".", 1)[0] + "."
+_PASSED = ("torch.optim.", "torch.utils._contextlib", "torch.autograd.grad_mode")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning raised here name the first caller outside the library (and
+    outside torch's optimizer and no-grad wrappers around it): the line that called ``step()``."""
+    frame: Any = sys._getframe(1)
+    level = 1
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not (module.startswith(_LIBRARY) or module.startswith(_PASSED)):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 1
 
 
 class Call:
@@ -53,14 +71,31 @@ class Call:
         return self.args[0]
 
     @property
-    def grad_outputs(self) -> tuple[Tensor | None, ...] | None:
+    def has_grad_outputs(self) -> bool:
+        """Whether output gradients were captured for this call (``grad_outputs`` may be read)."""
+        return self._grad_slot is not None
+
+    @property
+    def grad_outputs(self) -> tuple[Tensor | None, ...]:
         """The gradients that reached this call's output tensors in backward, one per tensor (in pytree
-        leaf order; ``None`` where none arrived); ``None`` as a whole when output-gradient capture is off."""
-        return None if self._grad_slot is None else tuple(self._grad_slot)
+        leaf order; ``None`` where none arrived).
+
+        Raises:
+            RuntimeError: If output gradients were not captured (nobody asked for them).
+        """
+        if self._grad_slot is None:
+            raise RuntimeError(_NO_GRAD_OUTPUTS.format(call=self))
+        return tuple(self._grad_slot)
 
     @property
     def grad_output(self) -> Tensor | None:
-        """The gradient of the first output tensor (``None`` if none arrived or capture is off)."""
+        """The gradient of the first output tensor (``None`` if none arrived).
+
+        Raises:
+            RuntimeError: If output gradients were not captured (nobody asked for them).
+        """
+        if self._grad_slot is None:
+            raise RuntimeError(_NO_GRAD_OUTPUTS.format(call=self))
         return self._grad_slot[0] if self._grad_slot else None
 
     def __repr__(self) -> str:
@@ -70,6 +105,13 @@ class Call:
         args = ", ".join(describe(a) for a in self.args)
         kwargs = "".join(f", {k}={describe(v)}" for k, v in self.kwargs.items())
         return f"Call({type(self.module).__name__}({args}{kwargs}))"
+
+
+_NO_GRAD_OUTPUTS = (
+    "the output gradients of {call!r} were not captured: ask for them with grad_outputs = True on the Rule (or "
+    "the Reduction whose backward reads them, or the optimizer subclass that reads raw calls), or "
+    "grad_outputs=True on the optimizer or Capture"
+)
 
 
 class Captured:
@@ -116,12 +158,7 @@ class Captured:
         """
         grads: list[Tensor] = []
         for call in self.calls:
-            got = call.grad_outputs
-            if got is None:
-                raise RuntimeError(
-                    "output gradients were not captured; construct the optimizer (or Capture) "
-                    "with grad_outputs=True, or set grad_outputs = True on the rule"
-                )
+            got = call.grad_outputs  # (raises, naming the flag, if they were not captured)
             grad = got[position] if position < len(got) else None
             if grad is None:
                 raise RuntimeError(
@@ -161,6 +198,7 @@ class Inputs(Mapping[nn.Module, Captured]):
         direct: Mapping[Tensor, Captured | Sequence[Call]] | None = None,
         on_missing: Callable[[Tensor], None] | None = None,
         reduced: Any = None,
+        calls_kept: Callable[[], bool] | None = None,
     ) -> None:
         # ``calls``: the calls, or a function returning them or ``(calls, calls by parameter)``, read at each access.
         fixed = None if callable(calls) else list(calls)
@@ -177,6 +215,7 @@ class Inputs(Mapping[nn.Module, Captured]):
         self._expired: str | None = None
         self._on_missing = on_missing
         self._reduced = reduced  # a Capture (live), a dict of reduction -> totals, or None
+        self._calls_kept = calls_kept  # (live: whether the capture keeps raw calls now)
 
     @classmethod
     def from_mapping(
@@ -260,17 +299,42 @@ class Inputs(Mapping[nn.Module, Captured]):
 
     def reduced(self, reduction: Any) -> dict[Tensor, Any]:
         """What ``reduction`` (a ``Reduction``) gives for this step, per parameter: from the capture's hooks, or
-        computed from the calls held here (``Reduction.reduce_calls``), with the same result."""
+        computed from the calls held here (``Reduction.reduce_calls``), with the same result.
+
+        Raises:
+            RuntimeError: If the capture neither computes ``reduction`` nor keeps raw calls to compute it from
+                (a rule that reads it must declare it: ``reads = [reduction]``).
+        """
         source = self._reduced  # (None once expired: self.calls raises then)
         if isinstance(source, dict) and reduction in source:
             return source[reduction]
         if source is not None and not isinstance(source, dict) and reduction in source.reductions:
             return source.reduced(reduction)
+        if self._calls_kept is not None and not self._calls_kept():
+            raise RuntimeError(
+                f"{type(reduction).__name__} is not computed by this optimizer's capture, and no raw call is kept "
+                "to compute it from: declare it where it is read, reads = [reduction] on the Rule (or reads= of "
+                "register_inputs_hook), or add it with optimizer.capture.add_reduction(reduction) before the forward"
+            )
         return reduction.reduce_calls(self.calls)
+
+    def uncaptured(self, param: Tensor) -> None:
+        """Say (an ``UncapturedInputsWarning``, once per module and step, naming the likely cause) that a rule
+        treats ``param`` as uncaptured: it has a gradient but no captured call explains it. For a rule that
+        reads reductions and found none for ``param``; reading raw calls says it by itself."""
+        if self._on_missing is not None and self._owners.get(param) and param.grad is not None:
+            self._on_missing(param)
 
     def _current(self) -> Sequence[Call]:
         if self._expired is not None:
             raise RuntimeError(self._expired)
+        if self._calls_kept is not None and not self._calls_kept():
+            raise RuntimeError(
+                "raw calls are not kept by this optimizer's capture: no rule or hook declared that it reads them. "
+                "A Rule that reads inputs.get(p) or inputs[module] declares reads = 'calls' (or includes 'calls' in "
+                "its reads list); an optimizer subclass that overrides step sets reads_calls = True (not False); a "
+                "hook passes reads='calls'. A rule that needs only statistics reads inputs.reduced(reduction)"
+            )
         got = self._source()
         if got is not self._seen:
             calls, by_param = got if isinstance(got, tuple) else (got, None)
@@ -282,6 +346,7 @@ class Inputs(Mapping[nn.Module, Captured]):
 
     def _expire(self, message: str) -> None:
         self._expired, self._source, self._on_missing = message, lambda: [], None  # it keeps no capture alive
+        self._calls_kept = None
         self._seen, self._calls, self._by_param, self._by_module, self._reduced = None, [], None, {}, None
 
     def _name(self, module: nn.Module) -> str:

@@ -8,13 +8,12 @@ import torch
 from torch import Tensor, nn
 
 from .inputs import Call, Captured
-from .kronecker import FactorSums, KroneckerRule, Sums
+from .kronecker import FactorSums, KroneckerPreconditioner, SGDWithRule, Sums
 from .layers import ConvKind, Layer, weight_of
-from .reduction import Reduction
 
 CONVENTIONS = ("inputaware", "kfac-pytorch")  # the factors' scaling and damping (see KFAC's docstring)
 
-__all__ = ["KFAC"]
+__all__ = ["KFAC", "KFACPreconditioner"]
 
 
 class KroneckerFactors(FactorSums):
@@ -48,68 +47,18 @@ class KroneckerFactors(FactorSums):
         return {"input": (input_sum, rows), "output_grad": (self.side(grads), grads.new_tensor(count))}
 
 
-class KFAC(KroneckerRule):
-    r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
+class KFACPreconditioner(KroneckerPreconditioner):
+    r"""K-FAC's transform of the gradients (``KFAC``'s docstring has the rule and its arguments):
+    :math:`\tilde G \leftarrow (\bar G + \ldots)^{-1} \tilde G (\bar A + \ldots)^{-1}` for each layer with input
+    and output-gradient rows. Chain it in front of any stock optimizer."""
 
-    For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
-    convolutions and their transposes; grouped: a block per group), with :math:`\tilde x` its input
-    rows (a 1 appended when the bias is trained), :math:`g` the gradient at its output rows,
-    :math:`B` the batch size and :math:`\tilde G` the weight-and-bias gradient, the default is
-
-    .. math::
-        A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \quad
-        G = B \sum_r g_r g_r^\top, \quad
-        \tilde G \leftarrow (\bar G + \tfrac{\sqrt\lambda}{\pi} I)^{-1}\, \tilde G\,
-            (\bar A + \pi\sqrt\lambda I)^{-1}, \quad
-        \pi = \sqrt{m_A / m_G}, \quad m_F = \operatorname{tr}(\bar F) / \dim \bar F
-
-    (factored Tikhonov damping, their section 6.3; :math:`\pi = 1` where a factor is zero; :math:`G`
-    is the second moment of the output derivative :math:`Ds = B g` of a mean loss), with running
-    averages :math:`\bar A, \bar G` (decay ``stat_decay``; the first step takes its own) whose damped
-    inverses are refreshed every ``update_every`` optimizer steps; then the SGD momentum update.
-    Under FSDP2 each layer's gradient is gathered (a layer at a time), each rank keeping its rows.
-
-    State per preconditioned weight: ``input_second_moment``, ``input_inverse``,
-    ``output_grad_second_moment``, ``output_grad_inverse`` and ``statistics_steps``.
-
-    Args:
-        model: The model.
-        lr: Learning rate.
-        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\lambda` (>= 0), split between the factors as above.
-        stat_decay: Decay of the running factors, in [0, 1).
-        update_every: Refresh the inverses every this many optimizer steps (>= 1).
-        statistics_every: Collect statistics every this many steps (>= 1); the kept inverses between.
-        loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``
-            (:math:`g` is per example: :math:`G = \frac1B\sum_r g_r g_r^\top`).
-        convention: ``"inputaware"`` (default, above) or ``"kfac-pytorch"``: kfac-pytorch's scaling, running
-            averages from :math:`I` and absolute :math:`\lambda` (its methods "inverse" and "eigen" as ``inverse``
-            "cholesky" and "eigh"; docs/rules/kfac.md).
-        max_dim: Leave layers with a larger factor to the stock update (None: no limit).
-        distributed_inversion: Under data parallelism, invert each factor on one rank and broadcast it.
-        inverse: ``"cholesky"`` (default) or ``"eigh"`` (keeps each eigendecomposition, so a change
-            of ``damping`` applies at the next step without a new one).
-        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
-        params: Parameters or param groups of ``model`` (default: all that require grad).
-        **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
-            optimizer class to take the update instead of SGD) and its arguments.
-
-    References:
-        James Martens and Roger Grosse, "Optimizing Neural Networks with Kronecker-factored
-        Approximate Curvature", ICML 2015. Roger Grosse and James Martens, "A Kronecker-factored
-        approximate Fisher matrix for convolution layers", ICML 2016. J. Gregory Pauloski et al.,
-        kfac-pytorch (github.com/gpauloski/kfac-pytorch), for ``convention="kfac-pytorch"``.
-    """
-
+    label = "KFAC"
     factors = ("input", "output_grad")
     statistics = KroneckerFactors
-    reads_capability = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
+    layers = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
 
     def __init__(
         self,
-        model: nn.Module,
-        lr: float | None = None,
-        momentum: float | None = None,
         damping: float = 0.1,
         stat_decay: float = 0.95,
         update_every: int = 10,
@@ -121,17 +70,12 @@ class KFAC(KroneckerRule):
         distributed_inversion: bool = False,
         inverse: str = "cholesky",
         inverse_dtype: torch.dtype = torch.float64,
-        params: Any = None,
-        **sgd_kwargs: Any,
     ) -> None:
         if convention not in CONVENTIONS:
             raise ValueError(f"Invalid convention: {convention!r} (must be one of {', '.join(map(repr, CONVENTIONS))})")
-        self._rule_defaults = {"loss_reduction": loss_reduction}
+        self.defaults = {"loss_reduction": loss_reduction}
         self._kfac_pytorch = convention == "kfac-pytorch"
         super().__init__(
-            model,
-            lr,
-            momentum,
             damping,
             stat_decay,
             update_every,
@@ -140,12 +84,10 @@ class KFAC(KroneckerRule):
             distributed_inversion=distributed_inversion,
             inverse=inverse,
             inverse_dtype=inverse_dtype,
-            params=params,
-            **sgd_kwargs,
         )
 
-    def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_statistics": KroneckerFactors(self._layers(self.reads_capability), self._kfac_pytorch)}
+    def _make_statistics(self, layers: list[Layer]) -> FactorSums:
+        return KroneckerFactors(layers, self._kfac_pytorch)
 
     def _local_sums(self, layer: Layer, sums: Sums) -> Sums:
         # A mean-reduced loss divides each output gradient by this rank's batch B (all its micro-batches),
@@ -185,3 +127,90 @@ class KFAC(KroneckerRule):
         rotated = vectors_g.mT @ matrix.to(vectors_a.dtype) @ vectors_a
         scaled = rotated / (values_g[..., :, None] * values_a[..., None, :] + float(layer.group["damping"]))
         return (vectors_g @ scaled @ vectors_a.mT).to(matrix.dtype)
+
+
+class KFAC(SGDWithRule):
+    r"""K-FAC (Martens & Grosse 2015; convolutions as in Grosse & Martens 2016).
+
+    For each layer with input and output-gradient rows (``nn.Linear``, Hugging Face's ``Conv1D``,
+    convolutions and their transposes; grouped: a block per group), with :math:`\tilde x` its input
+    rows (a 1 appended when the bias is trained), :math:`g` the gradient at its output rows,
+    :math:`B` the batch size and :math:`\tilde G` the weight-and-bias gradient, the default is
+
+    .. math::
+        A = \frac{1}{N_x}\sum_r \tilde x_r \tilde x_r^\top, \quad
+        G = B \sum_r g_r g_r^\top, \quad
+        \tilde G \leftarrow (\bar G + \tfrac{\sqrt\lambda}{\pi} I)^{-1}\, \tilde G\,
+            (\bar A + \pi\sqrt\lambda I)^{-1}, \quad
+        \pi = \sqrt{m_A / m_G}, \quad m_F = \operatorname{tr}(\bar F) / \dim \bar F
+
+    (factored Tikhonov damping, their section 6.3; :math:`\pi = 1` where a factor is zero; :math:`G`
+    is the second moment of the output derivative :math:`Ds = B g` of a mean loss), with running
+    averages :math:`\bar A, \bar G` (decay ``stat_decay``; the first step takes its own) whose damped
+    inverses are refreshed every ``update_every`` optimizer steps; then the SGD momentum update.
+    Under FSDP2 each layer's gradient is gathered (a layer at a time), each rank keeping its rows.
+
+    State per preconditioned weight, in ``optimizer.rules[0].state[weight]``: ``input_second_moment``,
+    ``input_inverse``, ``output_grad_second_moment``, ``output_grad_inverse`` and ``statistics_steps``.
+
+    Args:
+        model: The model.
+        lr: Learning rate.
+        momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
+        damping: :math:`\lambda` (>= 0), split between the factors as above.
+        stat_decay: Decay of the running factors, in [0, 1).
+        update_every: Refresh the inverses every this many optimizer steps (>= 1).
+        statistics_every: Collect statistics every this many steps (>= 1); the kept inverses between.
+        loss_reduction: ``"mean"`` (over the batch, the inputs' first dimension) or ``"sum"``
+            (:math:`g` is per example: :math:`G = \frac1B\sum_r g_r g_r^\top`).
+        convention: ``"inputaware"`` (default, above) or ``"kfac-pytorch"``: kfac-pytorch's scaling, running
+            averages from :math:`I` and absolute :math:`\lambda` (its methods "inverse" and "eigen" as ``inverse``
+            "cholesky" and "eigh"; docs/rules/kfac.md).
+        max_dim: Leave layers with a larger factor to the stock update (None: no limit).
+        distributed_inversion: Under data parallelism, invert each factor on one rank and broadcast it.
+        inverse: ``"cholesky"`` (default) or ``"eigh"`` (keeps each eigendecomposition, so a change
+            of ``damping`` applies at the next step without a new one).
+        inverse_dtype: Precision of the decomposition, ``torch.float64`` (default) or ``torch.float32``.
+        params: Parameters or param groups of ``model`` (default: all that require grad).
+        **sgd_kwargs: Any other ``torch.optim.SGD`` argument, ``storage``, or ``base=`` (a stock
+            optimizer class to take the update instead of SGD) and its arguments.
+
+    References:
+        James Martens and Roger Grosse, "Optimizing Neural Networks with Kronecker-factored
+        Approximate Curvature", ICML 2015. Roger Grosse and James Martens, "A Kronecker-factored
+        approximate Fisher matrix for convolution layers", ICML 2016. J. Gregory Pauloski et al.,
+        kfac-pytorch (github.com/gpauloski/kfac-pytorch), for ``convention="kfac-pytorch"``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        lr: float | None = None,
+        momentum: float | None = None,
+        damping: float = 0.1,
+        stat_decay: float = 0.95,
+        update_every: int = 10,
+        *,
+        statistics_every: int = 1,
+        loss_reduction: str = "mean",
+        convention: str = "inputaware",
+        max_dim: int | None = None,
+        distributed_inversion: bool = False,
+        inverse: str = "cholesky",
+        inverse_dtype: torch.dtype = torch.float64,
+        params: Any = None,
+        **sgd_kwargs: Any,
+    ) -> None:
+        rule = KFACPreconditioner(
+            damping,
+            stat_decay,
+            update_every,
+            statistics_every=statistics_every,
+            loss_reduction=loss_reduction,
+            convention=convention,
+            max_dim=max_dim,
+            distributed_inversion=distributed_inversion,
+            inverse=inverse,
+            inverse_dtype=inverse_dtype,
+        )
+        self._construct(model, lr, momentum, rule, params, sgd_kwargs)

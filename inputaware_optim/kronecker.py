@@ -17,8 +17,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
-from .base import evaluate_closure
 from .capture import module_names
+from .coverage import layer_treatment, warn_if_no_layers
 from .distributed import (
     all_reduce_sum_,
     computed_once,
@@ -33,11 +33,20 @@ from .distributed import (
 from .inputs import Call, Captured, Inputs
 from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
+from .rule import Rule
 from .sgd import InputAwareSGD
 
 Sums = dict[str, tuple[Tensor, Tensor]]  # a layer's factor sums: {factor: (numerator, denominator)}
 
-__all__ = ["INVERSES", "FactorSums", "KroneckerRule", "damped_inverse", "eigenbasis", "inverse_from_eigenbasis"]
+__all__ = [
+    "INVERSES",
+    "FactorSums",
+    "KroneckerPreconditioner",
+    "damped_inverse",
+    "eigenbasis",
+    "inverse_from_eigenbasis",
+]
+_STATE_SUFFIXES = ("_second_moment", "_inverse", "_eigenvalues", "_eigenvectors", "_inverse_damping", "_mean")
 
 
 class FactorSums(Reduction):
@@ -67,32 +76,31 @@ class FactorSums(Reduction):
         return {"input": (self.side(rows), rows.new_tensor(float(rows.shape[-2])))}
 
 
-class KroneckerRule(InputAwareSGD):
+class KroneckerPreconditioner(Rule):
     """Base of the Kronecker-factored rules (the inverses, schedule and data parallelism: docs/rules/foof.md).
 
-    Subclasses set ``factors`` and ``statistics`` (the ``FactorSums`` computing each call's sums),
-    implement ``_precondition`` (the new gradient matrix from the old one and the damped inverses)
-    and may override ``_damping``; one that inverts nothing (Eva) overrides ``_precondition_layers``.
-    State per preconditioned weight: ``<factor>_second_moment``, ``<factor>_inverse`` and
-    ``statistics_steps``; with ``inverse="eigh"`` also ``<factor>_eigenvalues``,
-    ``<factor>_eigenvectors`` and ``<factor>_inverse_damping`` (the damping the inverse was formed with).
+    Subclasses set ``label`` (how the coverage report names them), ``factors`` and ``statistics`` (the
+    ``FactorSums`` computing each call's sums), implement ``_precondition`` (the new gradient matrix from the
+    old one and the damped inverses) and may override ``_damping``; one that inverts nothing (Eva) overrides
+    ``_precondition_layers``. State per preconditioned weight (``rule.state[weight]``):
+    ``<factor>_second_moment``, ``<factor>_inverse`` and ``statistics_steps``; with ``inverse="eigh"`` also
+    ``<factor>_eigenvalues``, ``<factor>_eigenvectors`` and ``<factor>_inverse_damping`` (the damping the
+    inverse was formed with). Hyperparameters in every param group: ``damping``, ``stat_decay``,
+    ``update_every``, ``statistics_every`` (and ``schedule_step``, the steps taken).
     """
 
-    reads_capability: ClassVar[str] = "input_rows"
-    reads_calls = False
+    layers: ClassVar[str | None] = "input_rows"
+    label: ClassVar[str] = "Kronecker"
     factors: tuple[str, ...] = ()
     statistics: type[FactorSums] = FactorSums
     inverts: ClassVar[bool] = True
     # Whether ``_precondition`` maps each row of G̃ by itself (G̃ A⁻¹): then a rank holding some
     # of the rows (FSDP2) preconditions them without the others.
     acts_on_rows: ClassVar[bool] = False
-    _statistics: FactorSums
+    _statistics: FactorSums | None = None
 
     def __init__(
         self,
-        model: nn.Module,
-        lr: float | None = None,
-        momentum: float | None = None,
         damping: float = 0.1,
         stat_decay: float = 0.95,
         update_every: int = 10,
@@ -102,13 +110,7 @@ class KroneckerRule(InputAwareSGD):
         distributed_inversion: bool = False,
         inverse: str = "cholesky",
         inverse_dtype: torch.dtype = torch.float64,
-        params: Any = None,
-        **sgd_kwargs: Any,
     ) -> None:
-        if lr is None:
-            raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        own = dict(damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every)
-        self._rule_defaults = {**self.__dict__.get("_rule_defaults", {}), **own}  # (after a subclass's own)
         if max_dim is not None and not _positive_integer(max_dim):
             raise ValueError(f"Invalid max_dim: {max_dim!r} (must be None or an integer >= 1)")
         if not isinstance(distributed_inversion, bool):
@@ -119,21 +121,36 @@ class KroneckerRule(InputAwareSGD):
             raise ValueError(f"Invalid inverse_dtype: {inverse_dtype!r} (must be torch.float64 or torch.float32)")
         self._max_dim, self._distributed_inversion = max_dim, distributed_inversion
         self._inverse, self._inverse_dtype = inverse, inverse_dtype
-        base = sgd_kwargs.get("base")
-        if base is None:
-            sgd_kwargs["momentum"] = 0.9 if momentum is None else momentum  # the rule's SGD default
-        elif momentum is not None:  # given: to a base that takes it (one that is not a class is refused below)
-            if isinstance(base, type) and "momentum" not in inspect.signature(base).parameters:
-                raise ValueError(f"momentum={momentum} is an argument of SGD; {base.__name__} has none")
-            sgd_kwargs["momentum"] = momentum
-        super().__init__(model, params, lr=lr, **sgd_kwargs)
-        wanted = "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)"
-        self._warn_if_no_layers(self.reads_capability, wanted)
+        own = dict(damping=damping, stat_decay=stat_decay, update_every=update_every, statistics_every=statistics_every)
+        self.defaults = {**own, **self.__dict__.get("defaults", {})}  # (a subclass's own, set before, kept)
+        for key in ("damping", "stat_decay", "update_every", "statistics_every"):
+            self.check_group({**self.defaults, key: self.defaults[key]})
+        self._armed = True
 
-    def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_statistics": self.statistics(self._layers(self.reads_capability))}
+    @property
+    def reads(self) -> list[Reduction]:  # type: ignore[override]
+        """The factor sums, read exactly on the steps that collect statistics: between, the hooks keep nothing."""
+        return [self._statistics] if self._statistics is not None and self._armed else []
 
-    def _excluded(self, layer: Layer) -> str | None:
+    def _legacy_key(self, key: str) -> bool:
+        return key in ("statistics_steps", "inverse_step") or key.endswith(_STATE_SUFFIXES)
+
+    def setup(self, optimizer: Any) -> None:
+        self._check_sharded_layers(optimizer)
+        self._statistics = self._make_statistics(self._layers())
+        self._armed = any(_statistics_due(group) for group in optimizer.param_groups)
+
+    def _make_statistics(self, layers: list[Layer]) -> FactorSums:
+        return self.statistics(layers)
+
+    def _layers(self) -> list[Layer]:
+        """The layers this rule preconditions: those the optimizer trains whose kind has its capability, but
+        for those it excludes (``max_dim``)."""
+        assert self.layers is not None
+        return [layer for layer in self.optimizer.layers(self.layers) if self.excluded(layer) is None]
+
+    def excluded(self, layer: Layer) -> str | None:
+        """Why the rule leaves ``layer`` to the stock update (a factor over ``max_dim``), or ``None``."""
         if self._max_dim is None:  # (matrix_shape fails on a layer of width 0)
             return None
         size = max(_sides(layer)[factor] for factor in self.factors)
@@ -141,16 +158,11 @@ class KroneckerRule(InputAwareSGD):
             return None
         return f"a Kronecker factor of size {size} exceeds max_dim={self._max_dim} (memory ~ size², time ~ size³)"
 
-    def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        return self._layer_treatment(param, module, f"{type(self).__name__}: Kronecker")
+    def treatment(self, optimizer: Any, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+        assert self.layers is not None
+        return layer_treatment(optimizer, param, module, self.layers, f"{self.label}: Kronecker", self.excluded)
 
-    def _check_param_groups(self) -> None:
-        self._set_group_defaults(**self._rule_defaults)
-        for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
-            self._check_group(group)
-        self._check_sharded_layers()
-
-    def _check_group(self, group: dict[str, Any]) -> None:
+    def check_group(self, group: dict[str, Any]) -> None:
         if not 0.0 <= group["damping"] < math.inf:
             raise ValueError(f"Invalid damping: {group['damping']} (must be finite and >= 0)")
         if not 0.0 <= group["stat_decay"] < 1.0:
@@ -161,21 +173,22 @@ class KroneckerRule(InputAwareSGD):
         if group.get("loss_reduction", "mean") not in ("mean", "sum"):
             raise ValueError(f"Invalid loss_reduction: {group['loss_reduction']!r} (choose 'mean' or 'sum')")
 
-    def _check_sharded_layers(self) -> None:
+    def _check_sharded_layers(self, optimizer: Any) -> None:
         """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""
-        names = module_names(self._model)
-        for module in self._modules_to_capture(self._params()):
+        names = module_names(optimizer.model)
+        for module in optimizer._modules_to_capture(optimizer._params()):
+            kind = layer_kind(module)
+            if kind is None or self.layers is None or not kind.provides(self.layers):
+                continue
             weight, bias = weight_of(module), bias_of(module)
             if not any(sharded(t) for t in (weight, bias) if t is not None):
                 continue
             problem = row_sharding_problem(weight, bias)
-            if problem is None and (
-                type(layer_kind(module)) not in (LinearKind, ConvKind) or getattr(module, "groups", 1) != 1
-            ):
+            if problem is None and (type(kind) not in (LinearKind, ConvKind) or getattr(module, "groups", 1) != 1):
                 problem = "only nn.Linear and nn.Conv1d/2d/3d (groups=1) have gradient matrices sharded by rows"
             if problem is not None:
                 raise NotImplementedError(
-                    f"{type(self).__name__} cannot precondition {names.get(module) or type(module).__name__} "
+                    f"{self.label} cannot precondition {names.get(module) or type(module).__name__} "
                     f"under FSDP2: {problem}. Shard it with fully_shard's default "
                     "placement (Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
                 )
@@ -199,19 +212,18 @@ class KroneckerRule(InputAwareSGD):
         """The running average a factor's first moment is averaged with (``None``: it is taken as is)."""
         return None
 
-    @torch.no_grad()
-    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
-        """Precondition the gradients of the supported layers, then take the SGD step."""
-        loss = evaluate_closure(closure)
-        assert inputs is not None
+    def update(self, optimizer: Any, inputs: Inputs) -> None:
+        """Precondition the gradients of the supported layers."""
         # (not armed for this step's forward: statistics_every changed since; a step between statistics)
-        armed = self._statistics in self.capture.reductions
-        due = [group for group in self.param_groups if armed and _statistics_due(group)]
+        armed = self._statistics is not None and self._statistics in optimizer.capture.reductions
+        due = [group for group in optimizer.param_groups if armed and _statistics_due(group)]
         layers, sums = self._step_statistics(inputs, due) if due else ([], [])
         self._precondition_layers(due, layers, sums)
-        super().step(inputs=inputs)
-        self._advance_schedule()
-        return loss
+
+    def advance(self, optimizer: Any) -> None:
+        for group in optimizer.param_groups:
+            group["schedule_step"] = group.get("schedule_step", 0) + 1
+        self._armed = any(_statistics_due(group) for group in optimizer.param_groups)  # read by the next forward
 
     def _precondition_layers(self, due: list[dict[str, Any]], layers: list[Layer], sums: list[Sums]) -> None:
         """Precondition the layers that saw rows this step (``layers``, with their factor sums) and
@@ -248,21 +260,21 @@ class KroneckerRule(InputAwareSGD):
 
     def _refuse_not_finite_gradients(self, error: Exception) -> None:
         """Raise, from ``error``, naming the first layer whose gradient is not finite, if there is one."""
-        for layer in self._layers(self.reads_capability):
+        for layer in self._layers():
             for param in (weight_of(layer.module), bias_of(layer.module)):
                 grad = None if param is None else param.grad
                 if grad is not None and not bool(torch.isfinite(local_tensor(grad)).all()):
                     raise RuntimeError(
-                        f"the gradient of {self.capture.name(layer.module)} is not finite: training has diverged "
-                        "(NaN or inf activations or gradients), which no damping cures. Lower the learning rate. "
-                        "No parameter was changed by this step"
+                        f"the gradient of {self.optimizer.capture.name(layer.module)} is not finite: training has "
+                        "diverged (NaN or inf activations or gradients), which no damping cures. Lower the learning "
+                        "rate. No parameter was changed by this step"
                     ) from error
 
     def _between_statistics(self, due: list[dict[str, Any]], keys: list[str]) -> list[tuple[Layer, list[Tensor]]]:
         """The layers with a gradient in groups that collect no statistics this step, with their state
         under ``keys`` (a layer missing any, none kept yet, takes the plain step)."""
         out = []
-        for layer in self._layers(self.reads_capability):
+        for layer in self._layers():
             weight = weight_of(layer.module)
             if weight.grad is None or any(layer.group is group for group in due):
                 continue
@@ -271,31 +283,17 @@ class KroneckerRule(InputAwareSGD):
                 out.append((layer, [state[key] for key in keys]))
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        steps = max((g.get("schedule_step", 0) for g in state_dict.get("param_groups", ())), default=0)
-        entries = [e for entry in state_dict.get("state", {}).values() for e in (entry, entry.get("rule_state", {}))]
-        if steps and self._layers(self.reads_capability) and not any("statistics_steps" in e for e in entries):
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        optimizer = self.optimizer
+        steps = max((g.get("schedule_step", 0) for g in optimizer.param_groups), default=0)
+        if steps and self._layers() and not any("statistics_steps" in e for e in self.state.values()):
             raise ValueError(
-                f"{type(self).__name__}.load_state_dict: the state took {steps} steps but holds no layer's statistics. "
-                "A checkpointer that loads into the keys a fresh optimizer has leaves them out: "
+                f"{type(optimizer).__name__}.load_state_dict: the state took {steps} steps but holds no layer's "
+                "statistics. A checkpointer that loads into the keys a fresh optimizer has leaves them out: "
                 "torch.distributed.checkpoint's template from get_optimizer_state_dict holds what one step on zero "
                 "gradients creates. Take one training step before building the template, or save state_dict() "
                 "whole. Nothing was loaded"
             )
-        super().load_state_dict(state_dict)
-        self._arm_statistics()  # the loaded schedule decides the coming step
-
-    def _advance_schedule(self) -> None:
-        for group in self.param_groups:
-            group["schedule_step"] = group.get("schedule_step", 0) + 1
-        self._arm_statistics()
-
-    def _arm_statistics(self) -> None:
-        """Read the coming forward exactly when its step is due; between, the hooks keep nothing."""
-        if any(_statistics_due(group) for group in self.param_groups):
-            self.capture.add_reduction(self._statistics)
-        else:
-            self.capture.remove_reduction(self._statistics, keep_hooks=True)
 
     def _set_preconditioned(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         """Replace the layer's gradient by the preconditioned one (under FSDP2, this rank's rows of it)."""
@@ -316,9 +314,12 @@ class KroneckerRule(InputAwareSGD):
     def _step_statistics(self, inputs: Inputs, due: list[dict[str, Any]]) -> tuple[list[Layer], list[Sums]]:
         """This step's factor sums, summed over ranks, of the layers of the ``due`` groups with a gradient
         and a row this step (an expert no token was routed to keeps its running moments)."""
+        assert self._statistics is not None
         totals = inputs.reduced(self._statistics)
-        layers = [layer for layer in self._layers(self.reads_capability) if _takes_statistics(layer, due)]
-        return summed_over_ranks(inputs, totals, layers, self._zero_sums, self.data_parallel_group, self._local_sums)
+        layers = [layer for layer in self._layers() if _takes_statistics(layer, due)]
+        return summed_over_ranks(
+            inputs, totals, layers, self._zero_sums, self.optimizer.data_parallel_group, self._local_sums
+        )
 
     def _zero_sums(self, layer: Layer) -> Sums:
         """Zero factor sums of ``layer`` (Eva's factors are vectors, with nothing to invert)."""
@@ -336,7 +337,7 @@ class KroneckerRule(InputAwareSGD):
         values, vectors = state[f"{factor}_eigenvalues"], state[f"{factor}_eigenvectors"]
         means = {f: state[f"{f}_eigenvalues"].mean(-1) for f in self.factors}  # (of the kept decompositions)
         damping = self._damping(layer.group, factor, means)
-        name = f"{self.capture.name(layer.module)} ({factor})"
+        name = f"{self.optimizer.capture.name(layer.module)} ({factor})"
         return inverse_from_eigenbasis(values, vectors, damping, name, inverse.dtype, layer.group["damping"])
 
     def _keep_inverses(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
@@ -380,7 +381,7 @@ class KroneckerRule(InputAwareSGD):
             means = {f: m.diagonal(dim1=-2, dim2=-1).mean(-1) for f, m in moments.items()} if due else {}
             for factor in due:
                 moment, n = moments[factor], moments[factor].shape[-1]
-                name = f"{self.capture.name(layer.module)} ({factor})"
+                name = f"{self.optimizer.capture.name(layer.module)} ({factor})"
                 damping, given = self._damping(layer.group, factor, means), layer.group["damping"]
                 if self._inverse == "eigh":  # the decomposition travels, packed as (n + 1) x n
                     jobs.append(functools.partial(eigenbasis, moment, name, dtype))
@@ -390,7 +391,7 @@ class KroneckerRule(InputAwareSGD):
                     likes.append(moment)
                 costs.append(float(moment.numel() * n))  # ~ n³ per block either way
                 slots.append((inverses, bases, factor, name, damping, given, moment.dtype))
-        group = self.data_parallel_group if self._distributed_inversion else None
+        group = self.optimizer.data_parallel_group if self._distributed_inversion else None
         results = computed_once(jobs, likes, costs, group)
         for (inverses, bases, factor, name, damping, given, like), result in zip(slots, results, strict=True):
             if self._inverse == "eigh":
@@ -398,6 +399,39 @@ class KroneckerRule(InputAwareSGD):
                 bases[factor] = (values, vectors)
                 result = inverse_from_eigenbasis(values, vectors, damping, name, like, given)
             inverses[factor] = result
+
+
+class SGDWithRule(InputAwareSGD):
+    """An optimizer made of one built-in rule, its update SGD with momentum (or ``base=``'s): FOOF, K-FAC,
+    Eva and NLMS. ``rules=`` given to it chain after the rule's own."""
+
+    def _construct(
+        self,
+        model: nn.Module,
+        lr: float | None,
+        momentum: float | None,
+        rule: Rule,
+        params: Any,
+        kwargs: dict[str, Any],
+        wanted: str = "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)",
+        default_momentum: float | None = 0.9,
+    ) -> None:
+        if lr is None:
+            raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
+        base = kwargs.get("base")
+        if base is None and (momentum is not None or default_momentum is not None):
+            kwargs["momentum"] = default_momentum if momentum is None else momentum  # the rule's SGD default
+        elif (
+            base is not None and momentum is not None
+        ):  # given: to a base that takes it (one that is not a class is refused below)
+            if isinstance(base, type) and "momentum" not in inspect.signature(base).parameters:
+                raise ValueError(f"momentum={momentum} is an argument of SGD; {base.__name__} has none")
+            kwargs["momentum"] = momentum
+        more = kwargs.pop("rules", ())
+        more = [more] if isinstance(more, Rule) else list(more)
+        InputAwareSGD.__init__(self, model, params, lr=lr, rules=[rule, *more], **kwargs)
+        if rule.layers is not None:
+            warn_if_no_layers(self, rule.layers, wanted)
 
 
 def damped_inverse(
@@ -472,7 +506,7 @@ def summed_over_ranks(
         found = totals.get(weight)
         if found is None:  # nothing captured here
             if ranks is None:  # the plain step for this layer (Inputs warns)
-                inputs.get(weight)
+                inputs.uncaptured(weight)
                 continue
             absent.append(len(joined))
             found = zeros(layer)
@@ -483,7 +517,7 @@ def summed_over_ranks(
     all_reduce_sum_([t for layer_sums in sums for pair in layer_sums.values() for t in pair], ranks)
     for index in absent:  # captured on no rank: the plain step
         if all(float(d) == 0 for _, d in sums[index].values()):
-            inputs.get(weight_of(joined[index].module))  # (Inputs warns)
+            inputs.uncaptured(weight_of(joined[index].module))
     seen = [(layer, s) for layer, s in zip(joined, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
     return [layer for layer, _ in seen], [s for _, s in seen]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._torch import tree_flatten, tree_unflatten
+from ._torch import packs_projections, tree_flatten, tree_unflatten
 from .inputs import Call, Captured
 
 __all__ = ["GENERIC", "Layer", "LayerKind", "PerSample", "bias_of", "layer_kind", "register_layer", "weight_of"]
@@ -656,7 +656,7 @@ class MultiheadAttentionKind(_WeightMatrix):
     )
 
     def supports(self, module: nn.Module) -> bool:
-        return isinstance(module, nn.MultiheadAttention) and bool(module._qkv_same_embed_dim)
+        return isinstance(module, nn.MultiheadAttention) and packs_projections(module)
 
     def unsupported(self, module: nn.Module) -> str:
         return (
@@ -834,8 +834,6 @@ def _functional_per_sample_grads(
     """``vmap(grad)`` over the module's forward, one sample (along ``batch_dim``) at a time."""
     from torch.func import functional_call, grad, vmap
 
-    if call.grad_outputs is None:
-        raise RuntimeError(f"no output gradients were captured for {call!r}")
     if batch_dim:
         first = next((t for t in tree_flatten(call.args)[0] if isinstance(t, Tensor) and t.dim() > batch_dim), None)
         if first is None:

@@ -12,13 +12,13 @@ from torch import Tensor, nn
 
 from ._torch import fused_adamw_, set_grad_enabled
 from .adamw import InputAwareAdamW
-from .base import evaluate_closure
 from .capture import Storage, module_names
-from .coverage import CoverageWarning
+from .coverage import CoverageWarning, warn_if_no_layers
 from .distributed import all_zero, local_tensor, row_range, row_sharding_problem, sharded
 from .inputs import Call, Captured, Inputs
 from .layers import LayerKind, layer_kind, weight_of, weight_or_none
 from .reduction import Reduction
+from .rule import Rule
 
 __all__ = ["LazyAdamW"]
 
@@ -77,6 +77,49 @@ class TouchedRows(Reduction):
         return rows if rows.numel() else None
 
 
+class _RowsRead(Rule):
+    """What LazyAdamW reads (its row update is AdamW's own, in its ``step``): the touched rows of the tables it
+    trains, each whose weight no other module uses."""
+
+    layers = "touched_rows"
+    changes_gradients = False
+
+    def __init__(self) -> None:
+        self.rows: TouchedRows | None = None
+
+    @property
+    def reads(self) -> list[Reduction]:  # type: ignore[override]
+        return [] if self.rows is None else [self.rows]
+
+    def setup(self, optimizer: Any) -> None:
+        """Refuse, by name, a table not sharded on its rows (FSDP2's default): its touched rows could not be found."""
+        trained = set(optimizer._params())
+        for module, name in module_names(optimizer.model).items():
+            kind, weight = layer_kind(module), weight_or_none(module)
+            if kind is None or not kind.provides("touched_rows") or weight is None or weight not in trained:
+                continue
+            if (problem := row_sharding_problem(weight, None)) is not None:
+                raise NotImplementedError(
+                    f"LazyAdamW cannot update the rows of {name or type(module).__name__} under FSDP2: {problem}. "
+                    "Shard it with fully_shard's default placement, or leave it out of the optimizer's params"
+                )
+        self.rows = TouchedRows([module for module, _, _ in lazy_tables(optimizer)])
+
+    def treatment(self, optimizer: Any, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool] | None:
+        if any(weight is param for _, weight, _ in lazy_tables(optimizer)):
+            return "LazyAdamW: touched rows only", None, False
+        kind = layer_kind(module) if module is not None else None
+        if kind is not None and kind.provides("touched_rows") and param is getattr(module, "weight", None):
+            return "stock AdamW (dense)", "the table is shared with another module, so every row gets gradient", True
+        return None
+
+
+def lazy_tables(optimizer: Any) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
+    """The captured embeddings ``optimizer`` trains whose weight no other module uses (a tied weight gets gradient
+    on every row), with weight and param group."""
+    return [(t.module, weight_of(t.module), t.group) for t in optimizer.layers("touched_rows") if len(t.owners) == 1]
+
+
 class LazyAdamW(InputAwareAdamW):
     r"""AdamW whose embedding tables update only the rows the step's inputs touched.
 
@@ -119,11 +162,10 @@ class LazyAdamW(InputAwareAdamW):
         process_group: The group touched rows are combined over; ``"infer"`` (default) reads it from
             the model's DDP wrapper or FSDP2 mesh, ``None`` keeps them per rank.
         base: Not supported (the row update is AdamW's own); must be None.
+        rules: Not supported (the row update is AdamW's own); must be empty.
     """
 
-    reads_capability = "touched_rows"
-    reads_calls = False
-    _rows: TouchedRows
+    reads_calls = False  # (its step reads the rows its rule reads)
 
     def __init__(
         self,
@@ -146,9 +188,10 @@ class LazyAdamW(InputAwareAdamW):
         strict: bool = False,
         process_group: Any = "infer",
         base: None = None,
+        rules: Any = (),
     ) -> None:
-        if base is not None:
-            raise TypeError("LazyAdamW's row update is AdamW's own: it takes no base optimizer")
+        if base is not None or rules:
+            raise TypeError("LazyAdamW's row update is AdamW's own: it takes no base optimizer and no rules")
         for flag, value in (("capturable", capturable), ("differentiable", differentiable)):
             if value:
                 raise ValueError(f"LazyAdamW does not support {flag}=True (its row updates are data-dependent)")
@@ -168,43 +211,22 @@ class LazyAdamW(InputAwareAdamW):
             grad_scaler=grad_scaler,
             strict=strict,
             process_group=process_group,
+            rules=[_RowsRead()],
         )
-        self._warn_if_no_layers("touched_rows", "nn.Embedding or nn.EmbeddingBag")
+        warn_if_no_layers(self, "touched_rows", "nn.Embedding or nn.EmbeddingBag")
         self._warned_extra: set[int] = set()
 
-    def _check_param_groups(self) -> None:
-        """Refuse, by name, a table not sharded on its rows (FSDP2's default): its touched rows could not be found."""
-        super()._check_param_groups()
-        trained = set(self._params())
-        for module, name in module_names(self.model).items():
-            kind, weight = layer_kind(module), weight_or_none(module)
-            if kind is None or not kind.provides("touched_rows") or weight not in trained:
-                continue
-            if (problem := row_sharding_problem(weight, None)) is not None:
-                raise NotImplementedError(
-                    f"LazyAdamW cannot update the rows of {name or type(module).__name__} under FSDP2: {problem}. "
-                    "Shard it with fully_shard's default placement, or leave it out of the optimizer's params"
-                )
-
-    def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_rows": TouchedRows([module for module, _, _ in self._lazy_tables()])}
-
-    def _treatment(self, param: Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        if any(weight is param for _, weight, _ in self._lazy_tables()):
-            return "LazyAdamW: touched rows only", None, False
-        kind = layer_kind(module) if module is not None else None
-        if kind is not None and kind.provides("touched_rows") and param is getattr(module, "weight", None):
-            return "stock AdamW (dense)", "the table is shared with another module, so every row gets gradient", True
-        return "stock AdamW", None, False
+    @property
+    def _rows(self) -> TouchedRows:
+        rows = self.rules[0].rows  # type: ignore[attr-defined]
+        assert rows is not None
+        return rows
 
     def _lazy_tables(self) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
-        """The captured embeddings trained here whose weight no other module uses (a tied weight gets gradient on
-        every row), with weight and param group."""
-        return [(t.module, weight_of(t.module), t.group) for t in self._layers("touched_rows") if len(t.owners) == 1]
+        return lazy_tables(self)
 
     def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
         """Update the touched embedding rows lazily and everything else with stock AdamW."""
-        loss = evaluate_closure(closure)
         assert inputs is not None
         grad_enabled = torch.is_grad_enabled()
         set_grad_enabled(False)  # torch.no_grad() without its context manager's cost (10-15 µs a step)
@@ -212,6 +234,7 @@ class LazyAdamW(InputAwareAdamW):
             updates = self._row_updates(inputs)  # every check first: a step that raises changes nothing
             lazy = [update.weight for update in updates]
             hidden = {id(weight) for weight in lazy}
+            loss = closure() if closure is not None else None  # (the library ran it: its loss)
             if any(p.grad is not None and id(p) not in hidden for group in self.param_groups for p in group["params"]):
                 grads = [weight.grad for weight in lazy]
                 for weight in lazy:  # hidden from the stock kernel, which skips a parameter whose grad is None
@@ -276,7 +299,7 @@ class LazyAdamW(InputAwareAdamW):
         if rows is None and all_zero([weight.grad]):
             return torch.zeros(0, dtype=torch.long, device=weight.device)  # a zero gradient touches no row
         if rows is None:
-            inputs.get(weight)  # (warns that the table falls back to the dense update)
+            inputs.uncaptured(weight)  # (the table falls back to the dense update)
             return None
         if extra is None:
             return rows

@@ -118,7 +118,7 @@ class LoadBalancing:
                 told from other steps'), or its bias is trained by the optimizer, or ``optimizer``
                 is differentially private (the loads are the batch's, not privatized).
         """
-        if getattr(optimizer, "privacy_history", None) is not None:  # DPSGD, DPAdamW
+        if any(rule.private for rule in getattr(optimizer, "rules", ())):  # DPSGD, DPAdamW, PerSampleClipping
             raise ValueError(
                 f"LoadBalancing on {type(optimizer).__name__}: the expert biases would move by the token counts of "
                 "each batch, which no clipping or noise covers, and they are part of the model released. Keep the "

@@ -221,7 +221,7 @@ class _GradOutputStatistics(_InputStatistics):
         return None
 
     def backward(self, call: Call, kept: Any) -> Any:
-        return _summary(call.grad_outputs or ())
+        return _summary(call.grad_outputs if call.has_grad_outputs else ())
 
 
 class Monitor(contextlib.AbstractContextManager["Monitor"]):
@@ -920,7 +920,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 
 def _warn_if_private(optimizer: Any, tool: str, what: str) -> None:
     """Say that ``tool`` on a DP optimizer reads the batch outside the privacy guarantee."""
-    if getattr(optimizer, "privacy_history", None) is not None:  # DPSGD, DPAdamW
+    if any(rule.private for rule in getattr(optimizer, "rules", ())):  # DPSGD, DPAdamW, PerSampleClipping
         warnings.warn(
             f"{tool} on {type(optimizer).__name__}: {what}, which the privacy guarantee does not cover; keep "
             "them out of anything released",

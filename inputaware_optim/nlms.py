@@ -9,15 +9,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .base import evaluate_closure
+from .coverage import layer_treatment
 from .distributed import local_tensor, sharded
 from .inputs import Inputs
-from .kronecker import FactorSums, summed_over_ranks, zero_sums
+from .kronecker import FactorSums, SGDWithRule, summed_over_ranks, zero_sums
 from .layers import bias_of, weight_of
 from .reduction import Reduction
-from .sgd import InputAwareSGD
+from .rule import Rule
 
-__all__ = ["NLMS"]
+__all__ = ["NLMS", "InputNormalization"]
 
 
 class InputPower(FactorSums):
@@ -32,7 +32,62 @@ class InputPower(FactorSums):
         return rows.pow(2).sum((-2, -1))
 
 
-class NLMS(InputAwareSGD):
+class InputNormalization(Rule):
+    r"""NLMS's transform of the gradients: each layer's weight and bias gradient divided by
+    :math:`\lambda + \frac1N\sum_n \lVert \tilde x_n\rVert^2` (``NLMS``'s docstring has the rule). Chain it in
+    front of any stock optimizer.
+
+    Args:
+        damping: :math:`\lambda` (>= 0), added to the input power.
+    """
+
+    layers = "input_rows"
+
+    def __init__(self, damping: float = 1e-6) -> None:
+        self.defaults = {"damping": damping}
+        self.check_group(self.defaults)
+        self._power: InputPower | None = None
+
+    @property
+    def reads(self) -> list[Reduction]:  # type: ignore[override]
+        return [] if self._power is None else [self._power]
+
+    def setup(self, optimizer: Any) -> None:
+        meshes = {p.device_mesh.ndim for p in optimizer._params() if sharded(p)}
+        if meshes - {1}:  # HSDP: the input power would be averaged over one mesh dimension only
+            raise NotImplementedError(
+                f"NLMS supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP uses): the input power "
+                "must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use DistributedDataParallel"
+            )
+        self._power = InputPower(optimizer.layers("input_rows"))
+
+    def check_group(self, group: dict[str, Any]) -> None:
+        if not 0.0 <= group["damping"] < math.inf:
+            raise ValueError(f"Invalid damping: {group['damping']} (must be finite and >= 0)")
+
+    def treatment(self, optimizer: Any, param: torch.Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
+        return layer_treatment(optimizer, param, module, "input_rows", "NLMS: input-normalized")
+
+    def update(self, optimizer: Any, inputs: Inputs) -> None:
+        """Divide the gradients of every layer with input rows by its input power."""
+        assert self._power is not None
+        layers = [layer for layer in optimizer.layers("input_rows") if weight_of(layer.module).grad is not None]
+        zeros = functools.partial(zero_sums, shapes={"input": ()})  # (one power per block)
+        group = optimizer.data_parallel_group
+        layers, sums = summed_over_ranks(inputs, inputs.reduced(self._power), layers, zeros, group)
+        for layer, layer_sums in zip(layers, sums, strict=True):
+            power, count = layer_sums["input"]
+            scale = 1.0 / (layer.group["damping"] + power / count)
+            for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
+                if param is not None and param.grad is not None:
+                    grad = local_tensor(param.grad)
+                    if scale.dim():  # per block: the output channels of each group
+                        grad.view(scale.numel(), -1).mul_(scale[:, None].to(grad.dtype))
+                    else:
+                        grad.mul_(scale.to(grad.dtype))
+
+
+class NLMS(SGDWithRule):
     r"""Normalized least mean squares: each layer's step divided by its input power.
 
     For the weight and bias gradients of each layer with input rows (``nn.Linear``, Hugging Face's
@@ -60,10 +115,6 @@ class NLMS(InputAwareSGD):
         Simon Haykin, "Adaptive Filter Theory", chapter on normalized LMS.
     """
 
-    reads_capability = "input_rows"
-    reads_calls = False
-    _power: InputPower
-
     def __init__(
         self,
         model: nn.Module,
@@ -73,36 +124,16 @@ class NLMS(InputAwareSGD):
         params: Any = None,
         **sgd_kwargs: Any,
     ) -> None:
-        if lr is None:
-            raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
         if "eps" in sgd_kwargs and sgd_kwargs.get("base") is None:
             raise TypeError(
                 "NLMS's eps was renamed damping (it is added to the input power, as the other rules add their "
                 "damping before inverting; eps is a base optimizer's own, as AdamW's with base=torch.optim.AdamW)"
             )
-        self._damping = damping
-        super().__init__(model, params, lr=lr, **sgd_kwargs)
-        self._warn_if_no_layers("input_rows", "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)")
-
-    def _treatment(self, param: torch.Tensor, module: nn.Module | None) -> tuple[str, str | None, bool]:
-        return self._layer_treatment(param, module, "NLMS: input-normalized")
-
-    def _build_reductions(self) -> dict[str, Reduction]:
-        return {"_power": InputPower(self._layers("input_rows"))}
-
-    def _check_param_groups(self) -> None:
-        self._set_group_defaults(damping=self._damping)
-        for group in (self.defaults, *self.param_groups):  # (the defaults: a constructor value no group takes)
-            self._check_group(group)
-        meshes = {p.device_mesh.ndim for p in self._params() if sharded(p)}  # type: ignore[attr-defined]
-        if meshes - {1}:  # HSDP: the input power would be averaged over one mesh dimension only
-            raise NotImplementedError(
-                f"NLMS supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP uses): the input power "
-                "must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use DistributedDataParallel"
-            )
+        wanted = "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)"
+        self._construct(model, lr, None, InputNormalization(damping), params, sgd_kwargs, wanted, None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.__dict__.get("_base_optimizer") is None:  # a checkpoint from before the rename: its eps is damping
+        if self.__dict__.get("_base") is None:  # a checkpoint from before the rename: its eps is damping
             groups = [
                 {**{k: v for k, v in g.items() if k != "eps"}, "damping": g.get("damping", g["eps"])}
                 if "eps" in g
@@ -111,28 +142,3 @@ class NLMS(InputAwareSGD):
             ]
             state_dict = {**state_dict, "param_groups": groups}
         super().load_state_dict(state_dict)
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        if not 0.0 <= group["damping"] < math.inf:
-            raise ValueError(f"Invalid damping: {group['damping']} (must be finite and >= 0)")
-
-    @torch.no_grad()
-    def step(self, closure: Any = None, inputs: Inputs | None = None) -> Any:
-        """Normalize the gradients of every layer with input rows by its input power, then take the SGD step."""
-        loss = evaluate_closure(closure)
-        assert inputs is not None
-        layers = [layer for layer in self._layers("input_rows") if weight_of(layer.module).grad is not None]
-        zeros = functools.partial(zero_sums, shapes={"input": ()})  # (one power per block)
-        layers, sums = summed_over_ranks(inputs, inputs.reduced(self._power), layers, zeros, self.data_parallel_group)
-        for layer, layer_sums in zip(layers, sums, strict=True):
-            power, count = layer_sums["input"]
-            scale = 1.0 / (layer.group["damping"] + power / count)
-            for param in (weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None):
-                if param is not None and param.grad is not None:
-                    grad = local_tensor(param.grad)
-                    if scale.dim():  # per block: the output channels of each group
-                        grad.view(scale.numel(), -1).mul_(scale[:, None].to(grad.dtype))
-                    else:
-                        grad.mul_(scale.to(grad.dtype))
-        super().step(inputs=inputs)
-        return loss

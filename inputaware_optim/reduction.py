@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from .inputs import Call
 
-__all__ = ["Reduction", "add_statistics"]
+__all__ = ["Reduction", "add_statistics", "concatenate_statistics"]
 
 
 def add_statistics(a: Any, b: Any) -> Any:
@@ -25,6 +25,22 @@ def add_statistics(a: Any, b: Any) -> Any:
     if isinstance(a, (tuple, list)):
         return type(a)(add_statistics(x, y) for x, y in zip(a, b, strict=True))
     return a + b
+
+
+def concatenate_statistics(a: Any, b: Any) -> Any:
+    """``a`` and ``b`` concatenated along the first dimension (tensors), elementwise over (nested) tuples,
+    lists and dicts: per-sample statistics of several calls, micro-batches or passes, one row per sample."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if isinstance(a, dict):
+        return {k: concatenate_statistics(a.get(k), b.get(k)) for k in {**a, **b}}
+    if isinstance(a, (tuple, list)):
+        return type(a)(concatenate_statistics(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, Tensor):
+        return torch.cat([a.reshape(1) if a.dim() == 0 else a, b.reshape(1) if b.dim() == 0 else b])
+    raise TypeError(f"concatenate_statistics joins tensors (and containers of them), got {type(a).__name__}")
 
 
 class Reduction:
@@ -42,7 +58,8 @@ class Reduction:
       ``grad_outputs = True``); returns its statistics (default: ``kept``).
     * ``finish(entries)``: once a backward pass is complete, over ``(call, statistics)`` of each call it reached;
       returns ``{parameter: statistics}`` (default: each under ``keys(call.module)``).
-    * ``combine(a, b)``: how statistics add up over calls and passes (default: a sum).
+    * ``combine(a, b)``: how statistics add up over calls and passes (default: a sum). Per-sample statistics
+      (one row per sample) concatenate instead: ``combine = Reduction.concatenate``.
     * ``keys(module)``: the parameters a call's statistics are kept under (default: the module's own).
     * ``produced(module, grad_inputs)``, when a call's output node computed the gradients it sends back, and
       ``arrived(param, grad)``, when a gradient is about to be added to a parameter it keys
@@ -74,6 +91,11 @@ class Reduction:
     def combine(self, a: Any, b: Any) -> Any:
         return add_statistics(a, b)
 
+    def concatenate(self, a: Any, b: Any) -> Any:
+        """A ``combine`` for per-sample statistics: concatenated along the first dimension (``combine =
+        Reduction.concatenate`` in a subclass), so 2 micro-batches of 3 samples give 6 rows, not 3 sums."""
+        return concatenate_statistics(a, b)
+
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         return tuple(p for p in module._parameters.values() if p is not None)
 
@@ -91,7 +113,7 @@ class Reduction:
         entries = []
         with torch.no_grad():
             for call in (c for c in calls if self.wants(c.module)):
-                if self.grad_outputs and call.grad_outputs is None:
+                if self.grad_outputs and not call.has_grad_outputs:
                     raise RuntimeError(
                         f"{type(self).__name__} needs output gradients, but {call!r} has none: capture "
                         "them (grad_outputs=True) for the calls handed to step(inputs=...)"

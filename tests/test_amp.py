@@ -101,7 +101,7 @@ def test_rules_keep_float32_statistics_under_bfloat16_autocast() -> None:
         loss.backward()
         handle.remove()
         assert seen[0].dtype == torch.bfloat16  # what the module received under autocast
-        (sums, count) = optimizer.capture.reduced(optimizer._statistics)[model[2].weight]["input"]
+        (sums, count) = optimizer.capture.reduced(optimizer.rules[0]._statistics)[model[2].weight]["input"]
         rows = torch.cat([seen[0].float(), torch.ones(6, 1)], dim=1)
         assert sums.dtype == torch.float32 and count == 6
         torch.testing.assert_close(sums, rows.T @ rows)  # reduced in float32, not in bfloat16
@@ -189,7 +189,7 @@ def test_a_rule_error_inside_scaler_step_leaves_the_gradients_and_the_scaler_usa
     optimizer.param_groups[0]["damping"] = 0.1
     scaler.step(optimizer)  # used to raise "unsupported operand type(s) for *: 'Tensor' and 'NoneType'"
     scaler.update()
-    torch.testing.assert_close(optimizer.state[layer.weight]["input_second_moment"], x.T @ x / 3)
+    torch.testing.assert_close(optimizer.rules[0].state[layer.weight]["input_second_moment"], x.T @ x / 3)
 
 
 def _float16_scaled_backward(optimizer: Any, model: nn.Module, scale: float, factor: float) -> None:

@@ -206,7 +206,7 @@ def test_clipping_a_zero_gradient_keeps_its_calls(rule: str) -> None:
     if rule == "FOOF":  # the statistics of the dead layers too: their inputs were seen
         for layer in layers_of(model):
             expected = reference.moments[layers_of(reference.model)[layers_of(model).index(layer)]]
-            torch.testing.assert_close(optimizer.state[layer.weight]["input_second_moment"], expected)
+            torch.testing.assert_close(optimizer.rules[0].state[layer.weight]["input_second_moment"], expected)
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])
@@ -226,7 +226,9 @@ def test_a_zero_gradient_cleared_in_place_drops_its_calls(set_to_none: bool) -> 
         )
         assert_same(model, reference.model)
     for layer, twin in zip(layers_of(model), layers_of(reference.model), strict=True):
-        torch.testing.assert_close(optimizer.state[layer.weight]["input_second_moment"], reference.moments[twin])
+        torch.testing.assert_close(
+            optimizer.rules[0].state[layer.weight]["input_second_moment"], reference.moments[twin]
+        )
 
 
 # -- item: a training backward, then a pass that does not reach .grad ------------------------------
@@ -312,7 +314,7 @@ def test_kfac_factors_under_a_gradient_penalty_are_those_of_the_penalized_loss()
     grads = torch.autograd.grad(total, [y for _, y in calls])
     for layer, (x, _), g in zip(layers_of(model), calls, grads, strict=True):
         rows = with_ones(x.detach())
-        state = optimizer.state[layer.weight]
+        state = optimizer.rules[0].state[layer.weight]
         torch.testing.assert_close(state["input_second_moment"], rows.T @ rows / len(rows))
         # G = E[Ds Ds^T] with Ds = B g (a loss averaged over the batch B): B g^T g
         torch.testing.assert_close(state["output_grad_second_moment"], len(g) * g.T @ g)

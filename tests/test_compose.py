@@ -92,7 +92,7 @@ def test_resume_through_a_saved_state_dict_is_bitwise(rule: str) -> None:
     buffer.seek(0)
     resumed = make(resumed_model)
     resumed.load_state_dict(torch.load(buffer, weights_only=True))
-    assert resumed.param_groups is resumed._base_optimizer.param_groups
+    assert resumed.param_groups is resumed._base.param_groups
     for step in range(2, 4):
         backward(resumed_model, step)
         resumed.step()
@@ -172,7 +172,7 @@ def test_a_scheduler_drives_the_shared_groups() -> None:
     backward(model, 0)
     optimizer.step()
     scheduler.step()
-    assert optimizer._base_optimizer.param_groups[0]["lr"] == 0.05
+    assert optimizer._base.param_groups[0]["lr"] == 0.05
 
 
 @pytest.mark.parametrize(

@@ -179,8 +179,12 @@ def fsdp_kronecker_worker(rank: int) -> None:
         model = sharded_net(mesh)
         optimizer = train_sharded(rule, model, rank)
         # The factors and their inverses are replicated: every rank holds the same bits.
-        factors = [v for p in model.parameters() for k, v in optimizer.state[p].items() if k.endswith("_inverse")]
-        moments = [v for p in model.parameters() for k, v in optimizer.state[p].items() if k.endswith("_moment")]
+        factors = [
+            v for p in model.parameters() for k, v in optimizer.rules[0].state[p].items() if k.endswith("_inverse")
+        ]
+        moments = [
+            v for p in model.parameters() for k, v in optimizer.rules[0].state[p].items() if k.endswith("_moment")
+        ]
         assert len(factors) == len(moments) == (2 if rule.startswith("FOOF") else 4)
         assert_same_on_every_rank(factors + moments, f"{rule}'s factors")
         full = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
@@ -336,7 +340,9 @@ def four_rank_worker(rank: int) -> None:
     for rule in ("FOOF-shared", "KFAC-shared", "DPSGD"):
         model = sharded_net(mesh)
         optimizer = train_sharded(rule, model, rank)
-        factors = [v for p in model.parameters() for k, v in optimizer.state[p].items() if k.endswith("_inverse")]
+        factors = [
+            v for p in model.parameters() for k, v in optimizer.rules[0].state[p].items() if k.endswith("_inverse")
+        ]
         assert_same_on_every_rank(factors or [torch.zeros(1)], f"{rule}'s factors")
         full = [p.full_tensor() for p in model.parameters()]  # type: ignore[attr-defined]
         if rank == 0:
@@ -384,7 +390,7 @@ def unreached_layer_worker(rank: int) -> None:
             (model(x[rank], branch=rank == 0) - y[rank]).pow(2).mean().backward()
             optimizer.step()
         if rule == "FOOF":
-            assert "input_second_moment" in optimizer.state[model.module.branch.weight]
+            assert "input_second_moment" in optimizer.rules[0].state[model.module.branch.weight]
         assert_same_on_every_rank(list(model.parameters()), f"{rule}'s parameters")
         if rule not in ("FOOF", "NLMS"):
             continue  # (K-FAC's and Eva's output side scale by each rank's batch: one process differs)

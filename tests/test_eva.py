@@ -125,9 +125,9 @@ def test_steps_equal_the_papers_formula(kl_clip: float | None) -> None:
     optimizer = Eva(model, lr=0.1, momentum=0.0, damping=0.5, stat_decay=0.9, kl_clip=kl_clip)
     state = _train_beside_the_reference(model, optimizer, reference, kl_clip)
     a, g = state[id(reference[0])]
-    torch.testing.assert_close(optimizer.state[model[0].weight]["input_mean"], a)
-    torch.testing.assert_close(optimizer.state[model[0].weight]["output_grad_mean"], g)
-    assert optimizer.state[model[0].weight]["statistics_steps"] == 3
+    torch.testing.assert_close(optimizer.rules[0].state[model[0].weight]["input_mean"], a)
+    torch.testing.assert_close(optimizer.rules[0].state[model[0].weight]["output_grad_mean"], g)
+    assert optimizer.rules[0].state[model[0].weight]["statistics_steps"] == 3
 
 
 @pytest.mark.parametrize("split", ["per layer", "weights and biases"])
@@ -179,12 +179,12 @@ def test_conv_layers_are_preconditioned_and_hold_only_vectors() -> None:
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
     optimizer = Eva(model, lr=0.1)
     nn.functional.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 2)).backward()
-    held = optimizer.capture.reduced(optimizer._statistics)
+    held = optimizer.capture.reduced(optimizer.rules[0]._statistics)
     sizes = {tuple(t.shape) for totals in held.values() for pair in totals.values() for t in pair}
     assert sizes <= {(2 * 9 + 1,), (3,), (3 * 16 + 1,), (2,), ()}  # vectors and counts, never a matrix
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.step()
-    assert {"input_mean", "output_grad_mean"} <= set(optimizer.state[model[0].weight])
+    assert {"input_mean", "output_grad_mean"} <= set(optimizer.rules[0].state[model[0].weight])
     assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 

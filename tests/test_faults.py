@@ -44,7 +44,7 @@ def test_a_layer_with_no_rows_this_step_is_skipped_not_poisoned(cls: type) -> No
         optimizer.step()  # a NaN moment would make every later refresh raise "diverged"
     assert all(torch.isfinite(p).all() for p in model.parameters())
     torch.testing.assert_close(model.idle.weight, idle)  # a zero gradient moved nothing
-    assert "input_second_moment" not in optimizer.state[model.idle.weight]
+    assert "input_second_moment" not in optimizer.rules[0].state[model.idle.weight]
 
 
 @pytest.mark.parametrize("cls", [FOOF, NLMS])
@@ -321,7 +321,7 @@ def test_kronecker_rules_follow_the_model_to_float64() -> None:
     optimizer.zero_grad()
     model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
     optimizer.step()  # float32 running moments meet float64 statistics
-    assert optimizer.state[model[0].weight]["input_second_moment"].dtype == torch.float64
+    assert optimizer.rules[0].state[model[0].weight]["input_second_moment"].dtype == torch.float64
 
 
 def test_inference_tensors_as_inputs_work_as_in_torch() -> None:

@@ -114,7 +114,7 @@ def test_every_order_gives_the_plain_update(rule: str, order: Callable[..., None
     # ...and the plain update is the rule's, not the stock one.
     if rule in EVIDENCE:
         layer, key = EVIDENCE[rule]
-        assert key in optimizer.state[getattr(model, layer).weight]
+        assert key in optimizer.rules[0].state[getattr(model, layer).weight]
     stock_model = Net().double()
     stock = torch.optim.SGD(stock_model.parameters(), lr=0.1) if rule != "LazyAdamW" else None
     if stock is not None:
@@ -289,7 +289,7 @@ def test_an_abandoned_optimizer_holds_at_most_one_step() -> None:
         model(torch.randn(8, 3)).pow(2).mean().backward()
         trainer.step()
         assert len(abandoned.capture.calls()) == 2  # this step's two calls, never more
-        held = foof.capture.reduced(foof._statistics)
+        held = foof.capture.reduced(foof.rules[0]._statistics)
         assert [float(held[m.weight]["input"][1]) for m in (model[0], model[2])] == [8.0, 8.0]  # this step's rows
     gc.collect()
     assert len(gc.get_objects()) - objects < 200
@@ -309,7 +309,7 @@ def test_a_failed_step_keeps_its_captures_for_a_retry() -> None:
     assert torch.equal(layer.weight, before)
     optimizer.param_groups[0]["damping"] = 0.1
     optimizer.step()  # the retry reads the same statistics
-    moment = optimizer.state[layer.weight]["input_second_moment"]
+    moment = optimizer.rules[0].state[layer.weight]["input_second_moment"]
     torch.testing.assert_close(moment, x.T @ x / 3)
 
 

@@ -68,7 +68,7 @@ def test_conv2d_gradient_is_preconditioned_by_explicit_patch_statistics(conv: nn
     optimizer.step()
     step = (before - conv.weight.detach()).reshape(conv.out_channels, -1)
     torch.testing.assert_close(step, expected[:, : step.shape[1]])
-    torch.testing.assert_close(optimizer.state[conv.weight]["input_second_moment"], moment)
+    torch.testing.assert_close(optimizer.rules[0].state[conv.weight]["input_second_moment"], moment)
 
 
 def train(model: nn.Module, optimizer: Any, batches: list[list[torch.Tensor]]) -> None:
@@ -91,7 +91,9 @@ def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
     train(b, ob, whole)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(oa.state[a[0].weight]["input_inverse"], ob.state[b[0].weight]["input_inverse"])
+    torch.testing.assert_close(
+        oa.rules[0].state[a[0].weight]["input_inverse"], ob.rules[0].state[b[0].weight]["input_inverse"]
+    )
 
 
 @given(order=st.permutations(range(4)))
@@ -116,7 +118,7 @@ def test_sequence_inputs_and_a_layer_called_twice() -> None:
         rows = torch.cat([x.reshape(-1, 4), torch.tanh(layer(x)).reshape(-1, 4)])
     rows = torch.cat([rows, torch.ones(rows.shape[0], 1, dtype=rows.dtype)], dim=1)
     optimizer.step()
-    moment = optimizer.state[layer.weight]["input_second_moment"]
+    moment = optimizer.rules[0].state[layer.weight]["input_second_moment"]
     torch.testing.assert_close(moment, rows.T @ rows / rows.shape[0])  # both calls, every position
 
 
@@ -133,7 +135,7 @@ def test_running_moment_and_refresh_schedule() -> None:
         moment = rows.T @ rows / 5
         ema = moment if ema is None else 0.8 * ema + 0.2 * moment
         optimizer.step()
-        state = optimizer.state[model[0].weight]
+        state = optimizer.rules[0].state[model[0].weight]
         torch.testing.assert_close(state["input_second_moment"], ema)
         seen.append(state["input_inverse"].clone())
         if step % 3 == 0:
@@ -249,7 +251,7 @@ def test_bfloat16_parameters_are_preconditioned_in_float32(rule: str) -> None:
     layer(x).float().pow(2).sum().backward()
     raw = torch.cat([layer.weight.grad, layer.bias.grad.unsqueeze(1)], dim=1).float()
     optimizer.step()
-    state = optimizer.state[layer.weight]
+    state = optimizer.rules[0].state[layer.weight]
     inverse = state["input_inverse"]
     assert inverse.dtype == torch.float32
     expected = raw @ inverse if rule == "FOOF" else state["output_grad_inverse"] @ raw @ inverse

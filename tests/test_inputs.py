@@ -74,7 +74,11 @@ def test_positions_that_do_not_exist_and_missing_grad_outputs() -> None:
         inputs[model[0]].inputs(1)
     with pytest.raises(RuntimeError, match="grad_outputs=True"):
         inputs[model[0]].grad_outputs()
-    assert inputs[model[0]].calls[0].grad_outputs is None
+    call = inputs[model[0]].calls[0]
+    assert not call.has_grad_outputs
+    for read in (lambda: call.grad_outputs, lambda: call.grad_output):  # an error naming the flag, not a None
+        with pytest.raises(RuntimeError, match=r"not captured: ask for them with grad_outputs = True"):
+            read()
 
 
 def test_from_mapping_validates() -> None:

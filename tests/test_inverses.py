@@ -79,7 +79,7 @@ def test_eigh_and_cholesky_give_the_same_steps_at_a_fixed_damping(rule: type) ->
         train(model, optimizer, [0.1] * 7)
         trained.append([p.detach().clone() for p in model.parameters()])
         if inverse == "eigh":
-            state = optimizer.state[model[0].weight]
+            state = optimizer.rules[0].state[model[0].weight]
             assert state["input_eigenvectors"].dtype == torch.float64
             assert state["input_inverse_damping"] == optimizer.param_groups[0]["damping"]  # the group's, as given
     for p, q in zip(*trained, strict=True):
@@ -94,7 +94,9 @@ def test_float32_inverses_are_close_to_float64_ones(inverse: str) -> None:
         optimizer = KFAC(model, lr=0.1, update_every=1, inverse=inverse, inverse_dtype=dtype)
         train(model, optimizer, [1.0] * 5)  # (at 0.1 of the mean eigenvalue these steps grow 20-fold)
         trained.append([p.detach().clone() for p in model.parameters()])
-        assert optimizer.state[model[0].weight]["input_inverse"].dtype == torch.float64  # the statistics' dtype
+        assert (
+            optimizer.rules[0].state[model[0].weight]["input_inverse"].dtype == torch.float64
+        )  # the statistics' dtype
     for p, q in zip(*trained, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert not torch.equal(p, q)  # float32 did run (rounding shows in the last bits)

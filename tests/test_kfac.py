@@ -100,7 +100,7 @@ def test_gradient_accumulation_equals_the_concatenated_batch() -> None:
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p, q)
     for key in ("input_inverse", "output_grad_inverse"):
-        torch.testing.assert_close(oa.state[a[0].weight][key], ob.state[b[0].weight][key])
+        torch.testing.assert_close(oa.rules[0].state[a[0].weight][key], ob.rules[0].state[b[0].weight][key])
 
 
 @given(batch=st.integers(2, 6))
@@ -114,8 +114,8 @@ def test_a_summed_loss_gives_the_same_factors_and_a_batch_times_larger_step(batc
     for p, q in zip(mean_model.parameters(), sum_model.parameters(), strict=True):
         torch.testing.assert_close(p, q)
     torch.testing.assert_close(
-        mean_opt.state[mean_model[2].weight]["output_grad_second_moment"],
-        sum_opt.state[sum_model[2].weight]["output_grad_second_moment"],
+        mean_opt.rules[0].state[mean_model[2].weight]["output_grad_second_moment"],
+        sum_opt.rules[0].state[sum_model[2].weight]["output_grad_second_moment"],
     )
 
 
@@ -146,12 +146,12 @@ def test_zero_sums_are_shaped_as_the_hooks_sums(rule: str) -> None:
     ).double()
     optimizer = {"FOOF": FOOF, "KFAC": KFAC, "Eva": Eva}[rule](model, lr=0.1)
     nn.functional.mse_loss(model(torch.randn(2, 4, 6, 6, dtype=torch.float64)), torch.randn(2, 3).double()).backward()
-    totals = optimizer.capture.reduced(optimizer._statistics)
-    layers = optimizer._layers(optimizer.reads_capability)
+    totals = optimizer.capture.reduced(optimizer.rules[0]._statistics)
+    layers = optimizer.rules[0]._layers()
     assert len(layers) == 3
     for layer in layers:
         computed = totals[layer.module.weight]
-        zeros = optimizer._zero_sums(layer)
+        zeros = optimizer.rules[0]._zero_sums(layer)
         assert set(zeros) == set(computed)
         for factor, (numerator, denominator) in zeros.items():
             assert numerator.shape == computed[factor][0].shape, (layer.module, factor)
@@ -297,8 +297,10 @@ def test_the_kfac_pytorch_convention_reproduces_its_preconditioned_gradient(
         for name, module in layers.items():
             after = torch.cat([module.weight.reshape(len(module.bias), -1), module.bias[:, None]], 1).detach()
             torch.testing.assert_close((before[name] - after) / lr, expected[name], rtol=1e-6, atol=1e-9)
-        torch.testing.assert_close(optimizer.state[model.fc.weight]["input_second_moment"], running["fc"][0])
-        torch.testing.assert_close(optimizer.state[model.conv.weight]["output_grad_second_moment"], running["conv"][1])
+        torch.testing.assert_close(optimizer.rules[0].state[model.fc.weight]["input_second_moment"], running["fc"][0])
+        torch.testing.assert_close(
+            optimizer.rules[0].state[model.conv.weight]["output_grad_second_moment"], running["conv"][1]
+        )
 
 
 def test_convention_is_validated_by_name() -> None:
@@ -325,7 +327,7 @@ def test_each_factor_is_damped_by_the_same_fraction_of_its_mean_eigenvalue(
     (loss_scale * model(x).pow(2).sum(dim=1).mean()).backward()
     optimizer.step()
     for layer in (model[0], model[2]):
-        state = optimizer.state[layer.weight]
+        state = optimizer.rules[0].state[layer.weight]
         added, means = {}, {}
         for factor in ("input", "output_grad"):
             moment = state[f"{factor}_second_moment"]

@@ -112,7 +112,7 @@ def test_grouped_convolution_is_preconditioned_block_by_block(name: str, rule: s
     if has_bias:
         torch.testing.assert_close(conv.bias.detach(), expected_bias, rtol=1e-10, atol=1e-12)
     if rule != "NLMS":
-        assert optimizer.state[conv.weight]["input_second_moment"].shape[0] == conv.groups
+        assert optimizer.rules[0].state[conv.weight]["input_second_moment"].shape[0] == conv.groups
 
 
 @pytest.mark.parametrize("name", ["conv2d depthwise", "conv1d groups=2"])
@@ -137,7 +137,7 @@ def test_eva_on_a_grouped_convolution_is_one_rank_one_product_per_block(name: st
     optimizer = Eva(conv, lr=1.0, momentum=0.0, kl_clip=None)
     conv(x).pow(2).mean().backward()
     optimizer.step()
-    assert optimizer.state[conv.weight]["input_mean"].shape[0] == conv.groups
+    assert optimizer.rules[0].state[conv.weight]["input_mean"].shape[0] == conv.groups
     torch.testing.assert_close(conv.weight.detach(), expected_weight, rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(conv.bias.detach(), expected_bias, rtol=1e-9, atol=1e-10)
 

@@ -155,7 +155,7 @@ def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
 
 def assert_foof_state(opt: torch.optim.Optimizer, net: nn.Module, steps: int) -> None:
     for weight in linear_weights(net):
-        state = opt.state[weight]
+        state = opt.rules[0].state[weight]  # type: ignore[attr-defined]
         assert "input_second_moment" in state, (
             f"FOOF recorded no input statistics for a {tuple(weight.shape)} weight (state keys: {sorted(state)}): "
             "the inputs captured in the forward did not reach its step"
@@ -192,8 +192,8 @@ def test_foof_under_lightning_matches_hand_loop(tmp_path: Path, accumulate: int)
     for weight, ref in zip(linear_weights(module.net), linear_weights(net), strict=True):
         shape = tuple(weight.shape)
         torch.testing.assert_close(
-            lightning_opt.state[weight]["input_second_moment"],
-            opt.state[ref]["input_second_moment"],
+            lightning_opt.rules[0].state[weight]["input_second_moment"],
+            opt.rules[0].state[ref]["input_second_moment"],
             **TOLERANCE,
             msg=lambda m, shape=shape: f"input_second_moment of the {shape} weight, Lightning vs the hand loop: {m}",
         )

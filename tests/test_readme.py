@@ -35,7 +35,7 @@ def test_readme_has_the_three_examples() -> None:
     blocks = python_blocks()
     assert len(blocks) == 3
     assert "InputAwareAdamW" in blocks[0]
-    assert "def step(self, closure=None, inputs=None)" in blocks[1]
+    assert "class InputNormalization(Rule)" in blocks[1] and "rules=[InputNormalization()]" in blocks[1]
     assert "base=" in blocks[2] and "Monitor(" in blocks[2]
 
 
@@ -95,7 +95,9 @@ def test_contributing_rule_runs_and_is_the_rule_it_describes() -> None:
     expected = model.weight.detach() - 0.1 * torch.func.grad(
         lambda w: torch.nn.functional.linear(x, w, model.bias).sum()
     )(model.weight.detach()) / (x.pow(2).mean() + 1e-8)
-    optimizer = namespace["InputNormalizedSGD"](model, lr=0.1)  # type: ignore[operator]
+    from inputaware_optim import InputAwareSGD
+
+    optimizer = InputAwareSGD(model, rules=[namespace["InputNormalization"]()], lr=0.1)  # type: ignore[operator]
     model(x).sum().backward()
     optimizer.step()
     torch.testing.assert_close(model.weight.detach(), expected)

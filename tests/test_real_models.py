@@ -112,7 +112,7 @@ def test_kronecker_and_nlms_rules_act_on_every_weight_matrix(name: str, rule: ty
             continue
         assert not row.treatment.startswith("stock"), (name, row)
         if rule is not NLMS:
-            assert "input_second_moment" in optimizer.state[module.weight], module_name
+            assert "input_second_moment" in optimizer.rules[0].state[module.weight], module_name
         changed = dict(model.named_parameters())[f"{module_name}.weight"]
         assert not torch.allclose(changed, dict(stock_model.named_parameters())[f"{module_name}.weight"])
     for row in optimizer.coverage().fallbacks():  # what is left: the embedding tables, each with its reason
@@ -218,8 +218,8 @@ def test_kfac_max_dim_leaves_the_lm_head_to_sgd_and_says_so() -> None:
     lm_loss(model, tokens()).backward()
     with pytest.warns(CoverageWarning, match=r"lm_head\.weight.*max_dim=32"):
         optimizer.step()
-    assert "output_grad_second_moment" not in optimizer.state[model.lm_head.weight]
-    assert "output_grad_second_moment" in optimizer.state[model.model.layers[0].mlp.up_proj.weight]
+    assert "output_grad_second_moment" not in optimizer.rules[0].state[model.lm_head.weight]
+    assert "output_grad_second_moment" in optimizer.rules[0].state[model.model.layers[0].mlp.up_proj.weight]
 
 
 def test_strict_refuses_any_fallback_before_changing_anything() -> None:
@@ -296,7 +296,7 @@ def test_subclasses_with_their_own_forward_are_reported_not_assumed_and_depthwis
     model(torch.randn(2, 1, 16, 16, dtype=torch.float64)).sum().backward()
     with pytest.warns(CoverageWarning, match="stem.weight"):
         optimizer.step()
-    assert optimizer.state[model.block.dwconv.weight]["input_second_moment"].shape == (4, 50, 50)
+    assert optimizer.rules[0].state[model.block.dwconv.weight]["input_second_moment"].shape == (4, 50, 50)
 
 
 def test_dp_is_exact_on_timm_patterns() -> None:
@@ -410,7 +410,7 @@ def test_rules_act_on_every_weight_of_vision_nets(name: str, rule: type) -> None
     for module_name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             if rule is not NLMS:
-                assert "input_second_moment" in optimizer.state[module.weight], module_name
+                assert "input_second_moment" in optimizer.rules[0].state[module.weight], module_name
             assert not torch.allclose(module.weight, stock_params[f"{module_name}.weight"]), module_name
 
 
@@ -489,7 +489,7 @@ def test_hf_trainer_runs_foof_with_gradient_accumulation_on_gpt2(tmp_path: Any) 
             trainer.train()
         models[kind] = model
         if kind == "foof":
-            assert optimizer.state[model.transformer.h[0].attn.c_attn.weight]["statistics_steps"] == 2
+            assert optimizer.rules[0].state[model.transformer.h[0].attn.c_attn.weight]["statistics_steps"] == 2
             assert {row.module for row in optimizer.coverage().fallbacks()} == {"Embedding"}
     stock = dict(models["stock"].named_parameters())
     for key, param in models["foof"].named_parameters():

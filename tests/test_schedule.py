@@ -60,7 +60,7 @@ def test_foof_collects_statistics_on_schedule_and_keeps_its_inverse_between(ever
     foof_reference(reference, 7, every, lr=0.1, damping=0.3, decay=0.8)
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-7, atol=1e-9)  # inv vs Cholesky, 7 steps
-    assert optimizer.state[model[0].weight]["statistics_steps"] == len(range(0, 7, every))
+    assert optimizer.rules[0].state[model[0].weight]["statistics_steps"] == len(range(0, 7, every))
 
 
 @pytest.mark.parametrize("rule", [FOOF, KFAC, Eva])
@@ -72,15 +72,15 @@ def test_between_statistics_steps_the_hooks_hold_nothing(rule: type) -> None:
         optimizer.zero_grad()
         model(batch(step)).pow(2).mean().backward()
         held = (
-            optimizer.capture.reduced(optimizer._statistics)
-            if optimizer._statistics in optimizer.capture.reductions
+            optimizer.capture.reduced(optimizer.rules[0]._statistics)
+            if optimizer.rules[0]._statistics in optimizer.capture.reductions
             else {}
         )
         assert bool(held) == (step % 4 == 0), step  # statistics only on steps 0 and 4
         assert not optimizer.capture._log.tasks  # nothing pending either
         optimizer.step()
         assert len(optimizer.capture._handles) == handles  # the hooks stay: a compiled model is not retraced
-    assert optimizer.state[model[0].weight]["statistics_steps"] == 2
+    assert optimizer.rules[0].state[model[0].weight]["statistics_steps"] == 2
 
 
 @pytest.mark.parametrize("rule", [FOOF, Eva])
@@ -123,7 +123,7 @@ def test_statistics_every_changed_mid_run_is_read_at_the_step(rule: type) -> Non
         train_step(reference_model, reference, step)
         for group in changed.param_groups:
             group["statistics_every"] = 1
-    assert changed.state[changed_model[0].weight]["statistics_steps"] == 2
+    assert changed.rules[0].state[changed_model[0].weight]["statistics_steps"] == 2
     assert all(torch.equal(p, q) for p, q in zip(changed_model.parameters(), reference_model.parameters(), strict=True))
 
 
@@ -169,7 +169,7 @@ def test_update_every_counts_optimizer_steps(statistics_every: int, update_every
     seen, changed = None, []
     for step in range(12):
         train_step(model, optimizer, step)
-        inverse = optimizer.state[model[0].weight]["input_inverse"]
+        inverse = optimizer.rules[0].state[model[0].weight]["input_inverse"]
         if seen is None or not torch.equal(inverse, seen):
             changed.append(step)
         seen = inverse.clone()

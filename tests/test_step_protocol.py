@@ -124,22 +124,26 @@ def _trained(rule: str, base: str, steps: int = 3) -> tuple[nn.Module, Any]:
     return model, optimizer
 
 
+def _same(a: Any, b: Any, where: Any) -> None:
+    """Equal values, tensors compared exactly, through nested dicts and lists (a rule's state, DP's generator)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _same(a[key], b[key], (*where, key))
+    elif isinstance(a, (list, tuple)) and not isinstance(b, torch.Tensor):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, (*where, i))
+    elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), where
+    else:
+        assert a == b, where
+
+
 def _same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert len(a["param_groups"]) == len(b["param_groups"])
-    for group, other_group in zip(a["param_groups"], b["param_groups"], strict=True):
-        assert group.keys() == other_group.keys()
-        for key, value in group.items():  # (DP's noise generator state is a tensor)
-            other = other_group[key]
-            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
-    assert a["state"].keys() == b["state"].keys()
-    for index, entry in a["state"].items():
-        assert entry.keys() == b["state"][index].keys(), index
-        for key, value in entry.items():
-            other = b["state"][index][key]
-            if isinstance(value, dict):
-                _same_state({"param_groups": [], "state": {0: value}}, {"param_groups": [], "state": {0: other}})
-            else:
-                assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (index, key)
+    _same(a["param_groups"], b["param_groups"], ("param_groups",))
+    _same(a["state"], b["state"], ("state",))
 
 
 def _step_both(model: nn.Module, optimizer: Any, other_model: nn.Module, other: Any, steps: range) -> None:
@@ -384,7 +388,7 @@ def test_state_dict_hooks_of_an_lbfgs_drop_in_see_lbfgs_state() -> None:
     assert {"d", "t", "old_dirs", "old_stps", "ro", "H_diag", "prev_flat_grad", "prev_loss"} <= seen[0]
     resumed = InputAwareSGD(copy.deepcopy(model), lr=0.5, base=torch.optim.LBFGS)
     loaded: list[Any] = []
-    resumed.register_load_state_dict_post_hook(lambda opt: loaded.append(opt._base_optimizer.state))
+    resumed.register_load_state_dict_post_hook(lambda opt: loaded.append(opt._base.state))
     resumed.load_state_dict(copy.deepcopy(saved))
     assert loaded and set(next(iter(loaded[0].values()))) == seen[0]
 

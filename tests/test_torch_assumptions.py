@@ -381,3 +381,37 @@ def test_fused_adamw_is_adamw_fused_on_the_tensors_it_is_given() -> None:
         weight_decay=0.01, eps=1e-8, maximize=False,
     )  # fmt: skip
     assert torch.equal(param, reference.detach())
+
+
+def test_multihead_attention_says_whether_it_packs_its_projections() -> None:
+    from inputaware_optim._torch import packs_projections
+
+    assert packs_projections(nn.MultiheadAttention(8, 2))
+    assert not packs_projections(nn.MultiheadAttention(8, 2, kdim=4, vdim=4))
+    assert nn.MultiheadAttention(8, 2).in_proj_weight is not None  # what packing means: one matrix
+
+
+def test_a_lazily_disabled_function_imports_no_dynamo_and_is_skipped_once_compiling() -> None:
+    # In a fresh process: the library's import leaves torch._dynamo alone; once torch.compile runs, the
+    # function is torch.compiler.disable'd (a graph break at its call, its body run eagerly).
+    script = """
+import sys, torch
+import inputaware_optim
+from inputaware_optim._torch import compiler_disabled
+assert "torch._dynamo" not in sys.modules, "import inputaware_optim imported torch._dynamo"
+seen = []
+@compiler_disabled
+def side(x):
+    seen.append(torch.compiler.is_compiling())
+side(torch.ones(1))
+assert "torch._dynamo" not in sys.modules and seen == [False]
+from torch._dynamo.utils import counters
+compiled = torch.compile(lambda x: (side(x), x + 1)[1], backend="eager")
+compiled(torch.ones(2))
+assert seen == [False, False], seen
+assert sum(counters["graph_break"].values()) >= 1
+"""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

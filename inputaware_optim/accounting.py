@@ -1,0 +1,87 @@
+"""PrivacyAccountant: the privacy a DP optimizer's steps spent, as Opacus's accountants compute it from the
+history of noise multipliers and sampling rates (``epsilon``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["PrivacyAccountant"]
+
+ACCOUNTANTS = ("prv", "rdp", "gdp")  # Opacus's
+
+
+class PrivacyAccountant:
+    """The steps a DP optimizer took, as ``(noise_multiplier, sample_rate, steps)`` per run of steps at the same
+    pair (Opacus's ``history``), and the :math:`\\varepsilon` they spent (``epsilon``)."""
+
+    def __init__(self, owner: str = "DPSGD") -> None:
+        self.owner = owner  # the optimizer's class name, for messages
+        self.history: list[tuple[float, float | None, int]] = []
+
+    def record(self, noise_multiplier: float, sample_rate: float | None) -> None:
+        """One step at ``noise_multiplier`` and ``sample_rate``."""
+        history = self.history
+        if history and history[-1][:2] == (noise_multiplier, sample_rate):
+            history[-1] = (noise_multiplier, sample_rate, history[-1][2] + 1)
+        else:
+            history.append((noise_multiplier, sample_rate, 1))
+
+    def epsilon(self, delta: float, accountant: str = "prv", sample_rate: float | None = None) -> float:
+        r"""The :math:`\varepsilon` spent so far for ``delta``, by Opacus's accountant over the history.
+
+        Args:
+            delta: The target :math:`\delta` (in (0, 1)).
+            accountant: Opacus's ``"prv"`` (its default), ``"rdp"`` or ``"gdp"`` (one noise multiplier only).
+            sample_rate: The rate the optimizer is set to now (asked for when no step recorded one).
+
+        Raises:
+            ValueError: If no sampling rate is known, or ``"gdp"`` is asked of a changing noise.
+            ImportError: If ``opacus`` is not installed.
+        """
+        name = self.owner
+        if all(rate is None for _, rate, _ in self.history) and sample_rate is None:
+            raise ValueError(
+                f"{name}.epsilon needs the sampling rate: construct it with "
+                "sample_rate=<batch size / dataset size> (the probability of a sample being in a batch)"
+            )
+        if not 0.0 < delta < 1.0:
+            raise ValueError(f"Invalid delta: {delta!r} (must be in (0, 1))")
+        create_accountant = _opacus_accountants()
+        history = self.history
+        if not history:
+            return 0.0
+        if any(sigma == 0.0 for sigma, _, _ in history):
+            return math.inf
+        if any(rate is None for _, rate, _ in history):
+            raise ValueError(
+                f"{name}.epsilon: some steps were taken without a sampling rate (a state dict saved "
+                "by an optimizer constructed without sample_rate); their privacy cost is unknown"
+            )
+        if accountant == "gdp" and len(history) > 1:
+            raise ValueError(
+                f"{name}.epsilon: Opacus's 'gdp' accountant composes one noise multiplier and sampling "
+                f"rate only, and these steps took {len(history)} (see privacy_history); use 'prv' or 'rdp'"
+            )
+        counter = create_accountant(mechanism=accountant)
+        counter.history = list(history)
+        return float(counter.get_epsilon(delta=delta))
+
+    def state_dict(self) -> list[list[Any]]:
+        return [list(entry) for entry in self.history]
+
+    def load_state_dict(self, history: list[Any]) -> None:
+        self.history = [
+            (float(sigma), None if rate is None else float(rate), int(steps)) for sigma, rate, steps in history
+        ]
+
+
+def _opacus_accountants() -> Any:
+    try:
+        from opacus.accountants import create_accountant
+    except ImportError as error:
+        raise ImportError(
+            "privacy accounting uses Opacus's accountants: pip install opacus (or the 'privacy' extra: "
+            "pip install 'inputaware_optim[privacy]')"
+        ) from error
+    return create_accountant

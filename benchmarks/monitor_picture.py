@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from inputaware_optim import InputAwareSGD, Monitor
-from inputaware_optim.monitor import plot
+from inputaware_optim.plot import plot
 
 from .digits import load, models
 

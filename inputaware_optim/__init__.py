@@ -15,8 +15,9 @@ from .kfac import KFAC, KFACPreconditioner
 from .layers import Layer, LayerKind, layer_kind, register_layer
 from .lazy_adamw import LazyAdamW
 from .moe import ExpertLoads, LoadBalancing
-from .monitor import Monitor, NonFiniteError, NonFiniteFinder, NonFiniteOrigin, NonFiniteWarning
+from .monitor import Monitor
 from .nlms import NLMS, InputNormalization
+from .nonfinite import NonFiniteError, NonFiniteFinder, NonFiniteOrigin, NonFiniteWarning
 from .reduction import Reduction
 from .rule import Rule
 from .sgd import InputAwareSGD

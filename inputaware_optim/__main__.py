@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     plot.add_argument("log", help="the JSON-lines file a Monitor(..., jsonl=...) wrote")
     plot.add_argument("-o", "--out", default="monitor.png", help="the PNG to write (default: monitor.png)")
     args = parser.parse_args(argv)
-    from .monitor import plot as draw
+    from .plot import plot as draw
 
     print(f"Wrote {draw(args.log, args.out)}")
     return 0

@@ -74,7 +74,6 @@ _MATRICES = f"{_FALLBACK} (matrices)"
 
 # Layers no registered kind describes, as every rule treats them (what the registry cannot say).
 _UNREGISTERED = (
-    ("`nn.LayerNorm`", ("stock", "stock", "stock", "stock", "exact (closed form)")),
     ("any other module with parameters (norms, custom layers)", (_MATRICES,) * 3 + ("stock", "exact (torch.func)")),
     (
         "a registered type's subclass with its own `forward` (timm's `StdConv2d`)",
@@ -113,8 +112,9 @@ def _type_name(key: type | str) -> str:
 
 
 def _cells(kind: layers.LayerKind) -> tuple[str, ...]:
-    foof = "exact" if kind.provides("input_rows") else _FALLBACK
-    kfac = "exact" if kind.provides("input_rows") and kind.provides("output_grad_rows") else _FALLBACK
+    left = _FALLBACK if kind.matrix else "stock"  # (a scale or shift per feature is no rule's to cover)
+    foof = "exact" if kind.provides("input_rows") else left
+    kfac = "exact" if kind.provides("input_rows") and kind.provides("output_grad_rows") else left
     lazy = "exact" if kind.provides("touched_rows") else "stock"
     dp = "exact (closed form)" if kind.provides("per_sample") else "exact (torch.func)"
     return foof, kfac, foof, lazy, "refused" if kind.per_sample_refusal is not None else dp

@@ -11,8 +11,9 @@ from torch import Tensor, nn
 from ._torch import foreach_norm
 from .distributed import sharded
 from .kfac import KroneckerFactors
-from .kronecker import KroneckerPreconditioner, SGDWithRule, Sums, running_average
+from .kronecker import KroneckerPreconditioner, Sums, running_average
 from .layers import Layer, weight_of
+from .sgd import SGDWithRule
 
 __all__ = ["Eva", "EvaPreconditioner"]
 

@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .kronecker import KroneckerPreconditioner, SGDWithRule
+from .kronecker import KroneckerPreconditioner
 from .layers import Layer
+from .sgd import SGDWithRule
 
 __all__ = ["FOOF", "FOOFPreconditioner"]
 

@@ -8,8 +8,9 @@ import torch
 from torch import Tensor, nn
 
 from .inputs import Call, Captured
-from .kronecker import FactorSums, KroneckerPreconditioner, SGDWithRule, Sums
+from .kronecker import FactorSums, KroneckerPreconditioner, Sums
 from .layers import ConvKind, Layer, weight_of
+from .sgd import SGDWithRule
 
 CONVENTIONS = ("inputaware", "kfac-pytorch")  # the factors' scaling and damping (see KFAC's docstring)
 

@@ -7,7 +7,6 @@ combine exactly and no input is held between forward and step.
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 import numbers
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.parameter import is_lazy
 
 from .capture import module_names
-from .coverage import layer_treatment, warn_if_no_layers
+from .coverage import layer_treatment
 from .distributed import (
     all_reduce_sum_,
     computed_once,
@@ -31,10 +30,16 @@ from .distributed import (
     sharded,
 )
 from .inputs import Call, Captured, Inputs
+from .inverses import (
+    INVERSES,
+    _NotPositiveDefinite,
+    damped_inverse,
+    eigenbasis,
+    inverse_from_eigenbasis,
+)
 from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .rule import Rule
-from .sgd import InputAwareSGD
 
 Sums = dict[str, tuple[Tensor, Tensor]]  # a layer's factor sums: {factor: (numerator, denominator)}
 
@@ -401,86 +406,6 @@ class KroneckerPreconditioner(Rule):
             inverses[factor] = result
 
 
-class SGDWithRule(InputAwareSGD):
-    """An optimizer made of one built-in rule, its update SGD with momentum (or ``base=``'s): FOOF, K-FAC,
-    Eva and NLMS. ``rules=`` given to it chain after the rule's own."""
-
-    def _construct(
-        self,
-        model: nn.Module,
-        lr: float | None,
-        momentum: float | None,
-        rule: Rule,
-        params: Any,
-        kwargs: dict[str, Any],
-        wanted: str = "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)",
-        default_momentum: float | None = 0.9,
-    ) -> None:
-        if lr is None:
-            raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
-        base = kwargs.get("base")
-        if base is None and (momentum is not None or default_momentum is not None):
-            kwargs["momentum"] = default_momentum if momentum is None else momentum  # the rule's SGD default
-        elif (
-            base is not None and momentum is not None
-        ):  # given: to a base that takes it (one that is not a class is refused below)
-            if isinstance(base, type) and "momentum" not in inspect.signature(base).parameters:
-                raise ValueError(f"momentum={momentum} is an argument of SGD; {base.__name__} has none")
-            kwargs["momentum"] = momentum
-        more = kwargs.pop("rules", ())
-        more = [more] if isinstance(more, Rule) else list(more)
-        InputAwareSGD.__init__(self, model, params, lr=lr, rules=[rule, *more], **kwargs)
-        if rule.layers is not None:
-            warn_if_no_layers(self, rule.layers, wanted)
-
-
-def damped_inverse(
-    matrix: Tensor,
-    damping: float | Tensor,
-    name: str,
-    *,
-    dtype: torch.dtype = torch.float64,
-    given: float | None = None,
-) -> Tensor:
-    """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major (so
-    a product with it takes the same kernel, the same bits, wherever it was computed). ``damping`` is a
-    number, or one per block; ``given`` the hyperparameter it was derived from, if it differs (an error
-    names both).
-
-    Raises:
-        RuntimeError: If the damped matrix is not positive definite (damping too small).
-    """
-    damped = matrix.to(dtype, copy=True)
-    # (one pass: no identity formed; a damping per block is one per diagonal)
-    damped.diagonal(dim1=-2, dim2=-1).add_(damping[..., None] if isinstance(damping, Tensor) else damping)
-    factor, info = torch.linalg.cholesky_ex(damped)
-    if bool(info.any()):
-        _refuse_not_finite(matrix, name)
-        said = _said(damping, given)
-        largest = float(matrix.abs().max())
-        if bool((torch.as_tensor(damping) < largest * matrix.shape[-1] * torch.finfo(dtype).eps).any()):
-            raise _NotPositiveDefinite(  # (below rounding)
-                name,
-                said,
-                f": their entries reach {largest:.3g}, so the damping is below their rounding error in {dtype}. "
-                "If training is diverging, lower the learning rate; else increase damping.",
-            )
-        raise _NotPositiveDefinite(name, said)
-    # Column-major out of LAPACK and exactly symmetric: its transpose is the row-major inverse, with no copy.
-    return torch.cholesky_inverse(factor).mT.to(matrix.dtype)
-
-
-class _NotPositiveDefinite(RuntimeError):
-    """A damped factor that cannot be inverted (a ``RuntimeError`` to the user); ``why`` says what to do."""
-
-    def __init__(self, name: str, said: str, why: str = "; increase damping.") -> None:
-        message = f"the damped statistics of {name} are not positive definite ({said}){why}"
-        super().__init__(f"{message} No parameter was changed by this step")
-
-
-INVERSES = ("cholesky", "eigh")  # how a Kronecker rule inverts its damped factors
-
-
 def running_average(previous: Tensor | None, new: Tensor, group: dict[str, Any]) -> Tensor:
     """``beta * previous + (1 - beta) * new`` (``beta`` the group's ``stat_decay``; no ``previous``: ``new``),
     in ``new``'s dtype (the model may have changed dtype since: ``model.double()``)."""
@@ -545,50 +470,6 @@ def _sides(layer: Layer) -> dict[str, int]:
 
 def _positive_integer(value: int) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
-
-
-def eigenbasis(matrix: Tensor, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
-    """The eigendecomposition of a symmetric ``matrix`` (or of each block) in ``dtype``, packed as
-    the eigenvectors' ``n`` rows (each column one vector), then the eigenvalues as row ``n`` (those
-    below zero, rounding: the statistics are second moments, as 0).
-
-    Raises:
-        RuntimeError: If the statistics are not finite, or the decomposition does not converge.
-    """
-    _refuse_not_finite(matrix, name)
-    values, vectors = torch.linalg.eigh(matrix.to(dtype))
-    return torch.cat([vectors, values.clamp_min(0).unsqueeze(-2)], dim=-2)
-
-
-def inverse_from_eigenbasis(
-    values: Tensor, vectors: Tensor, damping: float | Tensor, name: str, dtype: torch.dtype, given: float | None = None
-) -> Tensor:
-    """:math:`Q\\,\\mathrm{diag}(1 / (\\lambda_i + \\text{damping}))\\,Q^\\top` in ``dtype``, row-major
-    (``damping`` a number, or one per block; ``given`` the hyperparameter it was derived from).
-
-    Raises:
-        RuntimeError: If an eigenvalue plus the damping is not positive (damping 0 on a singular factor).
-    """
-    shifted = values + torch.as_tensor(damping, dtype=values.dtype, device=values.device)[..., None]
-    if not bool((shifted > 0).all()):
-        raise _NotPositiveDefinite(name, _said(damping, given))
-    return ((vectors / shifted.unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
-
-
-def _said(damping: float | Tensor, given: float | None) -> str:
-    """The damping as an error names it: the hyperparameter, and what was added if that differs."""
-    if given is None or (not isinstance(damping, Tensor) and damping == given):
-        return f"damping={float(damping):g}" if not isinstance(damping, Tensor) else f"damping={damping.tolist()}"
-    added = ", ".join(f"{float(v):.3g}" for v in torch.as_tensor(damping).reshape(-1)[:4])
-    return f"damping={float(given):g}, added to this factor's diagonal as {added}"
-
-
-def _refuse_not_finite(matrix: Tensor, name: str) -> None:
-    if not bool(torch.isfinite(matrix).all()):
-        raise RuntimeError(
-            f"the statistics of {name} are not finite: training has diverged (NaN or inf activations "
-            "or gradients). Lower the learning rate. No parameter was changed by this step"
-        )
 
 
 def _takes_statistics(layer: Layer, due: list[dict[str, Any]]) -> bool:

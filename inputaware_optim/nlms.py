@@ -12,10 +12,11 @@ from torch import Tensor, nn
 from .coverage import layer_treatment
 from .distributed import local_tensor, sharded
 from .inputs import Inputs
-from .kronecker import FactorSums, SGDWithRule, summed_over_ranks, zero_sums
+from .kronecker import FactorSums, summed_over_ranks, zero_sums
 from .layers import bias_of, weight_of
 from .reduction import Reduction
 from .rule import Rule
+from .sgd import SGDWithRule
 
 __all__ = ["NLMS", "InputNormalization"]
 

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
 import torch
+from torch import nn
 
 from .base import InputAwareOptimizer
+from .coverage import warn_if_no_layers
+from .rule import Rule
 
-__all__ = ["InputAwareSGD"]
+__all__ = ["InputAwareSGD", "SGDWithRule"]
 
 
 class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
@@ -24,3 +30,36 @@ class InputAwareSGD(InputAwareOptimizer, torch.optim.SGD):
     """
 
     _stock = torch.optim.SGD
+
+
+class SGDWithRule(InputAwareSGD):
+    """An optimizer made of one built-in rule, its update SGD with momentum (or ``base=``'s): FOOF, K-FAC,
+    Eva and NLMS. ``rules=`` given to it chain after the rule's own."""
+
+    def _construct(
+        self,
+        model: nn.Module,
+        lr: float | None,
+        momentum: float | None,
+        rule: Rule,
+        params: Any,
+        kwargs: dict[str, Any],
+        wanted: str = "layer with a registered Kronecker form (nn.Linear, nn.Conv2d, ...)",
+        default_momentum: float | None = 0.9,
+    ) -> None:
+        if lr is None:
+            raise TypeError(f"{type(self).__name__}(model, lr=...): the learning rate has no default; pass lr")
+        base = kwargs.get("base")
+        if base is None and (momentum is not None or default_momentum is not None):
+            kwargs["momentum"] = default_momentum if momentum is None else momentum  # the rule's SGD default
+        elif (
+            base is not None and momentum is not None
+        ):  # given: to a base that takes it (one that is not a class is refused below)
+            if isinstance(base, type) and "momentum" not in inspect.signature(base).parameters:
+                raise ValueError(f"momentum={momentum} is an argument of SGD; {base.__name__} has none")
+            kwargs["momentum"] = momentum
+        more = kwargs.pop("rules", ())
+        more = [more] if isinstance(more, Rule) else list(more)
+        InputAwareSGD.__init__(self, model, params, lr=lr, rules=[rule, *more], **kwargs)
+        if rule.layers is not None:
+            warn_if_no_layers(self, rule.layers, wanted)

@@ -39,6 +39,17 @@ class Net(nn.Module):
         return self.out(torch.tanh(self.hidden(self.embed(tokens)))).mean(1)
 
 
+class Gain(nn.Module):
+    """A layer no registered kind describes (its per-sample gradients: torch.func, on the whole weight)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight.exp()
+
+
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     return [
@@ -254,10 +265,29 @@ def fsdp_dp_worker(rank: int) -> None:
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg="noise under FSDP2 and DDP")
     assert_same_on_every_rank(trained[0], "DPSGD's noised parameters")
     # A sharded layer without a closed form (its per-sample gradients need the whole weights).
-    norm = nn.LayerNorm(4)
-    fully_shard(norm, mesh=mesh)
-    with pytest.raises(NotImplementedError, match="per-sample gradients of norm under FSDP2"):
-        DPSGD(nn.Sequential(OrderedDict(proj=nn.Linear(3, 4), norm=norm)), lr=0.1)
+    gain = Gain(4)
+    fully_shard(gain, mesh=mesh)
+    with pytest.raises(NotImplementedError, match="per-sample gradients of gain under FSDP2"):
+        DPSGD(nn.Sequential(OrderedDict(proj=nn.Linear(3, 4), gain=gain)), lr=0.1)
+    # LayerNorm's closed form reads the inputs and output gradients only: sharded, it is exact.
+    normed = []
+    for sharded in (True, False):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.Linear(4, 2)).double()
+        if sharded:
+            fully_shard(net[1], mesh=mesh)
+            fully_shard(net, mesh=mesh)
+        samples = BATCH // WORLD if sharded else BATCH
+        whole = {} if sharded else {"process_group": None}
+        dp = DPSGD(net, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=samples, **whole)
+        x = torch.randn(BATCH, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        for _ in range(STEPS):
+            dp.zero_grad()
+            net(x[part] if sharded else x).pow(2).sum(1).mean().backward()
+            dp.step()
+        normed.append([p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in net.parameters()])
+    for p, q in zip(*normed, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg="DPSGD over a sharded LayerNorm")
     # HSDP (a 2-D mesh): the batch count and the noise would be combined over one dimension only.
     model = sharded_net(init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard")))
     with pytest.raises(NotImplementedError, match="over a 1-D mesh only"):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from inputaware_optim import FOOF, KFAC, Eva
-from inputaware_optim.kronecker import damped_inverse, eigenbasis, inverse_from_eigenbasis
+from inputaware_optim.inverses import damped_inverse, eigenbasis, inverse_from_eigenbasis
 
 from .references import backward_with_inputs, preconditioned_sgd_step, with_ones
 

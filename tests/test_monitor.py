@@ -1230,7 +1230,8 @@ def test_monitor_and_finder_share_one_capture_one_hook_per_module(optimizer: str
 
 
 def test_per_tensor_norms_equal_vector_norm_and_torch_still_has_its_fused_form() -> None:
-    from inputaware_optim.monitor import _all_finite, _per_tensor_norms
+    from inputaware_optim.monitor import _per_tensor_norms
+    from inputaware_optim.nonfinite import _all_finite
 
     tensors = [
         torch.randn(*shape, generator=torch.Generator().manual_seed(i))
@@ -1261,7 +1262,7 @@ def test_the_picture_names_layers_has_a_title_colour_bars_and_shows_zero_as_a_va
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from inputaware_optim.monitor import PLOTTED, _figure
+    from inputaware_optim.plot import PLOTTED, _figure
 
     records: list[dict[str, Any]] = []
     model = mlp()

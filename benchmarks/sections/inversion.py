@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inputaware_optim.kronecker import damped_inverse, eigenbasis, inverse_from_eigenbasis
+from inputaware_optim.inverses import damped_inverse, eigenbasis, inverse_from_eigenbasis
 
 from ..core import Config, Progress, Result, Section, Table, Target, format_seconds
 from ..timing import interleave

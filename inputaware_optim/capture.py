@@ -5,7 +5,6 @@ calls: ``keep_calls``; ``Reduction`` statistics); with neither, no hook is attac
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -30,6 +29,7 @@ from ._torch import (
     tree_unflatten,
 )
 from .inputs import Call, Inputs, UncapturedInputsWarning
+from .ledger import Entry, GradientLedger
 from .reduction import Reduction
 
 __all__ = ["Capture", "Storage", "module_names", "parameter_names", "unwrap_model"]
@@ -69,72 +69,14 @@ class _Record:
 
 
 @dataclasses.dataclass(slots=True, eq=False)
-class _Key:
-    """What one parameter's gradient holds: its calls and reduced statistics (``param`` ``None``: a
-    watched module that owns no parameter, whose calls count from their backward until released)."""
-
-    param: Tensor | None
-    calls: list[_Record] = dataclasses.field(default_factory=list)
-    totals: dict[Reduction, Any] = dataclasses.field(default_factory=dict)
-    grad: weakref.ref[Tensor] | None = None  # the gradient seen at the last commit
-    released: weakref.ref[Tensor] | None = None  # the gradient whose calls the last step released
-    version: int = 0
-    accumulator: Any = None  # the parameter's AccumulateGrad node, once asked for
-
-    def state(self) -> tuple[int, int, Tensor | None]:
-        """The gradient's id, version and itself (kept alive, it keeps its id): ``!=`` compares ids, never tensors."""
-        grad = self.param.grad if self.param is not None else None
-        return (id(grad), -1 if grad is None else grad._version, grad)
-
-    def holds(self) -> bool:
-        return bool(self.calls or self.totals)
-
-    def drop(self) -> None:
-        self.calls, self.totals, self.grad = [], {}, None
-
-    def status(self) -> str:
-        """Since the last commit: ``"same"``, ``"replaced"`` (cleared), ``"scaled"`` (changed in place,
-        not all zeros) or ``"zeroed"`` (in place, all zeros: cleared, or a zero gradient rescaled)."""
-        grad = self.param.grad if self.param is not None else None
-        if grad is None or self.grad is None or self.grad() is not grad:
-            return "replaced"
-        if grad._version == self.version:
-            return "same"
-        values = grad.coalesce().values() if grad.is_sparse else grad
-        if values.numel() == 0:
-            return "same"
-        return "scaled" if bool(values.any()) else "zeroed"
-
-    def reach(self) -> str:
-        """What the current pass does with this gradient: accumulates it, returns it (``autograd.grad``) or skips it."""
-        if self.param is not None and not self.param.requires_grad:
-            return _torch.SKIPS
-        if self.find_accumulator() is None:
-            return _torch.ACCUMULATES  # no parameter, or none to ask (compiled code's backward): as a plain backward
-        return _torch.pass_reaches(self.accumulator)
-
-    def find_accumulator(self) -> Any:
-        """The parameter's ``AccumulateGrad`` node, looked up once (compiled code's backward cannot), or ``None``."""
-        if self.accumulator is None and self.param is not None and self.param.requires_grad:
-            with contextlib.suppress(Exception):  # (a tensor subclass or mode without one)
-                self.accumulator = torch.autograd.graph.get_gradient_edge(self.param).node
-        return self.accumulator
-
-    def commit(self) -> None:
-        grad = self.param.grad if self.param is not None else None
-        if grad is not None:
-            self.grad, self.version = weakref.ref(grad), grad._version
-
-
-@dataclasses.dataclass(slots=True, eq=False)
 class _Task:
     """One backward pass: the calls it reached, each gradient before it, and its loss scale (or ``None``)."""
 
     scale: float | None
     records: list[_Record] = dataclasses.field(default_factory=list)
-    before: dict[_Key, Any] = dataclasses.field(default_factory=dict)
-    kinds: dict[_Key, str] = dataclasses.field(default_factory=dict)  # what the pass does with each key (reach)
-    returned: dict[_Key, Tensor] = dataclasses.field(default_factory=dict)  # what torch.autograd.grad returns
+    before: dict[Entry, Any] = dataclasses.field(default_factory=dict)
+    kinds: dict[Entry, str] = dataclasses.field(default_factory=dict)  # what the pass does with each key (reach)
+    returned: dict[Entry, Tensor] = dataclasses.field(default_factory=dict)  # what torch.autograd.grad returns
     handles: list[RemovableHandle] = dataclasses.field(default_factory=list)  # the tensor hooks that see those
     # The pass accumulated into some .grad: it does into the others it reaches (not asked again).
     accumulates: bool = False
@@ -153,17 +95,14 @@ class _Log:
         self.readers: dict[nn.Module, tuple[Reduction, ...]] = {}
         # module -> what its readers need: (output gradients, inputs kept, a forward, a backward)
         self.needs: dict[nn.Module, tuple[bool, bool, bool, bool]] = {}
-        self.own_keys: dict[nn.Module, tuple[_Key, ...]] = {}  # module -> its own parameters' keys
+        self.own_keys: dict[nn.Module, tuple[Entry, ...]] = {}  # module -> its own parameters' keys
         self.producers: dict[nn.Module, tuple[Reduction, ...]] = {}  # readers with Reduction.produced
-        self.keys_of: dict[nn.Module, tuple[_Key, ...]] = {}  # own keys and those its readers name
-        self.keys: dict[Tensor, _Key] = {}
+        self.keys_of: dict[nn.Module, tuple[Entry, ...]] = {}  # own keys and those its readers name
+        self.ledger = GradientLedger()  # what each parameter's gradient holds
         self.tasks: dict[int, _Task] = {}
         self.counter = itertools.count()
         self.forwards = 0
         self.input_shapes: dict[int, list[torch.Size]] | None = None  # by forward, once a reader asked
-        self.generation = 0  # bumped whenever what the keys hold changes
-        self.filled = False  # some key was given calls, statistics or a gradient since the last clear
-        self.released_some = False  # the last clear released what some key held
         self.error: str | Exception | None = None
         self.grad_scaler: Any = None
         self.keep_outputs = False  # some reduction reads call.output (compiled code keeps it until backward)
@@ -173,9 +112,6 @@ class _Log:
         self.compiled: dict[int, _Record] = {}
         # Checkpointed calls whose readers wait for the re-run's inputs, by (region, module).
         self.awaiting: dict[tuple[int, nn.Module], collections.deque[_Record]] = {}
-        # What a gradient autograd.grad returned holds, by id of the tensor, until it is assigned to .grad or dies.
-        self.returned: dict[int, _Key] = {}
-        self.rescaled = False  # some gradient was rescaled in place since the last commit
         self.watchers: dict[nn.Module, tuple[Callable[..., Any], ...]] = {}  # Capture.watch
         self.openers: tuple[Callable[..., Any], ...] = ()
 
@@ -190,9 +126,9 @@ class _Log:
         own = self.own_keys.get(module, ())
         below = {id(p) for p in module.parameters()}  # a child's parameters, not another module's
         named = [p for r in readers for p in r.keys(module) if id(p) in below and not any(k.param is p for k in own)]
-        keys = (*own, *(self.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(named)))
+        keys = (*own, *(self.ledger.entry(p) for p in dict.fromkeys(named)))
         if keys or not any(k.param is None for k in self.keys_of.get(module, ())):
-            self.keys_of[module] = keys or (_Key(None),)
+            self.keys_of[module] = keys or (Entry(None),)
         self.producers[module] = tuple(r for r in readers if type(r).produced is not Reduction.produced)
         if not self.producers[module]:
             del self.producers[module]
@@ -207,38 +143,6 @@ class _Log:
             any(type(r).forward is not Reduction.forward for r in readers),
             any(type(r).backward is not Reduction.backward for r in readers),
         )
-
-    def refresh_keys(self) -> None:
-        """Drop what cleared gradients held; a returned gradient assigned to ``.grad`` gets its calls."""
-        changed = bool(self.returned) and any([self._adopt(key) for key in self.keys.values()])
-        statuses = {key: key.status() for key in self.keys.values() if key.holds()}
-        self.rescaled = self.rescaled or "scaled" in statuses.values()
-        if not self.rescaled and "zeroed" in statuses.values():
-            # A clear zeroes every gradient it reaches; a rescaling of a zero gradient leaves the others
-            # nonzero: a rescaling if another gradient committed since was rescaled too.
-            others = (k for k in self.keys.values() if k.grad is not None and statuses.get(k) != "zeroed")
-            self.rescaled = any(k.status() == "scaled" for k in others)
-        for key, status in statuses.items():
-            if status == "replaced" or (status == "zeroed" and not self.rescaled):
-                key.drop()
-                changed = True
-            elif status != "same":  # rescaled in place: it holds the same calls
-                key.version = key.param.grad._version  # type: ignore[union-attr]
-        if changed:
-            self.generation += 1
-
-    def _adopt(self, key: _Key) -> bool:
-        """If ``key``'s gradient is a tensor ``autograd.grad`` returned, give it that pass's calls."""
-        grad = key.param.grad if key.param is not None else None
-        if grad is None or (key.grad is not None and key.grad() is grad):
-            return False
-        entry = self.returned.get(id(grad))
-        if entry is None or entry.param is not key.param or entry.grad is None or entry.grad() is not grad:
-            return False
-        del self.returned[id(grad)]
-        self.filled = True
-        key.calls, key.totals, key.grad, key.version = entry.calls, entry.totals, entry.grad, entry.version
-        return True
 
     def open_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.inert:
@@ -370,7 +274,7 @@ class _Log:
             # end_backward queued at the pass's end: it runs after callbacks queued later (DDP, FSDP)
             end = functools.partial(self.end_backward, task_id)
             _torch.queue_end_of_backward(functools.partial(_torch.queue_end_of_backward, end))
-            self.refresh_keys()  # before the pass accumulates into any gradient (a later look: a rescaling)
+            self.ledger.refresh()  # before the pass accumulates into any gradient (a later look: a rescaling)
         if record.task is None:
             self._join(record, task, task_id)
         elif record.task != task_id:
@@ -444,29 +348,15 @@ class _Log:
         self._release_records(task, waiting)
         self._commit(task, changed, snapshots, finished)
 
-    def _commit(self, task: _Task, changed: set[_Key], snapshots: dict[int, _Record], finished: Any) -> None:
-        """The gradients the pass changed now hold its calls and their statistics; a gradient ``autograd.grad``
-        returned holds its own (until assigned to ``.grad``)."""
-        for key, grad in task.returned.items():
-            if key not in changed and key.param is not None:
-                kept = [r for r in task.records if key in self.keys_of.get(r.module, ())] if self.keep_calls else []
-                totals = {r: t[key.param] for r, t in finished if key.param in t}
-                calls = [snapshots.get(id(r), r) for r in kept]
-                self.returned[id(grad)] = _Key(key.param, calls, totals, weakref.ref(grad), version=grad._version)
-                weakref.finalize(grad, self.returned.pop, id(grad), None)  # (once dead, its id may be reused)
+    def _commit(self, task: _Task, changed: set[Entry], snapshots: dict[int, _Record], finished: Any) -> None:
+        """The ledger's commit of the pass: the calls of each entry it reached, a returned gradient's own."""
+        reached = {key: [r for r in task.records if key in self.keys_of.get(r.module, ())] for key in task.kinds}
+        returned = {
+            key: (grad, [snapshots.get(id(r), r) for r in reached.get(key, ())] if self.keep_calls else [])
+            for key, grad in task.returned.items()
+        }
         task.returned.clear()
-        self.filled = self.filled or bool(changed)
-        for key in changed:
-            key.commit()
-            if self.keep_calls:
-                new = [r for r in task.records if key in self.keys_of.get(r.module, ())]
-                key.calls = sorted([*key.calls, *new], key=lambda r: r.index)
-            for reduction, by_param in finished:
-                if key.param is not None and key.param in by_param:
-                    key.totals[reduction] = reduction.combine(key.totals.get(reduction), by_param[key.param])
-        if changed:
-            self.generation += 1
-            self.rescaled = False
+        self.ledger.commit(changed, reached if self.keep_calls else None, returned, finished)
 
     def _settle_records(self, task: _Task) -> None:
         """A checkpointed call never recomputed is an error; one with outputs that got no gradient is reduced."""
@@ -588,16 +478,10 @@ class _Log:
                     bound.check = _versions(args, kwargs or {})
 
     def clear(self) -> None:
-        if self.filled or self.released_some:  # (else no key holds or released anything: nothing read)
-            for key in {*self.keys.values(), *(k for keys in self.keys_of.values() for k in keys)}:
-                key.released = key.grad if key.holds() else None  # a later read of this gradient: stepped twice
-                key.drop()
-            self.released_some, self.filled = self.filled, False
+        self.ledger.release({*self.ledger.entries.values(), *(k for keys in self.keys_of.values() for k in keys)})
         self.head = self.error = None
         self.compiled.clear()
         self.awaiting.clear()
-        self.rescaled = False
-        self.generation += 1
 
 
 # Compiled code keeps no count of forwards (read in traced code, it would be a guard: a recompile per
@@ -751,7 +635,7 @@ def _shutdown(log: _Log, handles: dict[Any, RemovableHandle]) -> None:
     # Compiled code that inlined the hooks guards on `enabled`: it stops recording into a log nobody reads.
     log.enabled = False
     log.clear()
-    log.returned.clear()
+    log.ledger.returned.clear()
     for handle in handles.values():
         handle.remove()
     handles.clear()
@@ -844,7 +728,7 @@ class Capture:
             params = [p for p in module._parameters.values() if p is not None]
             for param in params:
                 self._owners[param] = tuple(sorted((*self._owners.get(param, ()), module), key=order.__getitem__))
-            log.own_keys[module] = tuple(log.keys.setdefault(p, _Key(p)) for p in dict.fromkeys(params))
+            log.own_keys[module] = tuple(log.ledger.entry(p) for p in dict.fromkeys(params))
             log.set_readers(module, tuple(r for r in log.reductions if r.wants(module)))
         self._sync_hooks()
 
@@ -865,10 +749,7 @@ class Capture:
                 self._owners[param] = kept
             else:
                 del self._owners[param]
-        live = {key for keys in log.keys_of.values() for key in keys}
-        for param in [p for p, key in log.keys.items() if key not in live]:
-            del log.keys[param]
-        log.generation += 1
+        log.ledger.forget({key for keys in log.keys_of.values() for key in keys})
         self._sync_hooks()
 
     def _part_of_model(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -928,7 +809,7 @@ class Capture:
         if bool(value) != self._log.keep_calls:
             self._log.keep_calls = bool(value)
             self.clear()
-            self._log.returned.clear()  # (kept with or without raw calls as it was)
+            self._log.ledger.returned.clear()  # (kept with or without raw calls as it was)
             self._sync_hooks()
 
     @property
@@ -971,7 +852,7 @@ class Capture:
         log.keep_outputs = any(r.reads_output for r in log.reductions)
         for module, readers in list(log.readers.items()):
             log.set_readers(module, tuple(r for r in readers if r is not reduction))
-        for key in log.keys.values():
+        for key in log.ledger.entries.values():
             key.totals.pop(reduction, None)
         if not keep_hooks:
             self._sync_hooks()
@@ -1005,7 +886,7 @@ class Capture:
             for param in dict.fromkeys(p for r in readers for p in r.keys(module) if r.receives(module, p)):
                 if ("arrived", id(param)) not in handles and param.requires_grad:
                     handles["arrived", id(param)] = param.register_hook(functools.partial(log.arrived, param))
-        for key in log.keys.values():  # asked for now: compiled code's backward cannot look them up
+        for key in log.ledger.entries.values():  # asked for now: compiled code's backward cannot look them up
             key.find_accumulator()
 
     def _sync_forward_hooks(self) -> None:
@@ -1081,13 +962,11 @@ class Capture:
             except Exception:  # an exception type that takes other arguments
                 again = RuntimeError(f"{type(error).__name__}: {message}")
             raise again from error
-        self._log.refresh_keys()
+        self._log.ledger.refresh()
 
     def _gradients_rescaled(self) -> None:
         """The optimizer rescaled the gradients in place (unscaling): they still hold the same calls."""
-        for param, key in self._log.keys.items():
-            if key.holds() and param.grad is not None and key.grad is not None and key.grad() is param.grad:
-                key.version = param.grad._version
+        self._log.ledger.rescaled_in_place()
 
     def calls(self) -> list[Call]:
         """The calls whose gradient the parameters hold now, in capture order (tensors detached).
@@ -1101,21 +980,23 @@ class Capture:
         """The committed calls in order and by parameter (one tuple object per generation)."""
         self.refresh()
         log = self._log
-        if self._cache[0] != log.generation or log.storage == "reference":  # (copies are checked once)
+        generation = log.ledger.generation
+        if self._cache[0] != generation or log.storage == "reference":  # (copies are checked once)
             records = {id(r): r for keys in log.keys_of.values() for key in keys for r in key.calls}
             ordered = sorted(records.values(), key=lambda r: r.index)
             for index, record in enumerate(ordered):
                 self._check_record(record, index)
-            if self._cache[0] != log.generation:
+            if self._cache[0] != generation:
                 calls = {id(r): r.view() for r in ordered}
-                by_param = {param: [calls[id(r)] for r in key.calls] for param, key in log.keys.items() if key.calls}
-                self._cache = (log.generation, (list(calls.values()), by_param))
+                entries = log.ledger.entries
+                by_param = {param: [calls[id(r)] for r in key.calls] for param, key in entries.items() if key.calls}
+                self._cache = (generation, (list(calls.values()), by_param))
         return self._cache[1]
 
     def reduced(self, reduction: Reduction) -> dict[Tensor, Any]:
         """What ``reduction`` holds now, per parameter (statistics of the calls in its gradient)."""
         self.refresh()
-        return {param: key.totals[reduction] for param, key in self._log.keys.items() if reduction in key.totals}
+        return self._log.ledger.totals(reduction)
 
     def inputs(self) -> Inputs:
         """A snapshot of what is captured now, as ``Inputs``."""
@@ -1149,8 +1030,7 @@ class Capture:
             return  # (an all-zero gradient: any rule's update of it is the stock one; say, a checkpointer's state init)
         warned.update(id(m) for m in modules)
         names = ", ".join(f"{self.name(m)} ({type(m).__name__})" for m in modules)
-        key = self._log.keys.get(param)
-        if key is not None and key.released is not None and key.released() is param.grad:
+        if self._log.ledger.released(param):
             message = (
                 f"a rule asked for the inputs of {names}, but its gradient was already stepped with: the previous "
                 "step() released its calls and no backward ran since. Step once per backward; the rule gets None "

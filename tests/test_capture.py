@@ -387,9 +387,9 @@ def test_a_copied_model_neither_carries_captures_nor_records() -> None:
     model(torch.randn(3, 4)).sum().backward()
     for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         logs = [h.__self__ for m in twin.modules() for h in m._forward_hooks.values() if hasattr(h, "__self__")]
-        assert logs and all(not log.keys and not log.enabled for log in logs)
+        assert logs and all(not log.ledger.entries and not log.enabled for log in logs)
         twin(torch.randn(3, 4)).sum().backward()
-        assert all(not log.keys and not log.tasks for log in logs)
+        assert all(not log.ledger.entries and not log.tasks for log in logs)
         assert all(not m._forward_hooks and not m._forward_pre_hooks for m in twin.modules())  # came off
     assert len(optimizer.capture.calls()) == 2  # the original is untouched
 

@@ -19,14 +19,20 @@ from .reduction import Reduction
 __all__ = ["ExpertLoads", "LoadBalancing"]
 
 
+# What a selection of experts may be: integer indices (a bool mask is not, nor are scores).
+_INTEGER_DTYPES = frozenset(
+    {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64}
+)
+
+
 def _first_integer_tensor(call: Call) -> Tensor:
     outputs = call.output if isinstance(call.output, (tuple, list)) else (call.output,)
     for output in outputs:
-        if isinstance(output, Tensor) and not output.is_floating_point() and not output.is_complex():
+        if isinstance(output, Tensor) and output.dtype in _INTEGER_DTYPES:
             return output
     raise TypeError(
-        f"{type(call.module).__name__} returned no integer tensor of selected experts; pass "
-        "selected=lambda call: ... (the experts each token was routed to, from call.output)"
+        f"{type(call.module).__name__} returned no integer tensor of selected experts (a bool mask is not one); "
+        "pass selected=lambda call: ... (the experts each token was routed to, from call.output)"
     )
 
 
@@ -45,8 +51,20 @@ class ExpertLoads(Reduction):
         return module in self.experts
 
     def forward(self, call: Call) -> Tensor:
-        chosen = self.selected(call).reshape(-1)
-        return torch.bincount(chosen, minlength=self.experts[call.module]).to(torch.float64)
+        chosen, experts = self.selected(call), self.experts[call.module]
+        if not isinstance(chosen, Tensor) or chosen.dtype not in _INTEGER_DTYPES:
+            what = f"a {chosen.dtype} tensor" if isinstance(chosen, Tensor) else type(chosen).__name__
+            raise TypeError(
+                f"selected= gave {what} for a call of {type(call.module).__name__}; it must give an integer tensor "
+                "of the experts each token was routed to (top-k indices, not a mask or scores)"
+            )
+        counts = torch.bincount(chosen.reshape(-1).long(), minlength=experts)
+        if len(counts) > experts:
+            raise ValueError(
+                f"selected= gave expert {len(counts) - 1} for a call of {type(call.module).__name__}, whose bias "
+                f"has {experts} entries (experts 0 to {experts - 1})"
+            )
+        return counts.to(torch.float64)
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         return (self.key[module],)

@@ -207,3 +207,59 @@ def test_under_ddp_the_loads_are_summed_over_the_ranks() -> None:
     from .test_distributed import run_two_processes
 
     run_two_processes(_ddp_worker)
+
+
+# -- what the router returned -------------------------------------------------------------------------------------
+
+
+class MaskRouter(Router):
+    """Returns ``(weights, mask, indices)``: the bool mask comes first."""
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        weights, indices = super().forward(x)
+        mask = torch.zeros(len(x), EXPERTS, dtype=torch.bool).scatter_(1, indices, True)
+        return weights, mask, indices
+
+
+class Routed(nn.Module):
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = router
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(x)[0].pow(2).sum()
+
+
+def test_the_default_selection_is_the_first_integer_tensor_not_a_bool_mask() -> None:
+    model = Routed(MaskRouter())
+    optimizer = InputAwareSGD(model, lr=0.0)
+    LoadBalancing([model.router], update_rate=0.01).attach(optimizer)
+    x = torch.randn(32, DIM, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        load = torch.bincount(model.router(x)[2].reshape(-1), minlength=EXPERTS).double()
+    model(x).backward()
+    optimizer.step()
+    assert torch.equal(model.router.expert_bias, 0.01 * torch.sign(load.mean() - load).float())
+
+
+class ScoresOnly(Router):
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        weights, indices = super().forward(x)
+        return weights, indices > 1  # no integer tensor: weights and a bool mask
+
+
+@pytest.mark.parametrize(
+    ("router", "selected"),
+    [(ScoresOnly, None), (Router, lambda call: call.output[0]), (Router, lambda call: call.output[1] + EXPERTS)],
+    ids=["no integer tensor", "floating", "out of range"],
+)
+def test_an_unusable_selection_is_an_error_naming_selected(router: type[nn.Module], selected: Any) -> None:
+    model = Routed(router())
+    optimizer = InputAwareSGD(model, lr=0.1)
+    LoadBalancing([model.router], update_rate=0.01, selected=selected).attach(optimizer)
+    model(torch.randn(8, DIM)).backward()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises((TypeError, ValueError), match=r"selected="):
+        optimizer.step()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

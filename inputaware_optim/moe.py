@@ -37,8 +37,9 @@ def _first_integer_tensor(call: Call) -> Tensor:
 
 
 class ExpertLoads(Reduction):
-    """Tokens each expert received, per router: a bincount of each router call's selected experts,
-    kept under the router's first trained parameter while its gradient holds the call."""
+    """Tokens each expert received, per router: a bincount of each router call's selected experts, as
+    ``{router: counts}`` kept under the router's trained parameter (``key[router]``) while its gradient holds
+    the call. Routers sharing that parameter (one gate) keep their own counts under it."""
 
     reads_output = True
 
@@ -50,7 +51,7 @@ class ExpertLoads(Reduction):
     def wants(self, module: nn.Module) -> bool:
         return module in self.experts
 
-    def forward(self, call: Call) -> Tensor:
+    def forward(self, call: Call) -> dict[nn.Module, Tensor]:
         chosen, experts = self.selected(call), self.experts[call.module]
         if not isinstance(chosen, Tensor) or chosen.dtype not in _INTEGER_DTYPES:
             what = f"a {chosen.dtype} tensor" if isinstance(chosen, Tensor) else type(chosen).__name__
@@ -64,7 +65,7 @@ class ExpertLoads(Reduction):
                 f"selected= gave expert {len(counts) - 1} for a call of {type(call.module).__name__}, whose bias "
                 f"has {experts} entries (experts 0 to {experts - 1})"
             )
-        return counts.to(torch.float64)
+        return {call.module: counts.to(torch.float64)}
 
     def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
         return (self.key[module],)
@@ -170,12 +171,13 @@ class LoadBalancing:
                 call explains (its loads are unknown).
         """
         assert self.loads is not None
+        key = self.loads.key
         totals = inputs.reduced(self.loads)
-        counts = [totals.get(self.loads.key[r]) for r in self.routers]
+        counts = [totals.get(key[r], {}).get(r) for r in self.routers]
         unexplained = [
             optimizer.capture.name(r)
-            for r, count in zip(self.routers, counts, strict=True)
-            if count is None and (grad := self.loads.key[r].grad) is not None and bool(grad.any())
+            for r in self.routers
+            if key[r] not in totals and (grad := key[r].grad) is not None and bool(grad.any())
         ]
         if unexplained:
             raise RuntimeError(

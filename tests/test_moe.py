@@ -86,7 +86,8 @@ class Seen:
 
     def __call__(self, optimizer: Any, inputs: Any) -> None:
         assert self.balancing.loads is not None
-        self.loads.append(inputs.reduced(self.balancing.loads)[self.balancing.loads.key[optimizer.model.moe.router]])
+        router = optimizer.model.moe.router
+        self.loads.append(inputs.reduced(self.balancing.loads)[self.balancing.loads.key[router]][router])
 
 
 def attach(model: Net, optimizer: Any, rate: float = 0.01) -> tuple[LoadBalancing, Seen]:
@@ -263,3 +264,50 @@ def test_an_unusable_selection_is_an_error_naming_selected(router: type[nn.Modul
     with pytest.raises((TypeError, ValueError), match=r"selected="):
         optimizer.step()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+# -- routers sharing one gate -------------------------------------------------------------------------------------
+
+
+class SharedGate(nn.Module):
+    """Two routers, one gate: the second routes the first half of the tokens, negated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(3, DIM)
+        self.first, self.second = Router(), Router()
+        self.second.gate = self.first.gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.routed(torch.tanh(self.embed(x)))
+        return first[0].pow(2).sum() + second[0].pow(2).sum()
+
+    def routed(self, h: torch.Tensor) -> tuple[Any, Any]:
+        return self.first(h), self.second(-h[: len(h) // 2])
+
+
+def test_routers_sharing_a_gate_count_their_own_calls() -> None:
+    # Both were given the sum of their loads ([9, 2, 21, 16] and [24, 24, 0, 0] became [33, 26, 21, 16]).
+    model = SharedGate()
+    optimizer = InputAwareSGD(model, lr=0.0)
+    routers = [model.first, model.second]
+    balancing = LoadBalancing(routers, update_rate=0.01)
+    balancing.attach(optimizer)
+    seen: list[Any] = []
+    optimizer.register_inputs_hook(
+        lambda _, inputs: seen.append(inputs.reduced(balancing.loads)), reads=balancing.loads
+    )
+    x = data(0, tokens=48)
+    with torch.no_grad():
+        expected = [
+            torch.bincount(i.reshape(-1), minlength=EXPERTS).double() for _, i in model.routed(model.embed(x).tanh())
+        ]
+    assert not torch.equal(expected[0], expected[1])
+    model(x).backward()
+    optimizer.step()
+    for router, load in zip(routers, expected, strict=True):
+        assert torch.equal(router.expert_bias, 0.01 * torch.sign(load.mean() - load).float())
+    assert balancing.loads is not None
+    for router, load in zip(routers, expected, strict=True):
+        torch.testing.assert_close(seen[-1][balancing.loads.key[router]][router], load, rtol=0, atol=0)

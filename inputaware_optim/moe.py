@@ -167,11 +167,19 @@ class LoadBalancing:
         """The pre-step hook: count each router's loads (summed over ranks) and move its bias.
 
         Raises:
-            RuntimeError: Before any change, if a router's parameter has gradient that no captured
-                call explains (its loads are unknown).
+            RuntimeError: Before any change, if the parameter a router was attached by no longer trains,
+                or has gradient that no captured call explains (its loads are unknown).
         """
         assert self.loads is not None
         key = self.loads.key
+        trained = {p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+        frozen = [_untrained(optimizer, r, key[r]) for r in self.routers if key[r] not in trained]
+        if frozen:
+            raise RuntimeError(
+                f"{'; '.join(frozen)}: requires_grad is False, or it left the optimizer's param groups, so the "
+                "router's calls cannot be tied to a step and its loads are unknown; no bias was moved. Train it "
+                "again, or remove() the handle attach() returned and attach a LoadBalancing of the other routers"
+            )
         totals = inputs.reduced(self.loads)
         counts = [totals.get(key[r], {}).get(r) for r in self.routers]
         unexplained = [
@@ -193,3 +201,12 @@ class LoadBalancing:
                 continue  # no token reached it this step
             table = getattr(router, self.bias)
             table.add_(torch.sign(load.mean() - load).to(table.dtype), alpha=self.update_rate)
+
+
+def _untrained(optimizer: Any, router: nn.Module, param: Tensor) -> str:
+    """``router (router.gate.weight no longer trains)``: the parameter a router was attached by, named."""
+    name = optimizer.capture.name(router)
+    local = next(
+        (f"{name}.{n}" for n, p in router.named_parameters() if p is param), "the parameter it was attached by"
+    )
+    return f"{name} ({local} no longer trains)"

@@ -311,3 +311,27 @@ def test_routers_sharing_a_gate_count_their_own_calls() -> None:
     assert balancing.loads is not None
     for router, load in zip(routers, expected, strict=True):
         torch.testing.assert_close(seen[-1][balancing.loads.key[router]][router], load, rtol=0, atol=0)
+
+
+# -- a gate frozen after attach -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["requires_grad", "removed from the optimizer"])
+def test_a_gate_frozen_after_attach_is_refused_before_any_change(how: str) -> None:
+    model = Net()
+    optimizer = InputAwareSGD(model, lr=0.1)
+    attach(model, optimizer)
+    gate = model.moe.router.gate.weight
+    if how == "requires_grad":
+        gate.requires_grad_(False)
+    else:
+        group = optimizer.param_groups[0]
+        group["params"] = [p for p in group["params"] if p is not gate]
+    optimizer.zero_grad()
+    model(data(0)).pow(2).mean().backward()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(
+        RuntimeError, match=r"moe\.router \(moe\.router\.gate\.weight no longer trains\): requires_grad is False"
+    ):
+        optimizer.step()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

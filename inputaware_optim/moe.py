@@ -168,7 +168,7 @@ class LoadBalancing:
 
         Raises:
             RuntimeError: Before any change, if the parameter a router was attached by no longer trains,
-                or has gradient that no captured call explains (its loads are unknown).
+                or has gradient that no captured call on any rank explains (its loads are unknown).
         """
         assert self.loads is not None
         key = self.loads.key
@@ -182,20 +182,24 @@ class LoadBalancing:
             )
         totals = inputs.reduced(self.loads)
         counts = [totals.get(key[r], {}).get(r) for r in self.routers]
+        # Every rank joins with every router, zeros where its batch reached none.
+        device = getattr(self.routers[0], self.bias).device
+        shapes = [(self.loads.experts[r],) for r in self.routers]
+        summed = all_ranks_sum(counts, shapes, optimizer.data_parallel_group, device)
+        # A gradient is explained by a call on some rank (DDP's all-reduce brings it to a rank that had none).
+        tokens: dict[Tensor, float] = {}
+        for router, load in zip(self.routers, summed, strict=True):
+            tokens[key[router]] = tokens.get(key[router], 0.0) + (0.0 if load is None else float(load.sum()))
         unexplained = [
             optimizer.capture.name(r)
             for r in self.routers
-            if key[r] not in totals and (grad := key[r].grad) is not None and bool(grad.any())
+            if not tokens[key[r]] and (grad := key[r].grad) is not None and bool(grad.any())
         ]
         if unexplained:
             raise RuntimeError(
                 f"{', '.join(unexplained)} got gradient from no captured call (called under no_grad, or its "
                 "weight used without calling it), so its loads are unknown; no bias was moved"
             )
-        # Every rank joins with every router, zeros where its batch reached none.
-        device = getattr(self.routers[0], self.bias).device
-        shapes = [(self.loads.experts[r],) for r in self.routers]
-        summed = all_ranks_sum(counts, shapes, optimizer.data_parallel_group, device)
         for router, load in zip(self.routers, summed, strict=True):
             if load is None or not bool(load.any()):
                 continue  # no token reached it this step

@@ -335,3 +335,41 @@ def test_a_gate_frozen_after_attach_is_refused_before_any_change(how: str) -> No
     ):
         optimizer.step()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+# -- conditional compute under DDP --------------------------------------------------------------------------------
+
+
+class SometimesSkips(Net):
+    """A batch that skips the MoE block (conditional compute): the router gets its gradient from DDP alone."""
+
+    def __init__(self, skips: bool) -> None:
+        super().__init__()
+        self.skips = skips
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(x))) if self.skips else super().forward(x)
+
+
+def _ddp_skipping_worker(rank: int) -> None:
+    model = DistributedDataParallel(SometimesSkips(skips=rank == 1), find_unused_parameters=True)
+    optimizer = InputAwareSGD(model, lr=0.0)
+    LoadBalancing([model.module.moe.router], update_rate=0.01).attach(optimizer)
+    expected = hand_count(model.module, data(0))  # rank 0's tokens, the only ones routed
+    model(data(rank)).pow(2).mean().backward()
+    assert model.module.moe.router.gate.weight.grad is not None  # from DDP's all-reduce on rank 1
+    optimizer.step()
+    bias = model.module.moe.router.expert_bias
+    torch.testing.assert_close(bias, 0.01 * torch.sign(expected.mean() - expected).float(), rtol=0, atol=0)
+    gathered = [torch.zeros_like(bias) for _ in range(2)]
+    dist.all_gather(gathered, bias)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_under_ddp_a_rank_whose_batch_skips_the_block_joins_with_zeros() -> None:
+    # It raised "got gradient from no captured call" (the gradient came from DDP's all-reduce), and the
+    # other rank died in the collective.
+    from .test_distributed import run_two_processes
+
+    run_two_processes(_ddp_skipping_worker)

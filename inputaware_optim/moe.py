@@ -81,7 +81,10 @@ class LoadBalancing:
 
     with :math:`c_i` the tokens expert :math:`i` received in the step, counted from the router
     calls whose gradient the step applies (exact under activation checkpointing, gradient
-    accumulation and evaluation forwards; summed over data-parallel ranks).
+    accumulation and evaluation forwards; per router, also where routers share a gate; summed over
+    data-parallel ranks, a rank whose batch reached no router joining with zeros). Each bias moves
+    in a master copy of at least float32 kept here (``state_dict``), written back to the bias
+    rounded to its dtype, so a bfloat16 bias moves by steps smaller than its resolution.
 
     Args:
         routers: The router modules. Each holds its bias (a buffer or a parameter the optimizer
@@ -117,6 +120,7 @@ class LoadBalancing:
         self.bias = bias
         self.selected = selected or _first_integer_tensor
         self.loads: ExpertLoads | None = None
+        self._master: list[Tensor | None] = [None] * len(self.routers)  # each bias as it moves, >= float32
 
     @property
     def update_rate(self) -> float:
@@ -128,6 +132,36 @@ class LoadBalancing:
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < math.inf:
             raise ValueError(f"Invalid update_rate: {value!r} (must be a finite number >= 0)")
         self._update_rate = float(value)
+
+    def state_dict(self) -> dict[str, list[Tensor | None]]:
+        """``{"master_bias": [...]}``: each router's bias as it moves (float32, float64 for a float64 bias;
+        ``None`` before its first move), in the order of ``routers``. Saved with a checkpoint and loaded with
+        ``load_state_dict``, a resumed run moves the biases bitwise as the whole run does."""
+        return {"master_bias": [None if t is None else t.clone() for t in self._master]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``; a master copy that its bias does not round to any more (the model was
+        loaded from elsewhere) gives way to the bias at the next step.
+
+        Raises:
+            ValueError: If ``state_dict`` does not hold one floating tensor (or ``None``) per router, shaped
+                as its bias.
+        """
+        masters = state_dict.get("master_bias") if isinstance(state_dict, dict) else None
+        shapes = [getattr(r, self.bias).shape for r in self.routers]
+        if not (
+            isinstance(masters, (list, tuple))
+            and len(masters) == len(shapes)
+            and all(
+                t is None or (isinstance(t, Tensor) and t.is_floating_point() and t.shape == shape)
+                for t, shape in zip(masters, shapes, strict=True)
+            )
+        ):
+            raise ValueError(
+                "LoadBalancing.load_state_dict takes what state_dict() gives: {'master_bias': [...]}, one floating "
+                f"tensor (or None) per router shaped as its bias, {[tuple(s) for s in shapes]}"
+            )
+        self._master = [None if t is None else t.detach().clone() for t in masters]
 
     def attach(self, optimizer: Any) -> InputsHookHandle:
         """Balance after every step of ``optimizer`` (an input-aware one); ``remove()`` the handle to stop.
@@ -200,11 +234,25 @@ class LoadBalancing:
                 f"{', '.join(unexplained)} got gradient from no captured call (called under no_grad, or its "
                 "weight used without calling it), so its loads are unknown; no bias was moved"
             )
-        for router, load in zip(self.routers, summed, strict=True):
+        for index, (router, load) in enumerate(zip(self.routers, summed, strict=True)):
             if load is None or not bool(load.any()):
                 continue  # no token reached it this step
             table = getattr(router, self.bias)
-            table.add_(torch.sign(load.mean() - load).to(table.dtype), alpha=self.update_rate)
+            master = self._master_of(index, table)
+            master.add_(torch.sign(load.mean() - load).to(master), alpha=self.update_rate)
+            table.copy_(master)  # rounded to the bias's dtype
+
+    def _master_of(self, index: int, table: Tensor) -> Tensor:
+        """Router ``index``'s master copy, on the bias's device and dtype of now; the bias itself where it is no
+        longer the master rounded (set since by a checkpoint, by hand, or a cast that changed its value)."""
+        dtype = torch.promote_types(table.dtype, torch.float32)
+        master = self._master[index]
+        if master is not None:
+            master = master.to(table.device, dtype)
+        if master is None or master.shape != table.shape or not torch.equal(master.to(table.dtype), table):
+            master = table.to(dtype, copy=True)
+        self._master[index] = master
+        return master
 
 
 def _untrained(optimizer: Any, router: nn.Module, param: Tensor) -> str:

@@ -373,3 +373,96 @@ def test_under_ddp_a_rank_whose_batch_skips_the_block_joins_with_zeros() -> None
     from .test_distributed import run_two_processes
 
     run_two_processes(_ddp_skipping_worker)
+
+
+# -- bfloat16 biases: moved in float32, written back rounded ------------------------------------------------------
+
+
+def paper_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """``b_i + u * sign(mean(c) - c_i)`` in float32, from a float64 hand count."""
+    return bias.float() + rate * torch.sign(load.mean() - load).float()
+
+
+def test_a_bfloat16_bias_moves_by_a_float32_master_copy() -> None:
+    # Updates of 1e-3 round away on a bfloat16 bias with |b| >= 0.5: from -0.6, 200 steps left it where it
+    # was and the loads at [126, 13, 178, 195] (float32: [127, 130, 127, 128]).
+    model = Net()
+    optimizer = InputAwareSGD(model, lr=0.0)  # the routing changes by the bias alone
+    rate = 1e-3
+    attach(model, optimizer, rate)
+    model.to(torch.bfloat16)  # after attach: the buffer's dtype is read at the step
+    router = model.moe.router
+    router.expert_bias.fill_(-0.6)
+    master = router.expert_bias.float()
+    x = data(0, tokens=256).bfloat16()
+    first = hand_count(model, x)
+    for _ in range(200):
+        optimizer.zero_grad()
+        load = hand_count(model, x)
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        master = paper_step(master, load, rate)
+        assert router.expert_bias.dtype == torch.bfloat16
+        assert torch.equal(router.expert_bias, master.to(torch.bfloat16))
+    last = hand_count(model, x)
+    assert float(first.max() - first.min()) > 100 and float(last.max() - last.min()) <= 20, (first, last)
+    model.to(torch.float64)  # cast again: the bias holds the bfloat16 value now, and moves in float64 from it
+    before, load = router.expert_bias.clone(), hand_count(model, x.double())
+    model(x.double()).pow(2).mean().backward()
+    optimizer.step()
+    assert router.expert_bias.dtype == torch.float64
+    assert torch.equal(router.expert_bias, before + rate * torch.sign(load.mean() - load))
+
+
+def test_a_resumed_bfloat16_run_moves_the_biases_bitwise() -> None:
+    def run(steps: range, resume: dict[str, Any] | None) -> tuple[Net, Any, LoadBalancing]:
+        model = Net().to(torch.bfloat16)
+        optimizer = InputAwareSGD(model, lr=0.01)
+        balancing, _ = attach(model, optimizer, 1e-3)
+        if resume is None:
+            model.moe.router.expert_bias.fill_(-0.6)
+        else:
+            model.load_state_dict(resume["model"])
+            optimizer.load_state_dict(resume["optimizer"])
+            balancing.load_state_dict(resume["balancing"])
+        for step in steps:
+            optimizer.zero_grad()
+            model(data(step, tokens=64).bfloat16()).float().pow(2).mean().backward()
+            optimizer.step()
+        return model, optimizer, balancing
+
+    whole, _, _ = run(range(40), None)
+    model, optimizer, balancing = run(range(20), None)
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "balancing": balancing.state_dict()}
+    )
+    resumed, _, _ = run(range(20, 40), saved)
+    assert not torch.equal(whole.moe.router.expert_bias, saved["model"]["moe.router.expert_bias"])
+    assert torch.equal(resumed.moe.router.expert_bias, whole.moe.router.expert_bias)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), whole.parameters(), strict=True))
+
+
+def test_a_bias_set_from_outside_is_the_one_moved() -> None:
+    # The master copy must not overwrite a bias loaded or set since the last step.
+    model = Net().to(torch.bfloat16)
+    optimizer = InputAwareSGD(model, lr=0.0)
+    attach(model, optimizer, 1e-3)
+    x = data(0).bfloat16()
+    for bias in (None, 0.25, -0.75):
+        if bias is not None:
+            model.moe.router.expert_bias.fill_(bias)
+        before = model.moe.router.expert_bias.clone()
+        load = hand_count(model, x)
+        optimizer.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        assert torch.equal(model.moe.router.expert_bias, paper_step(before, load, 1e-3).to(torch.bfloat16))
+
+
+def test_load_state_dict_checks_what_it_is_given() -> None:
+    model = Net()
+    balancing = LoadBalancing([model.moe.router])
+    for bad in ({}, {"master_bias": []}, {"master_bias": [torch.zeros(EXPERTS + 1)]}, {"master_bias": ["x"]}):
+        with pytest.raises(ValueError, match=r"LoadBalancing\.load_state_dict"):
+            balancing.load_state_dict(bad)
+    assert balancing.state_dict() == {"master_bias": [None]}

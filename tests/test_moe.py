@@ -86,7 +86,8 @@ class Seen:
 
     def __call__(self, optimizer: Any, inputs: Any) -> None:
         assert self.balancing.loads is not None
-        self.loads.append(inputs.reduced(self.balancing.loads)[self.balancing.loads.key[optimizer.model.moe.router]])
+        router = optimizer.model.moe.router
+        self.loads.append(inputs.reduced(self.balancing.loads)[self.balancing.loads.key[router]][router])
 
 
 def attach(model: Net, optimizer: Any, rate: float = 0.01) -> tuple[LoadBalancing, Seen]:
@@ -207,3 +208,261 @@ def test_under_ddp_the_loads_are_summed_over_the_ranks() -> None:
     from .test_distributed import run_two_processes
 
     run_two_processes(_ddp_worker)
+
+
+# -- what the router returned -------------------------------------------------------------------------------------
+
+
+class MaskRouter(Router):
+    """Returns ``(weights, mask, indices)``: the bool mask comes first."""
+
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        weights, indices = super().forward(x)
+        mask = torch.zeros(len(x), EXPERTS, dtype=torch.bool).scatter_(1, indices, True)
+        return weights, mask, indices
+
+
+class Routed(nn.Module):
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = router
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.router(x)[0].pow(2).sum()
+
+
+def test_the_default_selection_is_the_first_integer_tensor_not_a_bool_mask() -> None:
+    model = Routed(MaskRouter())
+    optimizer = InputAwareSGD(model, lr=0.0)
+    LoadBalancing([model.router], update_rate=0.01).attach(optimizer)
+    x = torch.randn(32, DIM, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        load = torch.bincount(model.router(x)[2].reshape(-1), minlength=EXPERTS).double()
+    model(x).backward()
+    optimizer.step()
+    assert torch.equal(model.router.expert_bias, 0.01 * torch.sign(load.mean() - load).float())
+
+
+class ScoresOnly(Router):
+    def forward(self, x: torch.Tensor) -> Any:  # type: ignore[override]
+        weights, indices = super().forward(x)
+        return weights, indices > 1  # no integer tensor: weights and a bool mask
+
+
+@pytest.mark.parametrize(
+    ("router", "selected"),
+    [(ScoresOnly, None), (Router, lambda call: call.output[0]), (Router, lambda call: call.output[1] + EXPERTS)],
+    ids=["no integer tensor", "floating", "out of range"],
+)
+def test_an_unusable_selection_is_an_error_naming_selected(router: type[nn.Module], selected: Any) -> None:
+    model = Routed(router())
+    optimizer = InputAwareSGD(model, lr=0.1)
+    LoadBalancing([model.router], update_rate=0.01, selected=selected).attach(optimizer)
+    model(torch.randn(8, DIM)).backward()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises((TypeError, ValueError), match=r"selected="):
+        optimizer.step()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+# -- routers sharing one gate -------------------------------------------------------------------------------------
+
+
+class SharedGate(nn.Module):
+    """Two routers, one gate: the second routes the first half of the tokens, negated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(3, DIM)
+        self.first, self.second = Router(), Router()
+        self.second.gate = self.first.gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.routed(torch.tanh(self.embed(x)))
+        return first[0].pow(2).sum() + second[0].pow(2).sum()
+
+    def routed(self, h: torch.Tensor) -> tuple[Any, Any]:
+        return self.first(h), self.second(-h[: len(h) // 2])
+
+
+def test_routers_sharing_a_gate_count_their_own_calls() -> None:
+    # Both were given the sum of their loads ([9, 2, 21, 16] and [24, 24, 0, 0] became [33, 26, 21, 16]).
+    model = SharedGate()
+    optimizer = InputAwareSGD(model, lr=0.0)
+    routers = [model.first, model.second]
+    balancing = LoadBalancing(routers, update_rate=0.01)
+    balancing.attach(optimizer)
+    seen: list[Any] = []
+    optimizer.register_inputs_hook(
+        lambda _, inputs: seen.append(inputs.reduced(balancing.loads)), reads=balancing.loads
+    )
+    x = data(0, tokens=48)
+    with torch.no_grad():
+        expected = [
+            torch.bincount(i.reshape(-1), minlength=EXPERTS).double() for _, i in model.routed(model.embed(x).tanh())
+        ]
+    assert not torch.equal(expected[0], expected[1])
+    model(x).backward()
+    optimizer.step()
+    for router, load in zip(routers, expected, strict=True):
+        assert torch.equal(router.expert_bias, 0.01 * torch.sign(load.mean() - load).float())
+    assert balancing.loads is not None
+    for router, load in zip(routers, expected, strict=True):
+        torch.testing.assert_close(seen[-1][balancing.loads.key[router]][router], load, rtol=0, atol=0)
+
+
+# -- a gate frozen after attach -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["requires_grad", "removed from the optimizer"])
+def test_a_gate_frozen_after_attach_is_refused_before_any_change(how: str) -> None:
+    model = Net()
+    optimizer = InputAwareSGD(model, lr=0.1)
+    attach(model, optimizer)
+    gate = model.moe.router.gate.weight
+    if how == "requires_grad":
+        gate.requires_grad_(False)
+    else:
+        group = optimizer.param_groups[0]
+        group["params"] = [p for p in group["params"] if p is not gate]
+    optimizer.zero_grad()
+    model(data(0)).pow(2).mean().backward()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(
+        RuntimeError, match=r"moe\.router \(moe\.router\.gate\.weight no longer trains\): requires_grad is False"
+    ):
+        optimizer.step()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+# -- conditional compute under DDP --------------------------------------------------------------------------------
+
+
+class SometimesSkips(Net):
+    """A batch that skips the MoE block (conditional compute): the router gets its gradient from DDP alone."""
+
+    def __init__(self, skips: bool) -> None:
+        super().__init__()
+        self.skips = skips
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(x))) if self.skips else super().forward(x)
+
+
+def _ddp_skipping_worker(rank: int) -> None:
+    model = DistributedDataParallel(SometimesSkips(skips=rank == 1), find_unused_parameters=True)
+    optimizer = InputAwareSGD(model, lr=0.0)
+    LoadBalancing([model.module.moe.router], update_rate=0.01).attach(optimizer)
+    expected = hand_count(model.module, data(0))  # rank 0's tokens, the only ones routed
+    model(data(rank)).pow(2).mean().backward()
+    assert model.module.moe.router.gate.weight.grad is not None  # from DDP's all-reduce on rank 1
+    optimizer.step()
+    bias = model.module.moe.router.expert_bias
+    torch.testing.assert_close(bias, 0.01 * torch.sign(expected.mean() - expected).float(), rtol=0, atol=0)
+    gathered = [torch.zeros_like(bias) for _ in range(2)]
+    dist.all_gather(gathered, bias)
+    assert torch.equal(gathered[0], gathered[1])
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_under_ddp_a_rank_whose_batch_skips_the_block_joins_with_zeros() -> None:
+    # It raised "got gradient from no captured call" (the gradient came from DDP's all-reduce), and the
+    # other rank died in the collective.
+    from .test_distributed import run_two_processes
+
+    run_two_processes(_ddp_skipping_worker)
+
+
+# -- bfloat16 biases: moved in float32, written back rounded ------------------------------------------------------
+
+
+def paper_step(bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
+    """``b_i + u * sign(mean(c) - c_i)`` in float32, from a float64 hand count."""
+    return bias.float() + rate * torch.sign(load.mean() - load).float()
+
+
+def test_a_bfloat16_bias_moves_by_a_float32_master_copy() -> None:
+    # Updates of 1e-3 round away on a bfloat16 bias with |b| >= 0.5: from -0.6, 200 steps left it where it
+    # was and the loads at [126, 13, 178, 195] (float32: [127, 130, 127, 128]).
+    model = Net()
+    optimizer = InputAwareSGD(model, lr=0.0)  # the routing changes by the bias alone
+    rate = 1e-3
+    attach(model, optimizer, rate)
+    model.to(torch.bfloat16)  # after attach: the buffer's dtype is read at the step
+    router = model.moe.router
+    router.expert_bias.fill_(-0.6)
+    master = router.expert_bias.float()
+    x = data(0, tokens=256).bfloat16()
+    first = hand_count(model, x)
+    for _ in range(200):
+        optimizer.zero_grad()
+        load = hand_count(model, x)
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        master = paper_step(master, load, rate)
+        assert router.expert_bias.dtype == torch.bfloat16
+        assert torch.equal(router.expert_bias, master.to(torch.bfloat16))
+    last = hand_count(model, x)
+    assert float(first.max() - first.min()) > 100 and float(last.max() - last.min()) <= 20, (first, last)
+    model.to(torch.float64)  # cast again: the bias holds the bfloat16 value now, and moves in float64 from it
+    before, load = router.expert_bias.clone(), hand_count(model, x.double())
+    model(x.double()).pow(2).mean().backward()
+    optimizer.step()
+    assert router.expert_bias.dtype == torch.float64
+    assert torch.equal(router.expert_bias, before + rate * torch.sign(load.mean() - load))
+
+
+def test_a_resumed_bfloat16_run_moves_the_biases_bitwise() -> None:
+    def run(steps: range, resume: dict[str, Any] | None) -> tuple[Net, Any, LoadBalancing]:
+        model = Net().to(torch.bfloat16)
+        optimizer = InputAwareSGD(model, lr=0.01)
+        balancing, _ = attach(model, optimizer, 1e-3)
+        if resume is None:
+            model.moe.router.expert_bias.fill_(-0.6)
+        else:
+            model.load_state_dict(resume["model"])
+            optimizer.load_state_dict(resume["optimizer"])
+            balancing.load_state_dict(resume["balancing"])
+        for step in steps:
+            optimizer.zero_grad()
+            model(data(step, tokens=64).bfloat16()).float().pow(2).mean().backward()
+            optimizer.step()
+        return model, optimizer, balancing
+
+    whole, _, _ = run(range(40), None)
+    model, optimizer, balancing = run(range(20), None)
+    saved = copy.deepcopy(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "balancing": balancing.state_dict()}
+    )
+    resumed, _, _ = run(range(20, 40), saved)
+    assert not torch.equal(whole.moe.router.expert_bias, saved["model"]["moe.router.expert_bias"])
+    assert torch.equal(resumed.moe.router.expert_bias, whole.moe.router.expert_bias)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), whole.parameters(), strict=True))
+
+
+def test_a_bias_set_from_outside_is_the_one_moved() -> None:
+    # The master copy must not overwrite a bias loaded or set since the last step.
+    model = Net().to(torch.bfloat16)
+    optimizer = InputAwareSGD(model, lr=0.0)
+    attach(model, optimizer, 1e-3)
+    x = data(0).bfloat16()
+    for bias in (None, 0.25, -0.75):
+        if bias is not None:
+            model.moe.router.expert_bias.fill_(bias)
+        before = model.moe.router.expert_bias.clone()
+        load = hand_count(model, x)
+        optimizer.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        optimizer.step()
+        assert torch.equal(model.moe.router.expert_bias, paper_step(before, load, 1e-3).to(torch.bfloat16))
+
+
+def test_load_state_dict_checks_what_it_is_given() -> None:
+    model = Net()
+    balancing = LoadBalancing([model.moe.router])
+    for bad in ({}, {"master_bias": []}, {"master_bias": [torch.zeros(EXPERTS + 1)]}, {"master_bias": ["x"]}):
+        with pytest.raises(ValueError, match=r"LoadBalancing\.load_state_dict"):
+            balancing.load_state_dict(bad)
+    assert balancing.state_dict() == {"master_bias": [None]}

@@ -4,22 +4,22 @@ the stock update of a torch.optim optimizer; the library runs the step (CONTRIBU
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from . import compose, coverage
+from . import compose, coverage, reads
 from ._torch import entry_step, kernel_skips_step, unhooked, unscales_itself
 from .amp import ScalerHandoff
 from .capture import Capture, Storage, unwrap_model
 from .coverage import Coverage
-from .distributed import data_parallel_group, sharded
+from .distributed import inferred_group
 from .hooks import InputsHook, InputsHookHandle, Reads, StepHooks, When
 from .inputs import Inputs
-from .layers import Layer, layer_kind
+from .layers import Layer
 from .reduction import Reduction
 from .rule import Rule
 
@@ -137,7 +137,7 @@ class InputAwareOptimizer(Optimizer):
         self._scaler = ScalerHandoff()
         self._step_depth = 0
         self._step_inputs: Inputs | None = None
-        self._reductions: dict[Reduction, None] = {}  # what the rules' reads put in the capture
+        self._reductions: dict[Reduction, None] = {}  # what the rules' reads put in the capture (reads.py)
         self._model = model
         self._model_params: dict[Tensor, None] = dict.fromkeys(unwrap_model(model).parameters())
         if params is None:
@@ -151,7 +151,7 @@ class InputAwareOptimizer(Optimizer):
             model,
             self._modules_to_capture(self._params()),
             storage=storage,
-            grad_outputs=self._grad_outputs() if grad_outputs is None else grad_outputs,
+            grad_outputs=reads.grad_outputs(self) if grad_outputs is None else grad_outputs,
             keep_calls=any(r.reads_calls for r in self._rules)
             or (self._overrides_step() if reads_calls is None else bool(reads_calls)),
         )
@@ -233,18 +233,7 @@ class InputAwareOptimizer(Optimizer):
         """
         if not (isinstance(self._process_group, str) and self._process_group == "infer"):
             return self._process_group
-        group = data_parallel_group(self._model)
-        if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            ranks = torch.distributed.get_world_size()
-            if ranks > 1:
-                raise RuntimeError(
-                    f"{type(self).__name__} combines input statistics over the data-parallel ranks, but its model "
-                    f"is not wrapped in DistributedDataParallel or sharded with fully_shard while torch.distributed "
-                    f"runs {ranks} ranks, so each replica would apply a different update. Build the optimizer on "
-                    "the wrapped model (DistributedDataParallel(model)), or pass process_group= (the group "
-                    "gradients are averaged over, or None if each rank trains its own model)"
-                )
-        return group
+        return inferred_group(self._model, type(self).__name__)
 
     def layers(self, capability: str) -> list[Layer]:
         """The layers this optimizer trains whose registered ``LayerKind`` provides ``capability`` (a weight shared
@@ -263,15 +252,7 @@ class InputAwareOptimizer(Optimizer):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "capture_grad_outputs" in cls.__dict__:  # an attribute of 0.2 that would now do nothing
-            raise TypeError(f"{cls.__qualname__}: capture_grad_outputs was renamed: set grad_outputs = True")
-        if "__init__" in cls.__dict__:  # its own arguments, not a parent drop-in's
-            cls.__signature__ = None  # type: ignore[attr-defined]
-        elif "_stock" in cls.__dict__:  # a drop-in: the stock class's arguments, then the capture's
-            cls.__signature__ = compose.drop_in_signature(InputAwareOptimizer.__init__, cls._stock)  # type: ignore[arg-type,attr-defined]
-        step = cls.__dict__.get("step")
-        if step is not None and not hasattr(step, "inputaware_entry"):
-            cls.step = _entry(step)  # type: ignore[method-assign]
+        compose.subclassed(cls, InputAwareOptimizer.__init__, _entry)
 
     def _run_step(self, step: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The outermost step, once torch's wrapper ran the step pre-hooks (``args`` are theirs)."""
@@ -288,7 +269,9 @@ class InputAwareOptimizer(Optimizer):
                 closure = _Evaluated(closure)
             # (the stock update with nothing reading the capture takes no view of it)
             view = (
-                self._resolve_inputs(inputs) if inputs is not None or due is not None or self._reads_inputs() else None
+                self.capture.step_inputs(inputs)
+                if inputs is not None or due is not None or self._reads_inputs()
+                else None
             )
             if due is not None and view is not None:
                 due.before_step(self, view)
@@ -309,7 +292,7 @@ class InputAwareOptimizer(Optimizer):
             # Released only once the step succeeded: a step that raised (and changed nothing)
             # keeps its captures, so a retry (say, with more damping) reads the same ones.
             self.capture.clear()
-            self._sync_reads()  # what the rules read at the coming step
+            reads.sync_reads(self)  # what the rules read at the coming step
             if hooks is not None:
                 hooks.advance()
             return out
@@ -371,24 +354,10 @@ class InputAwareOptimizer(Optimizer):
                 self._check_group(group)
             except ValueError as error:
                 raise ValueError(f"param group {index}: {error}. No parameter was changed") from None
-        for capability in self._capabilities():
+        for capability in reads.capabilities(self):
             coverage.trained_layers(self, capability)  # (a layout changed since re-arms the coverage report)
         if not self._coverage_checked:
             coverage.check_coverage(self, stacklevel=6)  # (the caller of step())
-
-    def _resolve_inputs(self, inputs: Any) -> Inputs:
-        if inputs is None:
-            return self.capture._live_inputs()
-        if isinstance(inputs, Inputs):
-            if inputs._expired:
-                raise RuntimeError(inputs._expired)
-            return inputs
-        if isinstance(inputs, Mapping):
-            return Inputs.from_mapping(inputs, self.capture._owners, self.capture._watched)
-        raise TypeError(
-            "step(inputs=...) expects an inputaware_optim.Inputs (for example Capture.inputs()) or a "
-            f"mapping from modules or parameters to Captured calls, got {type(inputs).__name__}"
-        )
 
     def register_inputs_hook(
         self, hook: InputsHook, *, when: When = "pre", every: int = 1, reads: Reads = "calls"
@@ -427,22 +396,7 @@ class InputAwareOptimizer(Optimizer):
         if not isinstance(param_group, dict) or "params" not in param_group:
             super().add_param_group(param_group)  # torch's own TypeError / KeyError
             return
-        params = param_group["params"]
-        if isinstance(params, Tensor):
-            params = [params]
-        elif not isinstance(params, set):  # torch explains why sets are refused
-            params = list(params)
-        param_group["params"] = params  # the caller's dict is the group, as in torch
-        tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # (name, tensor) pairs
-        if any(isinstance(t, Tensor) and t not in self._model_params for t in tensors):
-            self._model_params = dict.fromkeys(unwrap_model(self._model).parameters())  # modules added since
-        for index, param in enumerate(tensors):
-            if isinstance(param, Tensor) and param not in self._model_params:
-                raise ValueError(
-                    f"parameter {index} of param group {len(self.param_groups)} (shape {tuple(param.shape)}) is not a "
-                    f"parameter of the model given to {type(self).__name__}. Every parameter must belong to the model "
-                    "so that the inputs of its module can be captured; give other tensors to a separate optimizer"
-                )
+        tensors = compose.model_parameters_of(self, param_group)
         super().add_param_group(param_group)
         if self._capture is None:  # in __init__: the capture is built once all groups are
             return
@@ -451,7 +405,7 @@ class InputAwareOptimizer(Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
-        self._capture.add_modules(self._modules_to_capture([t for t in tensors if isinstance(t, Tensor)]))
+        self._capture.add_modules(self._modules_to_capture(tensors))
         self._set_up_rules()  # the new group's layers join the rules' reads
         if (hooks := self.__dict__.get("_inputs_hooks")) is not None:
             hooks.rescope()  # and the layers a hook reads
@@ -459,28 +413,13 @@ class InputAwareOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict, as torch does; groups saved by another optimizer (say, a stock
         ``torch.optim.SGD``) get the rules' hyperparameters from their defaults."""
-        # What a load replaces (torch builds a new state and new groups; the rules' state is filled in place),
-        # put back if anything refuses it: nothing is half loaded.
-        kept = (self.state, self.param_groups, [(dict(r.state), r.state_dict()) for r in self._rules])
-        try:
+        with compose.restored_on_failure(self):  # nothing is half loaded
             super().load_state_dict(state_dict)
             for group in self.param_groups:
                 if "batch_averaged" in group:  # a 0.2 checkpoint of K-FAC or Eva: the key is loss_reduction now
                     group["loss_reduction"] = "mean" if group.pop("batch_averaged") else "sum"
             self._check_param_groups()  # (the rules' hyperparameters where the groups lack them)
             self._set_up_rules()
-        except BaseException:
-            state, groups, rules = kept
-            for owner in (self, self.__dict__.get("_base")):
-                if owner is not None:
-                    owner.__dict__["state"], owner.param_groups = state, groups
-            for rule, (entries, whole) in zip(self._rules, rules, strict=True):
-                rule.state.clear()
-                rule.state.update(entries)
-                if whole:  # (what the rule saved of itself: nothing to check again)
-                    rule.load_state_dict(whole)
-            self._set_up_rules()
-            raise
 
     def _check_param_groups(self) -> None:
         """The rules' hyperparameters added to ``defaults`` and every group that lacks them, then checked."""
@@ -501,32 +440,7 @@ class InputAwareOptimizer(Optimizer):
         """Each rule's ``setup`` (after the groups changed), then what they read put in the capture."""
         for rule in self._rules:
             rule.setup(self)
-        self._sync_reads()
-
-    def _sync_reads(self) -> None:
-        """Put in the capture the reductions the rules read at the coming step, and take out those they stopped
-        reading (its hooks kept: a rule that pauses between statistics steps does not retrace a compiled model)."""
-        if not self._rules:
-            return
-        wanted = dict.fromkeys(r for rule in self._rules for r in rule.read_reductions())
-        if wanted.keys() == self._reductions.keys():
-            return
-        capture = self.capture
-        for reduction in [r for r in self._reductions if r not in wanted]:
-            capture.remove_reduction(reduction, keep_hooks=True)
-        new = [r for r in wanted if r not in self._reductions]
-        if new:  # the modules they read that the capture does not watch yet (a router keying its gate's weight)
-            trained, watched = {id(p) for p in self._params()}, set(capture.modules)
-            below = [
-                m
-                for m in capture.root.modules()
-                if m not in watched and any(r.wants(m) and any(id(p) in trained for p in r.keys(m)) for r in new)
-            ]
-            if below:
-                capture.add_modules(below)
-        for reduction in wanted:
-            capture.add_reduction(reduction)
-        self._reductions = wanted
+        reads.sync_reads(self)
 
     # -- what is captured -------------------------------------------------------------------------------
 
@@ -537,54 +451,15 @@ class InputAwareOptimizer(Optimizer):
         """Whether a subclass overrides ``step`` (the rule API of 0.3, kept: it reads what its class declares)."""
         return type(self).step is not InputAwareOptimizer.step
 
-    def _override_reads(self) -> bool:
-        """Whether a subclass's ``step`` override reads the capture (what its class attributes declare)."""
-        declared = self.reads_calls
-        return self._overrides_step() if declared is None else bool(declared) or self.reads_capability is not None
-
     def _reads_inputs(self) -> bool:
         return bool(self._rules) or self._overrides_step()
 
-    def _grad_outputs(self) -> bool:
-        return type(self).grad_outputs or any(rule.grad_outputs for rule in self._rules)
-
-    def _capabilities(self) -> list[str]:
-        found = [rule.layers for rule in self._rules if rule.layers is not None]
-        if self.reads_capability is not None:
-            found.append(self.reads_capability)
-        return list(dict.fromkeys(found))
-
-    def _scopes(self) -> list[tuple[tuple[type[nn.Module], ...] | None, str | None]]:
-        """``(module types, capability)`` of each reader: the subclass's declarations if it reads, each rule's."""
-        scopes = []
-        if self._override_reads():
-            scopes.append((self.captured_module_types, self.reads_capability))
-        for rule in self._rules:  # (reads declared as a property: what it reads is built in setup, from these)
-            if rule.reads_calls or rule.read_reductions() or rule.layers is not None or type(rule).reads is not None:
-                scopes.append((None, rule.layers))
-        return scopes or [(None, None)]  # (nothing reads: every owner, hooked once a hook reads them)
+    def _override_reads(self) -> bool:
+        return reads.override_reads(self)
 
     def _modules_to_capture(self, params: Iterable[Tensor]) -> list[nn.Module]:
-        wanted = {id(p) for p in params}
-        scopes = self._scopes()
-        return [
-            module
-            for module in unwrap_model(self._model).modules()
-            if any(id(p) in wanted for p in module._parameters.values() if p is not None)
-            and any(
-                (types is None or isinstance(module, types))
-                and (capability is None or ((kind := layer_kind(module)) is not None and kind.provides(capability)))
-                for types, capability in scopes
-            )
-        ]
-
-    def _refuse_sharded_parameters(self, why: str, rule: Any) -> None:
-        """Raise at construction if any parameter is sharded (FSDP2 / DTensor): the rule needs whole tensors."""
-        if any(sharded(p) for p in self._params()):
-            raise NotImplementedError(
-                f"{type(rule).__name__} does not support sharded (FSDP2 / DTensor) parameters yet: {why}. "
-                "Use DistributedDataParallel, or InputAwareAdamW / InputAwareSGD / LazyAdamW under FSDP2"
-            )
+        """The modules whose calls the readers read, among the owners of ``params``."""
+        return reads.modules_to_capture(self, params)
 
 
 def __getattr__(name: str) -> Any:

@@ -10,7 +10,7 @@ import functools
 import itertools
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, get_args
 
 import torch
@@ -1003,6 +1003,22 @@ class Capture:
         committed = self._committed()
         reduced = {r: self.reduced(r) for r in self._log.reductions}
         return Inputs(lambda: committed, self._owners, self._watched, reduced=reduced)
+
+    def step_inputs(self, given: Any = None) -> Inputs:
+        """The ``Inputs`` a step hands its rules: ``given`` (an ``Inputs``, or a mapping of modules or parameters to
+        captured calls), or by default what is captured, read at each access for the duration of the step."""
+        if given is None:
+            return self._live_inputs()
+        if isinstance(given, Inputs):
+            if given._expired:
+                raise RuntimeError(given._expired)
+            return given
+        if isinstance(given, Mapping):
+            return Inputs.from_mapping(given, self._owners, self._watched)
+        raise TypeError(
+            "step(inputs=...) expects an inputaware_optim.Inputs (for example Capture.inputs()) or a "
+            f"mapping from modules or parameters to Captured calls, got {type(given).__name__}"
+        )
 
     def _live_inputs(self) -> Inputs:
         """``Inputs`` that read the capture at each access (used for the duration of one step)."""

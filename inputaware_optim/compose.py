@@ -4,14 +4,16 @@ beside the base's, and its copies (``deepcopy``, ``pickle``, ``torch.save``) bui
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from .capture import unwrap_model
 from .rule import Rule
 
 if TYPE_CHECKING:
@@ -39,6 +41,20 @@ def drop_in_signature(init: Callable[..., None], stock: type[Optimizer]) -> insp
     return inspect.Signature(
         [own["model"], own["params"], *positional, *keyword, *options, own["kwargs"].replace(name="base_kwargs")]
     )
+
+
+def subclassed(cls: type[InputAwareOptimizer], init: Callable[..., None], entry: Callable[..., Any]) -> None:
+    """A subclass of ``InputAwareOptimizer`` as it is defined: its signature (a drop-in's: the stock class's
+    arguments, then the capture's), its ``step`` wrapped as the library's entry (``entry``), a 0.2 name refused."""
+    if "capture_grad_outputs" in cls.__dict__:  # an attribute of 0.2 that would now do nothing
+        raise TypeError(f"{cls.__qualname__}: capture_grad_outputs was renamed: set grad_outputs = True")
+    if "__init__" in cls.__dict__:  # its own arguments, not a parent drop-in's
+        cls.__signature__ = None  # type: ignore[attr-defined]
+    elif "_stock" in cls.__dict__ and cls._stock is not None:  # a drop-in
+        cls.__signature__ = drop_in_signature(init, cls._stock)  # type: ignore[attr-defined]
+    step = cls.__dict__.get("step")
+    if step is not None and not hasattr(step, "inputaware_entry"):
+        cls.step = entry(step)  # type: ignore[method-assign]
 
 
 def checked_arguments(
@@ -218,6 +234,53 @@ def check_rule_defaults(optimizer: InputAwareOptimizer) -> None:
                     "param groups, where each would read the other's; compose rules whose hyperparameters differ"
                 )
             owners[key] = type(rule).__name__
+
+
+def model_parameters_of(optimizer: InputAwareOptimizer, param_group: dict[str, Any]) -> list[Tensor]:
+    """The tensors of a group ``add_param_group`` is given (its ``params`` made a list in place, as torch does),
+    each checked to be a parameter of the model (one of a module added since is found).
+
+    Raises:
+        ValueError: If a parameter does not belong to the model.
+    """
+    params = param_group["params"]
+    if isinstance(params, Tensor):
+        params = [params]
+    elif not isinstance(params, set):  # torch explains why sets are refused
+        params = list(params)
+    param_group["params"] = params  # the caller's dict is the group, as in torch
+    tensors = [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]  # (name, tensor) pairs
+    if any(isinstance(t, Tensor) and t not in optimizer._model_params for t in tensors):
+        optimizer._model_params = dict.fromkeys(unwrap_model(optimizer.model).parameters())  # modules added since
+    for index, param in enumerate(tensors):
+        if isinstance(param, Tensor) and param not in optimizer._model_params:
+            raise ValueError(
+                f"parameter {index} of param group {len(optimizer.param_groups)} (shape {tuple(param.shape)}) is not "
+                f"a parameter of the model given to {type(optimizer).__name__}. Every parameter must belong to the "
+                "model so that the inputs of its module can be captured; give other tensors to a separate optimizer"
+            )
+    return [t for t in tensors if isinstance(t, Tensor)]
+
+
+@contextlib.contextmanager
+def restored_on_failure(optimizer: InputAwareOptimizer) -> Iterator[None]:
+    """Put back what a ``load_state_dict`` replaces (torch builds a new state and new groups; the rules' state is
+    filled in place) if anything in the block raises."""
+    state, groups = optimizer.state, optimizer.param_groups
+    rules = [(dict(r.state), r.state_dict()) for r in optimizer.rules]
+    try:
+        yield
+    except BaseException:
+        for owner in (optimizer, optimizer.__dict__.get("_base")):
+            if owner is not None:
+                owner.__dict__["state"], owner.param_groups = state, groups
+        for rule, (entries, whole) in zip(optimizer.rules, rules, strict=True):
+            rule.state.clear()
+            rule.state.update(entries)
+            if whole:  # (what the rule saved of itself: nothing to check again)
+                rule.load_state_dict(whole)
+        optimizer._set_up_rules()
+        raise
 
 
 # -- the rules' state beside the base's ------------------------------------------------------------------

@@ -39,6 +39,27 @@ def data_parallel_group(model: nn.Module) -> Any:
     return None if mesh is None else mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
 
 
+def inferred_group(model: nn.Module, owner: str) -> Any:
+    """The group a model's data-parallel wrapper or FSDP2 mesh averages gradients over (``None`` in one process).
+
+    Raises:
+        RuntimeError: Under several ranks with nothing to infer it from (per-rank statistics would make the
+            replicas drift apart; ``owner`` names the optimizer).
+    """
+    group = data_parallel_group(model)
+    if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        ranks = torch.distributed.get_world_size()
+        if ranks > 1:
+            raise RuntimeError(
+                f"{owner} combines input statistics over the data-parallel ranks, but its model is not wrapped in "
+                f"DistributedDataParallel or sharded with fully_shard while torch.distributed runs {ranks} ranks, so "
+                "each replica would apply a different update. Build the optimizer on the wrapped model "
+                "(DistributedDataParallel(model)), or pass process_group= (the group gradients are averaged over, or "
+                "None if each rank trains its own model)"
+            )
+    return group
+
+
 def all_reduce_sum_(tensors: Sequence[Tensor], group: Any) -> None:
     """Sum ``tensors`` in place across ``group`` with one collective (no-op when ``group`` is ``None``)."""
     if group is None or not tensors:

@@ -147,8 +147,10 @@ class Captured:
 
     def rows(self, position: int = 0) -> Tensor:
         """Every call's argument at ``position`` reshaped to ``(-1, last_dim)`` and concatenated: one row per
-        sample and position, as ``nn.Linear`` sees them."""
-        return torch.cat([x.reshape(-1, x.shape[-1]) for x in self.inputs(position)])
+        sample and position, as ``nn.Linear`` sees them (one call's: a view, not a copy). The rows a layer's
+        ``LayerKind.input_rows`` are built from."""
+        rows = [x.reshape(-1, x.shape[-1]) for x in self.inputs(position)]
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def grad_outputs(self, position: int = 0) -> list[Tensor]:
         """The gradient that reached output ``position`` of every call, in capture order.

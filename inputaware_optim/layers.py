@@ -278,9 +278,7 @@ class LinearKind(_WeightMatrix):
     """``nn.Linear``: every leading dimension of the input is a sample dimension."""
 
     def input_rows(self, module: nn.Module, entry: Captured, homogeneous: bool) -> Tensor:
-        inputs = entry.inputs()  # one call (a reduction in the hook): its rows as a view, not a copy
-        rows = inputs[0].reshape(-1, inputs[0].shape[-1]) if len(inputs) == 1 else entry.rows()
-        return _with_ones(_statistics_dtype(rows), homogeneous)
+        return _with_ones(_statistics_dtype(entry.rows()), homogeneous)
 
     def output_grad_rows(self, module: nn.Module, entry: Captured) -> Tensor:
         return _statistics_dtype(entry.grad_output_rows())

@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,19 +33,42 @@ TARGETED = {
 }
 
 
+@contextlib.contextmanager
+def _native_output_to(path: Path) -> Iterator[None]:
+    """File descriptors 1 and 2, what native code (torch's profiler) prints, into ``path``."""
+    with open(path, "wb") as sink:
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        try:
+            for fd in saved:
+                os.dup2(sink.fileno(), fd)
+            yield
+        finally:
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``python -m benchmarks --quick``, in this process: no wall-clock limit to outrun on a loaded machine."""
+    """``python -m benchmarks --quick``, in this process: no wall-clock limit to outrun on a loaded machine.
+
+    What it printed is kept beside its results: ``console.txt`` (Python's output), ``native.txt`` (native code's).
+    """
     from benchmarks.__main__ import main
 
     out = tmp_path_factory.mktemp("benchmarks")
     threads = torch.get_num_threads()
     console = io.StringIO()
     try:
-        with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
+        with (
+            _native_output_to(out / "native.txt"),
+            contextlib.redirect_stdout(console),
+            contextlib.redirect_stderr(console),
+        ):
             status = main(["--quick", "--no-progress", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
+    (out / "console.txt").write_text(console.getvalue())
     assert status == 0, console.getvalue()[-6000:]
     return out
 
@@ -93,6 +117,26 @@ def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Pat
             assert not target["passed"], target["name"]
         else:
             assert math.isfinite(target["measured"]), target["name"]
+
+
+def test_quick_run_prints_no_profiler_notices(quick_run: Path) -> None:
+    native = (quick_run / "native.txt").read_text(errors="replace")
+    assert "USDT:" not in native and "USDT:" not in (quick_run / "console.txt").read_text(), native[-2000:]
+
+
+def test_profiled_drops_kineto_usdt_lines_and_keeps_the_rest(capfd: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.machine import _native_stderr_without_usdt, profiled
+
+    for _ in range(2):
+        with profiled(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            torch.ones(4).sum()
+    assert any(event.key == "aten::sum" for event in profiler.key_averages())
+    with _native_stderr_without_usdt():
+        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"ERROR: a real one\n")
+    captured = capfd.readouterr()
+    assert "USDT:" not in captured.err + captured.out
+    assert "ERROR: a real one" in captured.err
 
 
 def test_quick_run_dp_equals_opacus(quick_run: Path) -> None:

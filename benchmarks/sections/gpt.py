@@ -32,7 +32,7 @@ from inputaware_optim import CoverageWarning, DPAdamW, InputAwareAdamW, Monitor,
 
 from .. import baselines, gpt, rules
 from ..core import Config, Progress, Result, Section, Table, Target, format_seconds
-from ..machine import allocated_bytes, has_allocation_probe
+from ..machine import allocated_bytes, has_allocation_probe, profiled
 from ..timing import Ratio, Timing, interleave
 
 LR = 1e-5  # small: thousands of timed steps on one batch stay finite (a step's work does not depend on it)
@@ -154,7 +154,7 @@ def _held_before_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch:
 
 def _profile(step: Callable[[], None], steps: int, top: int = 6) -> list[list[str]]:
     """The operators with the most self CPU time over ``steps`` training steps, with their share."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+    with profiled(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
         for _ in range(steps):
             step()
     events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)

@@ -116,8 +116,9 @@ class RunProgress:
         self._done += self._current
         self._bar.update(self._done - self._bar.n)
 
-    def write(self, text: str, file: TextIO = sys.stdout) -> None:
-        """Print ``text`` above the bar (plainly when the bar is hidden)."""
+    def write(self, text: str, file: TextIO | None = None) -> None:
+        """Print ``text`` above the bar (plainly when the bar is hidden); to ``sys.stdout`` as it is now by default."""
+        file = file or sys.stdout  # not bound at import: a redirected stdout receives the sections too
         self._bar.write(text, file=file)
         file.flush()
 

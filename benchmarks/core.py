@@ -301,6 +301,8 @@ class Section:
         run: The measurement.
         estimate: Seconds it takes at size quick and default on two cores (large: twice default);
             only the progress bar's estimate of the time left reads it.
+        heading_at: The title and summary of a run at a configuration, for a section whose workload
+            depends on the size (``title`` and ``summary`` are then the default size's, for ``--list``).
     """
 
     name: str
@@ -308,6 +310,11 @@ class Section:
     summary: str
     run: Callable[[Config, Progress], Result]
     estimate: tuple[float, float] = (5.0, 60.0)
+    heading_at: Callable[[Config], tuple[str, str]] | None = None
+
+    def heading(self, config: Config) -> tuple[str, str]:
+        """The title and summary of this section in a run at ``config``: what that run measured."""
+        return self.heading_at(config) if self.heading_at else (self.title, self.summary)
 
     def expected_seconds(self, size: Size) -> float:
         """How long the section is expected to take at ``size`` (for the progress bar's estimate)."""

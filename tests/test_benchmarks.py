@@ -124,6 +124,25 @@ def test_quick_run_prints_no_profiler_notices(quick_run: Path) -> None:
     assert "USDT:" not in native and "USDT:" not in (quick_run / "console.txt").read_text(), native[-2000:]
 
 
+def test_quick_run_heads_the_gpt_section_with_the_model_it_ran(quick_run: Path) -> None:
+    title = json.loads((quick_run / "results.json").read_text())["sections"]["gpt"]["title"]
+    assert title.startswith("At quick size: a 0.1M-parameter GPT (2 blocks, width 64, 64 tokens per step)"), title
+    assert f"== {title} (gpt, " in (quick_run / "console.txt").read_text()
+
+
+def test_the_gpt_heading_counts_the_model_of_the_run() -> None:
+    from benchmarks.core import Config
+    from benchmarks.sections.gpt import SECTION
+
+    quick, quick_summary = SECTION.heading(Config(size="quick"))
+    assert "0.1M-parameter GPT (2 blocks, width 64, 64 tokens per step)" in quick and "realistic" not in quick
+    assert "batch 2 × 32 tokens" in quick_summary and "arithmetic, dominates" not in quick_summary
+    default, summary = SECTION.heading(Config())
+    assert default.startswith("At realistic size: a 10.9M-parameter GPT (6 blocks, width 384, 1,024 tokens per step)")
+    assert (default, summary) == (SECTION.title, SECTION.summary)  # what --list shows
+    assert SECTION.heading(Config(size="large")) == (default, summary)  # large times the default GPT
+
+
 def test_profiled_drops_kineto_usdt_lines_and_keeps_the_rest(capfd: pytest.CaptureFixture[str]) -> None:
     from benchmarks.machine import _native_stderr_without_usdt, profiled
 

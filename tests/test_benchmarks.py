@@ -86,6 +86,7 @@ def _numbers(value: Any) -> Iterator[float]:
             yield from _numbers(item)
 
 
+@pytest.mark.slow
 def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Path) -> None:
     from benchmarks.sections import SECTIONS
 
@@ -119,11 +120,13 @@ def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Pat
             assert math.isfinite(target["measured"]), target["name"]
 
 
+@pytest.mark.slow
 def test_quick_run_prints_no_profiler_notices(quick_run: Path) -> None:
     native = (quick_run / "native.txt").read_text(errors="replace")
     assert "USDT:" not in native and "USDT:" not in (quick_run / "console.txt").read_text(), native[-2000:]
 
 
+@pytest.mark.slow
 def test_quick_run_heads_the_gpt_section_with_the_model_it_ran(quick_run: Path) -> None:
     title = json.loads((quick_run / "results.json").read_text())["sections"]["gpt"]["title"]
     assert title.startswith("At quick size: a 0.1M-parameter GPT (2 blocks, width 64, 64 tokens per step)"), title
@@ -158,6 +161,7 @@ def test_profiled_drops_kineto_usdt_lines_and_keeps_the_rest(capfd: pytest.Captu
     assert "ERROR: a real one" in captured.err
 
 
+@pytest.mark.slow
 def test_quick_run_dp_equals_opacus(quick_run: Path) -> None:
     sections = json.loads((quick_run / "results.json").read_text())["sections"]
     dp = sections["dp"]["data"]
@@ -175,6 +179,7 @@ OPTIMIZERS = {"SGD (momentum 0.9)", "AdamW", "FOOF", "K-FAC", "Eva", "FOOF on Ad
 RULES = OPTIMIZERS - {"SGD (momentum 0.9)", "AdamW"}
 
 
+@pytest.mark.slow
 def test_quick_run_times_the_rules_on_their_schedule(quick_run: Path) -> None:
     run = json.loads((quick_run / "results.json").read_text())
     sections = run["sections"]
@@ -189,6 +194,7 @@ def test_quick_run_times_the_rules_on_their_schedule(quick_run: Path) -> None:
     assert all(t["limit"] == 1.15 and t["unjudged"] == "not measured at quick size" for t in step_targets)
 
 
+@pytest.mark.slow
 def test_quick_run_convergence_trains_every_configuration_on_every_workload(quick_run: Path) -> None:
     run = json.loads((quick_run / "results.json").read_text())
     section = run["sections"]["convergence"]
@@ -216,12 +222,14 @@ def test_quick_run_convergence_trains_every_configuration_on_every_workload(quic
     assert all(p["xlabel"] == "measured training time (s)" and p["ylim"] for p in headline[0]["panels"])
 
 
+@pytest.mark.slow
 def test_quick_run_outputs_name_no_issue_numbers(quick_run: Path) -> None:
     # Targets say what they are ("target", "informational"), not which of this project's issues asked for them.
     text = (quick_run / "results.json").read_text()
     assert not re.search(r"\bissues?\s*#?\d", text, re.IGNORECASE)
 
 
+@pytest.mark.slow
 def test_report_renders_from_the_json(quick_run: Path, tmp_path: Path) -> None:
     from benchmarks.__main__ import main
 

@@ -31,6 +31,7 @@ def test_every_example_is_tested() -> None:
     assert {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")} == set(RUNS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(RUNS))
 def test_example_runs(script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("sklearn")

@@ -45,7 +45,7 @@ class Config:
     """How big and how carefully to measure.
 
     Attributes:
-        size: ``"quick"`` (smoke run, under a minute in all), ``"default"`` or ``"large"``.
+        size: ``"quick"`` (a smoke run of every section), ``"default"`` or ``"large"``.
         pairs: Timed rounds after warm-up; each round times every variant once, in turn.
         sample_seconds: Each timed sample repeats the measured call until it lasts this long.
         warmup_seconds: Untimed calls of each variant before calibration.

@@ -45,7 +45,7 @@ class Config:
     """How big and how carefully to measure.
 
     Attributes:
-        size: ``"quick"`` (smoke run, under a minute in all), ``"default"`` or ``"large"``.
+        size: ``"quick"`` (a smoke run of every section), ``"default"`` or ``"large"``.
         pairs: Timed rounds after warm-up; each round times every variant once, in turn.
         sample_seconds: Each timed sample repeats the measured call until it lasts this long.
         warmup_seconds: Untimed calls of each variant before calibration.
@@ -116,8 +116,9 @@ class RunProgress:
         self._done += self._current
         self._bar.update(self._done - self._bar.n)
 
-    def write(self, text: str, file: TextIO = sys.stdout) -> None:
-        """Print ``text`` above the bar (plainly when the bar is hidden)."""
+    def write(self, text: str, file: TextIO | None = None) -> None:
+        """Print ``text`` above the bar (plainly when the bar is hidden); to ``sys.stdout`` as it is now by default."""
+        file = file or sys.stdout  # not bound at import: a redirected stdout receives the sections too
         self._bar.write(text, file=file)
         file.flush()
 
@@ -300,6 +301,8 @@ class Section:
         run: The measurement.
         estimate: Seconds it takes at size quick and default on two cores (large: twice default);
             only the progress bar's estimate of the time left reads it.
+        heading_at: The title and summary of a run at a configuration, for a section whose workload
+            depends on the size (``title`` and ``summary`` are then the default size's, for ``--list``).
     """
 
     name: str
@@ -307,6 +310,11 @@ class Section:
     summary: str
     run: Callable[[Config, Progress], Result]
     estimate: tuple[float, float] = (5.0, 60.0)
+    heading_at: Callable[[Config], tuple[str, str]] | None = None
+
+    def heading(self, config: Config) -> tuple[str, str]:
+        """The title and summary of this section in a run at ``config``: what that run measured."""
+        return self.heading_at(config) if self.heading_at else (self.title, self.summary)
 
     def expected_seconds(self, size: Size) -> float:
         """How long the section is expected to take at ``size`` (for the progress bar's estimate)."""

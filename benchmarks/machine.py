@@ -1,4 +1,5 @@
-"""The machine a run measured, and the process memory probes (glibc heap, resident set)."""
+"""The machine a run measured, the process memory probes (glibc heap, resident set), and torch's profiler
+without Kineto's notices."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +19,7 @@ import torch
 
 import inputaware_optim
 
-__all__ = ["allocated_bytes", "describe", "has_allocation_probe", "resident_bytes"]
+__all__ = ["allocated_bytes", "describe", "has_allocation_probe", "profiled", "resident_bytes"]
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -70,6 +74,46 @@ def resident_bytes() -> int:
     """The resident set size of this process, from ``/proc/self/statm``."""
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextmanager
+def profiled(**options: Any) -> Iterator[torch.profiler.profile]:
+    """``torch.profiler.profile(**options)``, without the ``USDT:`` line Kineto prints at each start and stop.
+
+    Kineto (torch 2.13) writes ``USDT:... profiler_start`` and ``profiler_stop`` to the process's
+    stderr every time a profiler starts or stops. ``KINETO_LOG_LEVEL`` cannot drop them alone: USDT
+    ranks above ERROR, so a level that hides them hides errors as well. So only while the profiler
+    starts and stops, file descriptor 2 goes to a file, and every line of it but those is written
+    back to ``sys.stderr``: a warning or an error from the profiler still shows.
+    """
+    profiler = torch.profiler.profile(**options)
+    with _native_stderr_without_usdt():
+        profiler.__enter__()
+    try:
+        yield profiler
+    finally:
+        with _native_stderr_without_usdt():
+            profiler.__exit__(None, None, None)
+
+
+@contextmanager
+def _native_stderr_without_usdt() -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines = sink.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not line.startswith("USDT:"))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
 
 
 def _cpu_model() -> str:

@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=10)
     epochs = parser.parse_args(argv).epochs
+    # One torch thread, as the benchmarks time: the two times printed below then compare between runs
+    # (with torch's default threads, on a machine doing other work, they swung by 5x).
+    torch.set_num_threads(1)
     private: list[DPSGD] = []  # the DP-SGD run's optimizer, kept for its ε
 
     def dp_sgd(model: nn.Module) -> DPSGD:

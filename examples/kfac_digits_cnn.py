@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=150)
     steps = parser.parse_args(argv).steps
+    # One torch thread, as the benchmarks time: the two times printed below then compare between runs
+    # (with torch's default threads, on a machine doing other work, they swung by 5x).
+    torch.set_num_threads(1)
     results = {
         "SGD (momentum 0.9)": train(lambda model: torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), steps),
         "K-FAC": train(kfac, steps),

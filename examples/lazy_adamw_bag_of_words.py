@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
     steps = parser.parse_args(argv).steps
+    # One torch thread, as the benchmarks time: the two times printed below then compare between runs
+    # (with torch's default threads, on a machine doing other work, they swung by 5x).
+    torch.set_num_threads(1)
     results = {
         "AdamW (dense, fused)": train(lambda model: torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), steps),
         "LazyAdamW": train(lambda model: LazyAdamW(model, lr=1e-2), steps),

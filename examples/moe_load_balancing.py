@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> float:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
     steps = parser.parse_args(argv).steps
+    # One torch thread, as the benchmarks time: the two times printed below then compare between runs
+    # (with torch's default threads, on a machine doing other work, they swung by 5x).
+    torch.set_num_threads(1)
     for name, balanced in (("AdamW", False), ("AdamW + LoadBalancing", True)):
         loss, ratio, seconds = train(steps, balanced)
         print(f"{name:>22}: loss {loss:.4f}, busiest expert {ratio:.2f}x the mean load, {seconds:.1f} s")

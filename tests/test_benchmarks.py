@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,19 +33,42 @@ TARGETED = {
 }
 
 
+@contextlib.contextmanager
+def _native_output_to(path: Path) -> Iterator[None]:
+    """File descriptors 1 and 2, what native code (torch's profiler) prints, into ``path``."""
+    with open(path, "wb") as sink:
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        try:
+            for fd in saved:
+                os.dup2(sink.fileno(), fd)
+            yield
+        finally:
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``python -m benchmarks --quick``, in this process: no wall-clock limit to outrun on a loaded machine."""
+    """``python -m benchmarks --quick``, in this process: no wall-clock limit to outrun on a loaded machine.
+
+    What it printed is kept beside its results: ``console.txt`` (Python's output), ``native.txt`` (native code's).
+    """
     from benchmarks.__main__ import main
 
     out = tmp_path_factory.mktemp("benchmarks")
     threads = torch.get_num_threads()
     console = io.StringIO()
     try:
-        with contextlib.redirect_stdout(console), contextlib.redirect_stderr(console):
+        with (
+            _native_output_to(out / "native.txt"),
+            contextlib.redirect_stdout(console),
+            contextlib.redirect_stderr(console),
+        ):
             status = main(["--quick", "--no-progress", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)
+    (out / "console.txt").write_text(console.getvalue())
     assert status == 0, console.getvalue()[-6000:]
     return out
 
@@ -62,6 +86,7 @@ def _numbers(value: Any) -> Iterator[float]:
             yield from _numbers(item)
 
 
+@pytest.mark.slow
 def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Path) -> None:
     from benchmarks.sections import SECTIONS
 
@@ -95,6 +120,48 @@ def test_quick_run_records_every_section_with_numbers_and_targets(quick_run: Pat
             assert math.isfinite(target["measured"]), target["name"]
 
 
+@pytest.mark.slow
+def test_quick_run_prints_no_profiler_notices(quick_run: Path) -> None:
+    native = (quick_run / "native.txt").read_text(errors="replace")
+    assert "USDT:" not in native and "USDT:" not in (quick_run / "console.txt").read_text(), native[-2000:]
+
+
+@pytest.mark.slow
+def test_quick_run_heads_the_gpt_section_with_the_model_it_ran(quick_run: Path) -> None:
+    title = json.loads((quick_run / "results.json").read_text())["sections"]["gpt"]["title"]
+    assert title.startswith("At quick size: a 0.1M-parameter GPT (2 blocks, width 64, 64 tokens per step)"), title
+    assert f"== {title} (gpt, " in (quick_run / "console.txt").read_text()
+
+
+def test_the_gpt_heading_counts_the_model_of_the_run() -> None:
+    from benchmarks.core import Config
+    from benchmarks.sections.gpt import SECTION
+
+    quick, quick_summary = SECTION.heading(Config(size="quick"))
+    assert "0.1M-parameter GPT (2 blocks, width 64, 64 tokens per step)" in quick and "realistic" not in quick
+    assert "batch 2 × 32 tokens" in quick_summary and "arithmetic, dominates" not in quick_summary
+    default, summary = SECTION.heading(Config())
+    assert default.startswith("At realistic size: a 10.9M-parameter GPT (6 blocks, width 384, 1,024 tokens per step)")
+    assert (default, summary) == (SECTION.title, SECTION.summary)  # what --list shows
+    assert SECTION.heading(Config(size="large")) == (default, summary)  # large times the default GPT
+
+
+def test_profiled_drops_kineto_usdt_lines_and_keeps_the_rest(capfd: pytest.CaptureFixture[str]) -> None:
+    from benchmarks.machine import _native_stderr_without_usdt, profiled
+
+    for _ in range(2):
+        with profiled(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+            torch.ones(4).sum()
+    assert any(event.key == "aten::sum" for event in profiler.key_averages())
+    with _native_stderr_without_usdt():
+        os.write(2, b"USDT:2026-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"ERROR: a real one\n")
+    captured = capfd.readouterr()
+    assert "USDT:" not in captured.err + captured.out
+    assert "ERROR: a real one" in captured.err
+
+
+@pytest.mark.slow
 def test_quick_run_dp_equals_opacus(quick_run: Path) -> None:
     sections = json.loads((quick_run / "results.json").read_text())["sections"]
     dp = sections["dp"]["data"]
@@ -112,6 +179,7 @@ OPTIMIZERS = {"SGD (momentum 0.9)", "AdamW", "FOOF", "K-FAC", "Eva", "FOOF on Ad
 RULES = OPTIMIZERS - {"SGD (momentum 0.9)", "AdamW"}
 
 
+@pytest.mark.slow
 def test_quick_run_times_the_rules_on_their_schedule(quick_run: Path) -> None:
     run = json.loads((quick_run / "results.json").read_text())
     sections = run["sections"]
@@ -126,6 +194,7 @@ def test_quick_run_times_the_rules_on_their_schedule(quick_run: Path) -> None:
     assert all(t["limit"] == 1.15 and t["unjudged"] == "not measured at quick size" for t in step_targets)
 
 
+@pytest.mark.slow
 def test_quick_run_convergence_trains_every_configuration_on_every_workload(quick_run: Path) -> None:
     run = json.loads((quick_run / "results.json").read_text())
     section = run["sections"]["convergence"]
@@ -153,12 +222,14 @@ def test_quick_run_convergence_trains_every_configuration_on_every_workload(quic
     assert all(p["xlabel"] == "measured training time (s)" and p["ylim"] for p in headline[0]["panels"])
 
 
+@pytest.mark.slow
 def test_quick_run_outputs_name_no_issue_numbers(quick_run: Path) -> None:
     # Targets say what they are ("target", "informational"), not which of this project's issues asked for them.
     text = (quick_run / "results.json").read_text()
     assert not re.search(r"\bissues?\s*#?\d", text, re.IGNORECASE)
 
 
+@pytest.mark.slow
 def test_report_renders_from_the_json(quick_run: Path, tmp_path: Path) -> None:
     from benchmarks.__main__ import main
 

@@ -489,30 +489,37 @@ def run_processes(worker: Callable[[int], None], world: int) -> None:
     run_spawned(_entry, args=(port, worker, world), world=world)
 
 
+@pytest.mark.slow
 def test_ddp_replicas_stay_identical_and_match_one_process() -> None:
     run_two_processes(ddp_worker)
 
 
+@pytest.mark.slow
 def test_fsdp2_stock_lazy_adamw_and_nlms_match_one_process() -> None:
     run_two_processes(fsdp_worker)
 
 
+@pytest.mark.slow
 def test_fsdp2_foof_and_kfac_match_one_process_with_replicated_factors() -> None:
     run_two_processes(fsdp_kronecker_worker)
 
 
+@pytest.mark.slow
 def test_fsdp2_dp_matches_one_process_and_its_noise_matches_ddp() -> None:
     run_two_processes(fsdp_dp_worker)
 
 
+@pytest.mark.slow
 def test_distributed_inversion_splits_the_work_and_changes_no_bit() -> None:
     run_two_processes(inversion_worker)
 
 
+@pytest.mark.slow
 def test_four_ranks_with_empty_shards_and_idle_inverters_match_one_process() -> None:
     run_processes(four_rank_worker, 4)
 
 
+@pytest.mark.slow
 def test_a_layer_one_rank_never_reaches_gets_its_statistics_from_the_others() -> None:
     run_two_processes(unreached_layer_worker)
 

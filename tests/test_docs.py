@@ -65,6 +65,7 @@ def test_page_python_blocks_run_in_order(
             raise AssertionError(f"{page_id(page)}: python block {index} failed:\n{block}") from error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(TORCHRUN_SCRIPTS)), ids=lambda i: page_id(TORCHRUN_SCRIPTS[i][0]) + f"-{i}")
 def test_torchrun_scripts_run(index: int, tmp_path: Path) -> None:
     script = tmp_path / "example.py"

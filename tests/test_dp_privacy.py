@@ -571,6 +571,7 @@ def _noise_rank(rank: int, directory: str, port: int, world: int, out: str) -> N
     os._exit(0)  # without torch's gloo teardown (see tests/multiprocess.py)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_the_noise_under_ddp_has_the_standard_deviation_of_one_draw(world: int, tmp_path: Any) -> None:
     """Under DDP the noise is drawn once for all ranks: the update's standard deviation is

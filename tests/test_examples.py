@@ -8,6 +8,7 @@ import runpy
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -30,6 +31,7 @@ def test_every_example_is_tested() -> None:
     assert {p.name for p in EXAMPLES.glob("*.py") if not p.name.startswith("_")} == set(RUNS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", list(RUNS))
 def test_example_runs(script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("sklearn")
@@ -37,7 +39,12 @@ def test_example_runs(script: str, monkeypatch: pytest.MonkeyPatch, capsys: pyte
         pytest.importorskip("opacus")
     monkeypatch.syspath_prepend(str(EXAMPLES))
     arguments, (direction, bound), (stock, rule) = RUNS[script]
-    result = runpy.run_path(str(EXAMPLES / script), run_name="example")["main"](arguments)
+    threads = torch.get_num_threads()
+    try:
+        result = runpy.run_path(str(EXAMPLES / script), run_name="example")["main"](arguments)
+        assert torch.get_num_threads() == 1, script  # its printed times compare between runs
+    finally:
+        torch.set_num_threads(threads)
     assert math.isfinite(result)
     assert result > bound if direction == "above" else result < bound, (script, result)
     lines = [line.strip() for line in capsys.readouterr().out.splitlines()]

@@ -26,6 +26,7 @@ def test_skips_cleanly_without_cuda() -> None:
     assert finished.stderr == ""
 
 
+@pytest.mark.slow
 def test_dry_run_on_cpu_passes_every_check(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["--device", "cpu", "--compile-backend", "aot_eager", "--steps", "2", "--rounds", "1"]
     assert gpu_check.main(argv) == 0

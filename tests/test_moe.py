@@ -203,6 +203,7 @@ def _ddp_worker(rank: int) -> None:
     assert torch.equal(gathered[0], gathered[1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_under_ddp_the_loads_are_summed_over_the_ranks() -> None:
     from .test_distributed import run_two_processes

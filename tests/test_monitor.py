@@ -751,6 +751,7 @@ def ddp_worker(rank: int, directory: str, port: int) -> None:
     os._exit(0)  # see tests/test_distributed.py: gloo's teardown may abort a finished rank
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_ddp_statistics_over_two_ranks_equal_one_process_on_the_whole_batch() -> None:
     with socket.socket() as s:

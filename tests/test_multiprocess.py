@@ -57,10 +57,12 @@ def _entry(rank: int, directory: str, mode: str) -> None:
         os.abort()
 
 
+@pytest.mark.slow
 def test_spawned_forgives_an_abort_after_every_marker() -> None:
     run_spawned(_entry, ("abort-late",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("mode", "shown"), [("raise", "ValueError: rank 1 broke"), ("abort-early", "SIGABRT")])
 def test_spawned_fails_otherwise_with_the_output(mode: str, shown: str) -> None:
     with pytest.raises(AssertionError, match="multi-process run failed") as failed:
@@ -88,6 +90,7 @@ if rank == 0 and "{mode}" == "abort-late":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_torchrun_forgives_an_abort_after_destroy_process_group(tmp_path: Path) -> None:
     script = tmp_path / "script.py"
@@ -95,6 +98,7 @@ def test_torchrun_forgives_an_abort_after_destroy_process_group(tmp_path: Path) 
     run_torchrun(script)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_torchrun_fails_otherwise_with_the_output(tmp_path: Path) -> None:
     script = tmp_path / "script.py"
@@ -104,6 +108,7 @@ def test_torchrun_fails_otherwise_with_the_output(tmp_path: Path) -> None:
     assert "ValueError: rank 1 broke" in str(failed.value)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
 def test_torchrun_forgives_a_hang_in_teardown_after_every_marker_and_fails_one_before(tmp_path: Path) -> None:
     # Under load torch's gloo teardown can hang instead of aborting (a CI run once stopped at the

@@ -48,5 +48,6 @@ def worker(rank: int) -> None:
     _step(plain, InputAwareSGD(plain, lr=0.1), rank)
 
 
+@pytest.mark.slow
 def test_a_rule_built_before_ddp_refuses_and_an_explicit_group_works() -> None:
     run_two_processes(worker)

@@ -56,7 +56,9 @@ def test_readme_commands_match_ci() -> None:
     # The first install is the package's with its test extras (the docs extra's comes later).
     install = next(line for line in ci.splitlines() if line.startswith("python -m pip install"))
     assert install.replace('"$constraints"', "constraints.txt") in text
-    assert "\npython -m pytest -q\n" in ci and "\npython -m pytest -q\n" in text
+    # The default run (the tests not marked slow), then the slow ones: each a line of its own.
+    for run in ("python -m pytest -q", "python -m pytest -q -m slow"):
+        assert f"\n{run}\n" in ci and f"\n{run}\n" in text, run
     pin = re.search(r'echo "(torch==[^"]+)" >"\$constraints"', ci)
     assert pin and f'echo "{pin.group(1)}" > constraints.txt' in text
     # The first command of the README installs the CPU torch before anything can pull a CUDA one.

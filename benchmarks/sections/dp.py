@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import statistics
 import warnings
 from typing import Any
@@ -16,7 +15,7 @@ from torch import Tensor, nn
 from inputaware_optim import DPSGD
 
 from ..core import Config, Panel, Plot, Progress, Result, Section, Series, Table, Target, format_seconds
-from ..machine import allocated_bytes, has_allocation_probe
+from ..machine import allocated_bytes, has_allocation_probe, profiled
 from ..models import Workload, training_step, workloads
 from ..timing import Ratio, Timing, interleave
 
@@ -228,13 +227,10 @@ def _peak_in_step(model: nn.Module, optimizer: torch.optim.Optimizer, workload: 
     From the profiler's memory events (every allocation and free, in order); ``None`` if this
     release of torch does not expose them.
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
-    # Kineto prints a line at every profiler start and stop unless its log level is above USDT (5);
-    # read when the profiler is first used.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     optimizer.zero_grad()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+    with profiled(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         workload.loss(model, workload.batch).backward()
         optimizer.step()
     try:

@@ -8,6 +8,7 @@ import csv as _csv
 import functools
 import json
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -548,10 +549,14 @@ class _Sinks:
 
 
 def _loaded_step(state_dict: Any, tool: str) -> int:
+    """The step of ``{"step": n}``: any integral ``n >= 0``, as checkpoints hold it (a NumPy integer, a 0-d integer
+    tensor), as an ``int``; a bool, a float or a negative number is refused."""
     step = state_dict.get("step") if isinstance(state_dict, dict) else None
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, Tensor) and step.dim() == 0:
+        step = step.item()  # (a float, complex or bool tensor gives a float, complex or bool: refused below)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:  # (NumPy's bool is no Integral)
         raise ValueError(f"{tool}.load_state_dict takes {{'step': n}} with n an integer >= 0, got {state_dict!r}")
-    return step
+    return int(step)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -414,6 +415,32 @@ def test_monitor_load_state_dict_refuses_bad_steps_and_a_step_half_taken(plain: 
     monitor.remove()
     with pytest.raises(RuntimeError, match="was removed"):
         monitor.load_state_dict({"step": 0})
+
+
+@pytest.mark.parametrize("tool", ["Monitor", "NonFiniteFinder"])
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_step_saved_as_a_numpy_integer_or_a_0d_tensor_loads(tool: str, plain: bool) -> None:
+    # Refused before: checkpoints (and Lightning's and Hugging Face's state) often hold the step as
+    # np.int64 or a 0-d tensor. Any integral number >= 0 loads, as an int; bools, floats and negatives do not.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    made = Monitor(opt, model if plain else None) if tool == "Monitor" else NonFiniteFinder(opt, model)
+    for step in (np.int64(7), np.uint8(3), torch.tensor(5), torch.tensor(4, dtype=torch.int32), 6):
+        made.load_state_dict({"step": step})
+        saved = made.state_dict()
+        assert saved == {"step": int(step)} and type(saved["step"]) is int
+    for bad in (
+        np.bool_(True), torch.tensor(True), True, 2.0, np.float64(2.0), torch.tensor(2.0),
+        np.int64(-1), torch.tensor(-1), torch.tensor([3]), "3",
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=r"takes \{'step': n\} with n an integer >= 0"):
+            made.load_state_dict({"step": bad})
+    assert made.state_dict() == {"step": 6}
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    opt.step()
+    assert made.state_dict() == {"step": 7}
+    made.remove()
 
 
 def test_a_step_hooks_coming_step_renumbers_its_interval() -> None:

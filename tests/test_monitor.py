@@ -935,6 +935,43 @@ def test_a_resumed_finder_reports_the_step_of_the_run_without_the_break(plain: b
     finder.remove()
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_step_the_finder_refuses_is_not_counted_by_it_either(plain: bool) -> None:
+    # The finder counted the step it refused: one ahead of the Monitor's and the optimizer's count from
+    # then on, and the offset was saved in its state_dict and resumed.
+    model = Reused()
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=0.01) if plain else InputAwareAdamW(model, lr=0.01)
+    )
+    monitor = Monitor(opt, model if plain else None)
+    finder = NonFiniteFinder(opt, model if plain else None, action="raise")
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(batch(step)).sum()
+        if step == 1:
+            (loss * math.inf).backward()
+            with pytest.raises(NonFiniteError, match="step 1: every module's output was finite"):
+                opt.step()
+        else:
+            loss.backward()
+            opt.step()
+    taken = int(opt.state[model.out.weight]["step"])
+    assert taken == 2 and finder.state_dict() == monitor.state_dict() == {"step": taken}
+    saved = finder.state_dict()
+    finder.remove()
+    finder = NonFiniteFinder(opt, model if plain else None)  # resumed: warns
+    finder.load_state_dict(saved)
+    model.poison.backward_at = 1
+    opt.zero_grad()
+    model(batch(3)).sum().backward()
+    with pytest.warns(NonFiniteWarning, match=r"step 2: poison \(call 1\) in the backward"):
+        opt.step()
+    assert monitor.last is not None and monitor.last["step"] == 2 == int(opt.state[model.out.weight]["step"]) - 1
+    assert finder.state_dict() == monitor.state_dict() == {"step": 3}
+    finder.remove()
+    monitor.remove()
+
+
 # -- lifecycle (issue 19) -------------------------------------------------------------------------
 
 HOOK_DICTS = (

@@ -33,6 +33,13 @@ __all__ = ["NonFiniteError", "NonFiniteFinder", "NonFiniteOrigin", "NonFiniteWar
 # Calls a NonFiniteFinder keeps between two checks at most (bounds forwards that never reach a backward).
 _MAX_CALLS = 100_000
 
+# What torch.compile(fullgraph=True) says of the finder's callbacks (their reason to run eagerly).
+_EAGER = (
+    "NonFiniteFinder watches every call of the model eagerly, a graph break at each watched call, which "
+    "torch.compile(fullgraph=True) refuses: compile without fullgraph=True, or remove() the NonFiniteFinder "
+    "(attach it to find a non-finite step, and leave it off where a compiled model's speed matters)"
+)
+
 
 class NonFiniteWarning(UserWarning):
     """A step's gradient was not finite; the message names where the first non-finite value arose."""
@@ -312,7 +319,7 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
             self.capture = self._own_capture = Capture(model, [], keep_calls=False)
         self._watch = _Watch()
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
-        self._watching = self.capture.watch(_computes, self._watch.record, self._watch.open_forward)
+        self._watching = self.capture.watch(_computes, self._watch.record, self._watch.open_forward, reason=_EAGER)
         self._finalizer = weakref.finalize(self, self._watching.remove)
         self._skipped = False
         # A step counts once taken (after the update): one it refuses, or anything else does, is not a step,

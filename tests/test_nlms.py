@@ -100,6 +100,22 @@ def test_bad_damping_and_the_renamed_eps() -> None:
         NLMS(nn.Linear(2, 2), lr=0.1, eps=1e-6)
 
 
+def test_a_param_group_with_the_renamed_eps_is_refused_as_the_constructor_refuses_it() -> None:
+    # add_param_group kept the group's eps and normalized it by the default damping, with no word.
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optimizer = NLMS(model, lr=0.1, params=list(model[0].parameters()))
+    with pytest.raises(TypeError, match=r"NLMS's eps was renamed damping.*give the group 'damping' instead of 'eps'"):
+        optimizer.add_param_group({"params": list(model[1].parameters()), "eps": 0.5})
+    assert len(optimizer.param_groups) == 1
+    with pytest.raises(TypeError, match=r"NLMS's eps was renamed damping"):
+        NLMS(model, lr=0.1, params=[{"params": list(model.parameters()), "eps": 0.5}])
+    optimizer.add_param_group({"params": list(model[1].parameters()), "damping": 0.5})
+    assert optimizer.param_groups[1]["damping"] == 0.5 and "eps" not in optimizer.param_groups[1]
+    beside = NLMS(model, lr=0.1, base=torch.optim.AdamW, params=list(model[0].parameters()))
+    beside.add_param_group({"params": list(model[1].parameters()), "eps": 1e-3})  # the base's own eps
+    assert beside.param_groups[1]["eps"] == 1e-3 and beside.param_groups[1]["damping"] == 1e-6
+
+
 @pytest.mark.parametrize("base", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop])
 def test_the_damping_is_its_own_beside_a_base_that_has_an_eps(base: type) -> None:
     # NLMS's regularizer was the group's "eps", which the base's own eps (1e-8) already held: with

@@ -27,10 +27,8 @@ _EPS_RENAMED = (
 
 
 class InputPower(FactorSums):
-    """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number."""
-
-    def wants(self, module: nn.Module) -> bool:
-        return module in self.layers  # (unlike the Kronecker factors', a layer of width 0 too)
+    """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number (not for a layer
+    of width 0, which has nothing to normalize: as for the Kronecker factors, its step is the stock one)."""
 
     @staticmethod
     def side(rows: Tensor) -> Tensor:
@@ -77,7 +75,11 @@ class InputNormalization(Rule):
     def update(self, optimizer: Any, inputs: Inputs) -> None:
         """Divide the gradients of every layer with input rows by its input power."""
         assert self._power is not None
-        layers = [layer for layer in optimizer.layers("input_rows") if weight_of(layer.module).grad is not None]
+        layers = [
+            layer
+            for layer in optimizer.layers("input_rows")
+            if (weight := weight_of(layer.module)).grad is not None and weight.numel() > 0  # (width 0: the stock step)
+        ]
         zeros = functools.partial(zero_sums, shapes={"input": ()})  # (one power per block)
         group = optimizer.data_parallel_group
         layers, sums = summed_over_ranks(inputs, inputs.reduced(self._power), layers, zeros, group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -140,6 +141,40 @@ def test_a_checkpoint_from_before_the_rename_loads_its_eps_as_the_damping() -> N
     state["param_groups"][0]["eps"] = 0.25
     optimizer.load_state_dict(state)
     assert optimizer.param_groups[0]["damping"] == 0.25 and "eps" not in optimizer.param_groups[0]
+
+
+def test_a_layer_of_width_zero_takes_the_stock_sgd_step() -> None:
+    """Linear(6, 0) and Linear(0, 3) take SGD's step (nothing to normalize), the other layers NLMS's, as if the
+    empty layers were not there. Linear(0, 3)'s input rows (width 0) crashed the step in a reshape."""
+    from .test_kfac import WithEmptyLayers
+
+    model = WithEmptyLayers().double()
+    reference = copy.deepcopy(model)
+    optimizer = NLMS(model, lr=0.1, damping=0.1, momentum=0.9)
+    ruled = [p for n, p in reference.named_parameters() if n.startswith(("hidden", "head"))]
+    empty = [p for n, p in reference.named_parameters() if n.startswith("no_")]
+    references = [
+        NLMS(reference, lr=0.1, damping=0.1, momentum=0.9, params=ruled),
+        torch.optim.SGD(empty, lr=0.1, momentum=0.9),
+    ]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, target = (torch.randn(5, n, generator=generator, dtype=torch.float64) for n in (6, 3))
+        for m, optimizers in ((model, [optimizer]), (reference, references)):
+            for o in optimizers:
+                o.zero_grad()
+            nn.functional.mse_loss(m(x), target).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # nothing to warn about: the stock step is the rule's here
+                for o in optimizers:
+                    o.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)
+    assert not torch.equal(model.no_inputs.bias, WithEmptyLayers().double().no_inputs.bias)  # it did move
+    torch.testing.assert_close(
+        optimizer.state[model.no_inputs.bias]["momentum_buffer"],
+        references[1].state[reference.no_inputs.bias]["momentum_buffer"],
+    )
 
 
 def test_gradient_accumulation_equals_the_concatenated_batch() -> None:

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from . import compose, coverage
 from ._torch import entry_step, kernel_skips_step, unhooked, unscales_itself
 from .amp import ScalerHandoff
-from .capture import Capture, Storage, unwrap_model
+from .capture import Capture, Storage, parameter_names, unwrap_model
 from .coverage import Coverage
 from .distributed import data_parallel_group, sharded
 from .hooks import InputsHook, InputsHookHandle, Reads, StepHooks, When
@@ -384,7 +384,11 @@ class InputAwareOptimizer(Optimizer):
                 raise RuntimeError(inputs._expired)
             return inputs
         if isinstance(inputs, Mapping):
-            return Inputs.from_mapping(inputs, self.capture._owners, self.capture._watched)
+            capture = self.capture
+            named = {param: name for param, (name, _) in parameter_names(capture.root).items()}
+            return Inputs.from_mapping(
+                inputs, capture._owners, capture._watched, parameter_names=named, module_name=capture.name
+            )
         raise TypeError(
             "step(inputs=...) expects an inputaware_optim.Inputs (for example Capture.inputs()) or a "
             f"mapping from modules or parameters to Captured calls, got {type(inputs).__name__}"

@@ -22,6 +22,7 @@ from .monitor import (
     _as_float64,
     _dense_values,
     _loaded_step,
+    _not_copied,
     _params,
     _per_tensor_norms,
     _warn_if_private,
@@ -393,3 +394,8 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _not_copied(
+            "NonFiniteFinder", "NonFiniteFinder(copied_optimizer, ...).load_state_dict(finder.state_dict())"
+        )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import json
 import math
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -970,6 +972,41 @@ def test_a_step_the_finder_refuses_is_not_counted_by_it_either(plain: bool) -> N
     assert finder.state_dict() == monitor.state_dict() == {"step": 3}
     finder.remove()
     monitor.remove()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_copy_of_a_tool_is_refused_naming_what_to_do_and_that_works(plain: bool, how: str) -> None:
+    # deepcopy((model, optimizer, monitor)) gave a Monitor attached to nothing (the copied optimizer is built
+    # without its hooks): it never logged, with no word. Pickling failed on a weakref, naming neither.
+    copier = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda x: pickle.loads(pickle.dumps(x))}[how]
+    model = mlp()
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    tools = {"Monitor": Monitor(opt, model if plain else None), "NonFiniteFinder": NonFiniteFinder(opt, model)}
+    for step in range(2):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    for name, tool in tools.items():
+        refused = rf"a {name} attached to an optimizer cannot be copied or pickled.*attach a new {name} to the copy"
+        with pytest.raises(TypeError, match=refused):
+            copier((model, opt, tool) if how != "copy" else tool)  # (copy.copy of a tuple shares its items)
+    # What the error says to do: the model and the optimizer copy with the tools attached; attach anew.
+    copied_model, copied = copy.deepcopy((model, opt)) if how != "pickle" else pickle.loads(pickle.dumps((model, opt)))
+    monitor = Monitor(copied, copied_model if plain else None)
+    finder = NonFiniteFinder(copied, copied_model)
+    monitor.load_state_dict(tools["Monitor"].state_dict())
+    finder.load_state_dict(tools["NonFiniteFinder"].state_dict())
+    for m, o in ((model, opt), (copied_model, copied)):
+        o.zero_grad()
+        m(batch(2)).sum().backward()
+        o.step()
+    assert monitor.last is not None and tools["Monitor"].last is not None
+    assert monitor.last["step"] == tools["Monitor"].last["step"] == 2
+    assert monitor.last["parameters"] == tools["Monitor"].last["parameters"]
+    assert finder.state_dict() == tools["NonFiniteFinder"].state_dict() == {"step": 3}
+    for tool in (monitor, finder, *tools.values()):
+        tool.remove()
 
 
 # -- lifecycle (issue 19) -------------------------------------------------------------------------

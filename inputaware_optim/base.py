@@ -398,15 +398,28 @@ class InputAwareOptimizer(Optimizer):
             return
         tensors = compose.model_parameters_of(self, param_group)
         super().add_param_group(param_group)
-        if self._capture is None:  # in __init__: the capture is built once all groups are
-            return
+        if self._capture is not None:  # (in __init__: the capture is built once all groups are)
+            self._join_new_group(tensors)
+
+    def _join_new_group(self, params: list[Tensor]) -> None:
+        """The rules' check of the group just added, its layers joined to the capture and the rules' reads; if a
+        rule refuses it (by name), the optimizer is left as it was: the group out, its modules unwatched."""
+        capture = self.capture
         try:
-            self._check_param_groups()  # the rules' own validation of the new group
+            self._check_param_groups()
         except Exception:
             self.param_groups.pop()
             raise
-        self._capture.add_modules(self._modules_to_capture(tensors))
-        self._set_up_rules()  # the new group's layers join the rules' reads
+        watched = set(capture.modules)
+        added = [m for m in self._modules_to_capture(params) if m not in watched]
+        capture.add_modules(added)
+        try:
+            self._set_up_rules()
+        except Exception:
+            self.param_groups.pop()
+            capture.remove_modules(added)
+            self._set_up_rules()
+            raise
         if (hooks := self.__dict__.get("_inputs_hooks")) is not None:
             hooks.rescope()  # and the layers a hook reads
 

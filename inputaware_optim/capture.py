@@ -650,6 +650,7 @@ class _Watching:
     on_call: Callable[..., Any]
     on_forward: Callable[..., Any] | None
     select: Callable[[nn.Module], bool] | None = None
+    reason: str | None = None  # why it runs eagerly in compiled code (what fullgraph=True's error says)
 
     def remove(self) -> None:
         capture = self.capture()
@@ -903,21 +904,26 @@ class Capture:
         modules: Iterable[nn.Module] | Callable[[nn.Module], bool],
         on_call: Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None],
         on_forward: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], None] | None = None,
+        *,
+        reason: str | None = None,
     ) -> _Watching:
         """Call ``on_call(module, args, kwargs, output)`` after every call (grad enabled) of each of ``modules``
         and ``on_forward(root, args, kwargs)`` before every forward, through the capture's own hooks.
         ``modules`` may be a predicate instead: the modules of the model it selects, as the model holds them
         at each forward (a module added or replaced since is watched from then on).
 
-        They run eagerly in compiled code too (a graph break at each watched call). The callbacks must
-        not hold the tool that registered them, so its finalizer can run. ``remove()`` on
-        the returned handle ends the watch. A module not in the model raises ``ValueError``."""
+        They run eagerly in compiled code too (a graph break at each watched call), so
+        ``torch.compile(fullgraph=True)`` refuses the model while the watch lasts: its error carries
+        ``reason`` (name the tool, and what to do). The callbacks must not hold the tool that registered
+        them, so its finalizer can run. ``remove()`` on the returned handle ends the watch. A module not in
+        the model raises ``ValueError``."""
         # Traced, a callback's bookkeeping would be guarded on (a recompile per tensor it keys by) or dropped.
-        on_call, on_forward = torch.compiler.disable(on_call), on_forward and torch.compiler.disable(on_forward)
+        on_call = torch.compiler.disable(on_call, reason=reason)
+        on_forward = on_forward and torch.compiler.disable(on_forward, reason=reason)
         select = None
         if not isinstance(modules, Iterable):
             select, modules = modules, [m for m in self._root.modules() if modules(m)]
-        watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward, select)
+        watching = _Watching(weakref.ref(self), self._part_of_model(modules), on_call, on_forward, select, reason)
         self._set_watches([*self._watches, watching])
         return watching
 
@@ -928,7 +934,7 @@ class Capture:
                 watchers[module] = (*watchers.get(module, ()), watching.on_call)
         self._watches, self._log.watchers = watches, watchers
         # The selections first (they hook this forward's calls), eagerly in compiled code too.
-        openers = [torch.compiler.disable(w.follow) for w in watches if w.select is not None]
+        openers = [torch.compiler.disable(w.follow, reason=w.reason) for w in watches if w.select is not None]
         self._log.openers = (*openers, *(w.on_forward for w in watches if w.on_forward is not None))
         self._sync_hooks()
 
@@ -1014,7 +1020,8 @@ class Capture:
                 raise RuntimeError(given._expired)
             return given
         if isinstance(given, Mapping):
-            return Inputs.from_mapping(given, self._owners, self._watched)
+            named = {param: name for param, (name, _) in parameter_names(self._root).items()}
+            return Inputs.from_mapping(given, self._owners, self._watched, parameter_names=named, module_name=self.name)
         raise TypeError(
             "step(inputs=...) expects an inputaware_optim.Inputs (for example Capture.inputs()) or a "
             f"mapping from modules or parameters to Captured calls, got {type(given).__name__}"

@@ -178,6 +178,20 @@ class Captured:
         return f"Captured({len(self.calls)} calls of {', '.join(type(m).__name__ for m in self.modules)})"
 
 
+def _check_owned(
+    param: Tensor, entry: Captured, parameter_names: Mapping[Tensor, str], module_name: Callable[[nn.Module], str]
+) -> None:
+    """Refuse calls given for ``param`` of a module that does not own it (its gradient holds no such call)."""
+    other = next((m for m in entry.modules if not any(p is param for p in m._parameters.values())), None)
+    if other is not None:
+        name = parameter_names.get(param) or f"a parameter of shape {tuple(param.shape)}"
+        raise TypeError(
+            f"step(inputs=...) gives {name} the calls of {module_name(other)} ({type(other).__name__}), which does "
+            "not own it: a parameter's inputs are the calls of the module that owns it (those its gradient holds). "
+            "Give it its own module's calls, or key the calls by their module. No parameter was changed"
+        )
+
+
 def _positional(call: Call, position: int) -> Any:
     if position >= len(call.args):
         raise IndexError(f"{call!r} has {len(call.args)} positional argument(s); position {position} does not exist")
@@ -225,9 +239,13 @@ class Inputs(Mapping[nn.Module, Captured]):
         mapping: Mapping[Any, Any],
         owners: Mapping[Tensor, tuple[nn.Module, ...]] | None = None,
         names: Mapping[nn.Module, str] | None = None,
+        *,
+        parameter_names: Mapping[Tensor, str] | None = None,
+        module_name: Callable[[nn.Module], str] | None = None,
     ) -> Inputs:
         """Build ``Inputs`` from a mapping of modules or parameters to ``Captured`` (or lists of ``Call``); other
-        keys or values raise ``TypeError``."""
+        keys or values raise ``TypeError``, and so do calls of a module that is not the key, or does not own it
+        (``parameter_names`` and ``module_name`` name them in the error)."""
         calls: list[Call] = []
         direct: dict[Tensor, Captured] = {}
         for key, value in mapping.items():
@@ -243,6 +261,7 @@ class Inputs(Mapping[nn.Module, Captured]):
                     raise TypeError(f"inputs= holds calls of another module under the key {key!r:.60}")
                 calls.extend(entry.calls)
             elif isinstance(key, Tensor):
+                _check_owned(key, entry, parameter_names or {}, module_name or (lambda m: type(m).__name__))
                 direct[key] = entry
             else:
                 raise TypeError(f"inputs= mapping keys must be modules or parameters, got {type(key).__name__}")

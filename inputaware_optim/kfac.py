@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .inputs import Call, Captured
 from .kronecker import FactorSums, KroneckerPreconditioner, Sums
-from .layers import ConvKind, Layer, weight_of
+from .layers import ConvKind, Layer, LinearKind, weight_of
 from .sgd import SGDWithRule
 
 CONVENTIONS = ("inputaware", "kfac-pytorch")  # the factors' scaling and damping (see KFAC's docstring)
@@ -86,6 +86,30 @@ class KFACPreconditioner(KroneckerPreconditioner):
             inverse=inverse,
             inverse_dtype=inverse_dtype,
         )
+
+    def setup(self, optimizer: Any) -> None:
+        if self._kfac_pytorch:
+            self._refuse_outside_kfac_pytorch(optimizer)
+        super().setup(optimizer)
+
+    def _refuse_outside_kfac_pytorch(self, optimizer: Any) -> None:
+        """Refuse, by name, a layer kfac-pytorch does not precondition: its convention says nothing of it."""
+        for layer in optimizer.layers(self.layers):
+            module = layer.module
+            if isinstance(layer.kind, LinearKind) or (
+                type(layer.kind) is ConvKind and isinstance(module, nn.Conv2d) and module.groups == 1
+            ):
+                continue  # (nn.Linear and what is one, as Hugging Face's Conv1D; nn.Conv2d with groups=1)
+            groups = getattr(module, "groups", 1)
+            kind = type(module).__name__ + (f" with groups={groups}" if groups != 1 else "")
+            name = optimizer.capture.name(module)
+            what = kind if name == type(module).__name__ else f"{name} ({kind})"
+            raise ValueError(
+                f"{self.label}(convention='kfac-pytorch') cannot precondition {what}: "
+                "kfac-pytorch preconditions nn.Linear and nn.Conv2d with groups=1 only, so its convention (the "
+                "factors' scaling by output positions) says nothing of this layer. Use convention='inputaware' (the "
+                "default, which covers it), or give its parameters to another optimizer. Nothing was changed"
+            )
 
     def _make_statistics(self, layers: list[Layer]) -> FactorSums:
         return KroneckerFactors(layers, self._kfac_pytorch)

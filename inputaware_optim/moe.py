@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -97,6 +98,7 @@ class LoadBalancing:
     """
 
     _update_rate: float
+    _attached: weakref.ref[Any] | None = None  # the optimizer it balances after (its hook is that optimizer's)
 
     def __init__(
         self,
@@ -194,7 +196,30 @@ class LoadBalancing:
                 )
             key[router] = owned[0]
         self.loads = ExpertLoads({r: getattr(r, self.bias).numel() for r in self.routers}, key, self.selected)
-        return optimizer.register_inputs_hook(self, when="pre", reads=self.loads)
+        handle = optimizer.register_inputs_hook(self, when="pre", reads=self.loads)
+        self._attached = weakref.ref(optimizer)
+        return handle
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Copies (``copy``, ``deepcopy``, ``pickle``) of a balancing not attached (or whose optimizer is gone).
+
+        Raises:
+            TypeError: If it is attached: its hook is the optimizer's, which a copy of the optimizer does not
+                carry, so the copy would never move a bias (attach a new one to the copy instead).
+        """
+        if self._attached is not None and self._attached() is not None:
+            raise TypeError(
+                "a LoadBalancing attached to an optimizer cannot be copied or pickled: it moves the biases from a "
+                "hook on that optimizer, and a copy of the optimizer is built without it (as torch's copies drop "
+                "their step hooks), so the copied biases would silently never move. Copy (or checkpoint) the model "
+                "and the optimizer, then attach a new LoadBalancing of the copy's routers and load this one's state: "
+                "balancing = LoadBalancing(copied_routers, ...); balancing.load_state_dict(old.state_dict()); "
+                "balancing.attach(copied_optimizer). To checkpoint it, save its state_dict()"
+            )
+        return super().__reduce_ex__(protocol)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_attached"}  # (a copy is attached to nothing)
 
     @torch.no_grad()
     def __call__(self, optimizer: Any, inputs: Inputs) -> None:

@@ -8,6 +8,7 @@ import csv as _csv
 import functools
 import json
 import math
+import numbers
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -491,6 +492,9 @@ class Monitor(contextlib.AbstractContextManager["Monitor"]):
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _not_copied("Monitor", "Monitor(copied_optimizer, ...).load_state_dict(monitor.state_dict())")
+
 
 class _Sinks:
     """Where records go: TensorBoard, JSON lines, CSV and a callback (only on the writing rank)."""
@@ -548,10 +552,25 @@ class _Sinks:
 
 
 def _loaded_step(state_dict: Any, tool: str) -> int:
+    """The step of ``{"step": n}``: any integral ``n >= 0``, as checkpoints hold it (a NumPy integer, a 0-d integer
+    tensor), as an ``int``; a bool, a float or a negative number is refused."""
     step = state_dict.get("step") if isinstance(state_dict, dict) else None
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+    if isinstance(step, Tensor) and step.dim() == 0:
+        step = step.item()  # (a float, complex or bool tensor gives a float, complex or bool: refused below)
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:  # (NumPy's bool is no Integral)
         raise ValueError(f"{tool}.load_state_dict takes {{'step': n}} with n an integer >= 0, got {state_dict!r}")
-    return step
+    return int(step)
+
+
+def _not_copied(tool: str, recipe: str) -> TypeError:
+    """Why a tool attached to an optimizer is not copied (``copy``, ``deepcopy``, ``pickle``), and what to do."""
+    return TypeError(
+        f"a {tool} attached to an optimizer cannot be copied or pickled: it works through hooks on that optimizer "
+        "(and its model), and a copy of the optimizer is built without them (as torch's copies drop their step "
+        f"hooks), so the copy would silently do nothing. Copy (or checkpoint) the model and the optimizer, then "
+        f"attach a new {tool} to the copy and load this one's state: {recipe}. To checkpoint it, save its "
+        "state_dict()"
+    )
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:

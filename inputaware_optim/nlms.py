@@ -20,12 +20,15 @@ from .sgd import SGDWithRule
 
 __all__ = ["NLMS", "InputNormalization"]
 
+_EPS_RENAMED = (
+    "NLMS's eps was renamed damping (it is added to the input power, as the other rules add their damping before "
+    "inverting; eps is a base optimizer's own, as AdamW's with base=torch.optim.AdamW)"
+)
+
 
 class InputPower(FactorSums):
-    """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number."""
-
-    def wants(self, module: nn.Module) -> bool:
-        return module in self.layers  # (unlike the Kronecker factors', a layer of width 0 too)
+    """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number (not for a layer
+    of width 0, which has nothing to normalize: as for the Kronecker factors, its step is the stock one)."""
 
     @staticmethod
     def side(rows: Tensor) -> Tensor:
@@ -72,7 +75,11 @@ class InputNormalization(Rule):
     def update(self, optimizer: Any, inputs: Inputs) -> None:
         """Divide the gradients of every layer with input rows by its input power."""
         assert self._power is not None
-        layers = [layer for layer in optimizer.layers("input_rows") if weight_of(layer.module).grad is not None]
+        layers = [
+            layer
+            for layer in optimizer.layers("input_rows")
+            if (weight := weight_of(layer.module)).grad is not None and weight.numel() > 0  # (width 0: the stock step)
+        ]
         zeros = functools.partial(zero_sums, shapes={"input": ()})  # (one power per block)
         group = optimizer.data_parallel_group
         layers, sums = summed_over_ranks(inputs, inputs.reduced(self._power), layers, zeros, group)
@@ -126,12 +133,20 @@ class NLMS(SGDWithRule):
         **sgd_kwargs: Any,
     ) -> None:
         if "eps" in sgd_kwargs and sgd_kwargs.get("base") is None:
-            raise TypeError(
-                "NLMS's eps was renamed damping (it is added to the input power, as the other rules add their "
-                "damping before inverting; eps is a base optimizer's own, as AdamW's with base=torch.optim.AdamW)"
-            )
+            raise TypeError(_EPS_RENAMED)
         wanted = "layer with input rows (nn.Linear, nn.Conv1d/2d/3d, ...)"
         self._construct(model, lr, None, InputNormalization(damping), params, sgd_kwargs, wanted, None)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group, as ``torch.optim.Optimizer.add_param_group`` does.
+
+        Raises:
+            TypeError: If the group sets ``eps`` and the update has none (NLMS's is ``damping``), as the
+                constructor refuses it: the group would keep it and normalize by the default damping.
+        """
+        if isinstance(param_group, dict) and "eps" in param_group and "eps" not in self.defaults:
+            raise TypeError(f"{_EPS_RENAMED}: give the group 'damping' instead of 'eps'. No group was added")
+        super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if self.__dict__.get("_base") is None:  # a checkpoint from before the rename: its eps is damping

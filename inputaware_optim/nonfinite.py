@@ -22,6 +22,7 @@ from .monitor import (
     _as_float64,
     _dense_values,
     _loaded_step,
+    _not_copied,
     _params,
     _per_tensor_norms,
     _warn_if_private,
@@ -32,6 +33,13 @@ __all__ = ["NonFiniteError", "NonFiniteFinder", "NonFiniteOrigin", "NonFiniteWar
 
 # Calls a NonFiniteFinder keeps between two checks at most (bounds forwards that never reach a backward).
 _MAX_CALLS = 100_000
+
+# What torch.compile(fullgraph=True) says of the finder's callbacks (their reason to run eagerly).
+_EAGER = (
+    "NonFiniteFinder watches every call of the model eagerly, a graph break at each watched call, which "
+    "torch.compile(fullgraph=True) refuses: compile without fullgraph=True, or remove() the NonFiniteFinder "
+    "(attach it to find a non-finite step, and leave it off where a compiled model's speed matters)"
+)
 
 
 class NonFiniteWarning(UserWarning):
@@ -271,7 +279,8 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
 
     Attributes:
         found: The latest ``NonFiniteOrigin`` found (``None`` until a step is not finite).
-        step: The number its reports give the coming step: 0 when attached; a resumed run loads the
+        step: The number its reports give the coming step: 0 when attached, counting the steps taken (one
+            it refuses is not, as for the optimizer and a ``Monitor``); a resumed run loads the
             ``state_dict()`` it saved (``{"step": n}``) to report the numbers of the run without the break.
     """
 
@@ -311,24 +320,38 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
             self.capture = self._own_capture = Capture(model, [], keep_calls=False)
         self._watch = _Watch()
         # The capture's own hooks call the watch: the model carries no hook of the finder's.
-        self._watching = self.capture.watch(_computes, self._watch.record, self._watch.open_forward)
+        self._watching = self.capture.watch(_computes, self._watch.record, self._watch.open_forward, reason=_EAGER)
         self._finalizer = weakref.finalize(self, self._watching.remove)
+        self._skipped = False
+        # A step counts once taken (after the update): one it refuses, or anything else does, is not a step,
+        # so its numbers stay the optimizer's and a Monitor's.
         if isinstance(optimizer, InputAwareOptimizer):  # its pre-step hooks run once the closure has
-            self._step_handle: Any = optimizer.register_inputs_hook(
-                lambda optimizer, inputs: self._before_step(optimizer, (), {}), reads=None
-            )
+            self._step_handles: list[Any] = [
+                optimizer.register_inputs_hook(
+                    lambda optimizer, inputs: self._before_step(optimizer, (), {}), reads=None
+                ),
+                optimizer.register_inputs_hook(lambda *_: self._after_step(), when="post", reads=None),
+            ]
         else:
-            self._step_handle = optimizer.register_step_pre_hook(self._before_step)
+            self._step_handles = [
+                optimizer.register_step_pre_hook(self._before_step),
+                optimizer.register_step_post_hook(lambda *_: self._after_step()),
+            ]
 
     def _before_step(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if kernel_skips_step(optimizer):  # (fused, under GradScaler: a loss-scale overflow, skipped)
+        self._skipped = kernel_skips_step(optimizer)  # (fused, under GradScaler: a loss-scale overflow, skipped)
+        if self._skipped:
             self._watch.reset()
             return None
-        step, self.step = self.step, self.step + 1
+        step = self.step
         wrapped = _after_closure(args, kwargs, lambda: self._check(step))
         if wrapped is None:
             self._check(step)
         return wrapped
+
+    def _after_step(self) -> None:
+        skipped, self._skipped = self._skipped, False
+        self.step += 0 if skipped else 1
 
     def _check(self, step: int) -> None:
         try:
@@ -362,7 +385,8 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
 
     def remove(self) -> None:
         """Take the hooks off the model and the optimizer."""
-        self._step_handle.remove()
+        for handle in self._step_handles:
+            handle.remove()
         self._finalizer()
         if self._own_capture is not None:
             self._own_capture.remove()
@@ -370,3 +394,8 @@ class NonFiniteFinder(contextlib.AbstractContextManager["NonFiniteFinder"]):
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise _not_copied(
+            "NonFiniteFinder", "NonFiniteFinder(copied_optimizer, ...).load_state_dict(finder.state_dict())"
+        )

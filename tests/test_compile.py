@@ -356,6 +356,26 @@ def test_monitor_and_finder_on_a_compiled_model_compile_once_and_report_as_eager
     assert finder.found is not None and (finder.found.module, finder.found.phase) == ("a", "forward")
 
 
+@pytest.mark.parametrize("plain", [False, True])
+def test_fullgraph_with_a_finder_is_refused_naming_the_finder_and_what_to_do(plain: bool) -> None:
+    # torch.compile(fullgraph=True) failed with torch's generic "Skip calling torch.compiler.disable()d
+    # function ... (reason: None)", naming neither the finder nor what to do.
+    model = MLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    monitor = Monitor(optimizer, model if plain else None)  # (compiles with the model: not refused)
+    finder = NonFiniteFinder(optimizer, model if plain else None)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"NonFiniteFinder watches every call of the model eagerly") as raised:
+        compiled(torch.randn(3, 4))
+    assert "compile without fullgraph=True, or remove() the NonFiniteFinder" in str(raised.value)
+    finder.remove()
+    torch._dynamo.reset()
+    compiled(torch.randn(3, 4)).sum().backward()  # without the finder: one graph, the Monitor's statistics in it
+    optimizer.step()
+    assert monitor.last is not None and monitor.last["modules"].keys() == {"a", "b"}
+    monitor.remove()
+
+
 def test_load_balancing_on_a_compiled_moe_moves_the_biases_as_eager() -> None:
     # Compiled code kept a call's arguments, not its output, so LoadBalancing (which reads the
     # experts each token was routed to from the router's output) failed on a compiled model.

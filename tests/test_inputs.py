@@ -90,6 +90,10 @@ def test_from_mapping_validates() -> None:
     assert built[model[2].weight].calls == inputs[model[2]].calls
     with pytest.raises(TypeError, match="another module"):
         Inputs.from_mapping({model[2]: entry})
+    with pytest.raises(
+        TypeError, match=r"a parameter of shape \(3, 8\) the calls of Linear \(Linear\), which does not"
+    ):
+        Inputs.from_mapping({model[2].weight: entry})  # (the calls of model[0]: not its owner)
     with pytest.raises(TypeError, match="lists of Call"):
         Inputs.from_mapping({model[0]: [1, 2]})
     with pytest.raises(TypeError, match="keys must be modules or parameters"):

@@ -308,6 +308,52 @@ def test_convention_is_validated_by_name() -> None:
         KFAC(mlp(), lr=0.1, convention="kfac")
 
 
+@pytest.mark.parametrize(
+    ("layer", "named"),
+    [
+        (nn.Conv1d(2, 3, 3), r"1 \(Conv1d\)"),
+        (nn.Conv2d(4, 4, 3, groups=2), r"1 \(Conv2d with groups=2\)"),
+        (nn.ConvTranspose2d(2, 3, 3), r"1 \(ConvTranspose2d\)"),
+        (nn.Conv3d(2, 3, 3), r"1 \(Conv3d\)"),
+    ],
+    ids=["Conv1d", "grouped Conv2d", "ConvTranspose2d", "Conv3d"],
+)
+def test_the_kfac_pytorch_convention_refuses_the_layers_kfac_pytorch_does_not_precondition(
+    layer: nn.Module, named: str
+) -> None:
+    # They were accepted, with kfac-pytorch's per-position scaling applied where kfac-pytorch has none.
+    refused = rf"KFAC\(convention='kfac-pytorch'\) cannot precondition {named}: kfac-pytorch preconditions nn\.Linear"
+    model = nn.Sequential(nn.Linear(4, 4), layer)
+    with pytest.raises(ValueError, match=refused):
+        KFAC(model, lr=0.1, convention="kfac-pytorch")
+    KFAC(model, lr=0.1)  # the default convention covers it
+    optimizer = KFAC(model, lr=0.1, convention="kfac-pytorch", params=list(model[0].parameters()))
+    with pytest.raises(ValueError, match=refused):
+        optimizer.add_param_group({"params": list(model[1].parameters())})
+    assert len(optimizer.param_groups) == 1 and optimizer.capture.modules == (model[0],)  # nothing changed
+
+
+def test_under_the_kfac_pytorch_convention_hugging_faces_conv1d_is_the_linear_it_equals() -> None:
+    """kfac-pytorch knows nn.Linear and nn.Conv2d by type; a Conv1D (GPT-2's Linear, its weight stored
+    transposed) takes nn.Linear's convention here, step for step."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    linear, transposed = nn.Linear(4, 3).double(), conv1d(3, 4).double()
+    with torch.no_grad():
+        transposed.weight.copy_(linear.weight.T)
+        transposed.bias.copy_(linear.bias)
+    optimizers = [KFAC(m, lr=0.1, convention="kfac-pytorch", update_every=1) for m in (linear, transposed)]
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 4, generator=generator, dtype=torch.float64)
+        for module, optimizer in zip((linear, transposed), optimizers, strict=True):
+            optimizer.zero_grad()
+            module(x).pow(2).sum().backward()
+            optimizer.step()
+        torch.testing.assert_close(transposed.weight, linear.weight.T, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(transposed.bias, linear.bias, rtol=1e-12, atol=1e-14)
+
+
 @settings(max_examples=20, deadline=None)
 @given(
     damping=st.floats(1e-4, 10.0),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import pickle
 from typing import Any
 
 import pytest
@@ -467,3 +469,45 @@ def test_load_state_dict_checks_what_it_is_given() -> None:
         with pytest.raises(ValueError, match=r"LoadBalancing\.load_state_dict"):
             balancing.load_state_dict(bad)
     assert balancing.state_dict() == {"master_bias": [None]}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_a_copy_of_an_attached_balancing_is_refused_naming_what_to_do(how: str) -> None:
+    # deepcopy((model, optimizer, balancing, monitor)) gave a balancing and a monitor attached to nothing: the
+    # copied optimizer is built anew, without their hooks, so the copy's biases never moved, with no word.
+    from inputaware_optim import Monitor
+
+    copier = {
+        "deepcopy": copy.deepcopy,
+        "copy": copy.copy,
+        "pickle": lambda x: pickle.loads(pickle.dumps(x)),
+    }[how]
+    model = Net()
+    optimizer = InputAwareSGD(model, lr=0.05)
+    balancing = LoadBalancing([model.moe.router], update_rate=0.01)
+    copier(balancing)  # attached to nothing yet: a copy is fine
+    balancing.attach(optimizer)
+    monitor = Monitor(optimizer)
+    for step in range(2):
+        optimizer.zero_grad()
+        model(data(step)).pow(2).mean().backward()
+        optimizer.step()
+    with pytest.raises(TypeError, match=r"LoadBalancing attached to an optimizer cannot be copied.*attach a new"):
+        copier((model, optimizer, balancing, monitor) if how != "copy" else balancing)  # (copy.copy shares items)
+    with pytest.raises(TypeError, match=r"Monitor attached to an optimizer cannot be copied.*attach a new Monitor"):
+        copier((model, optimizer, monitor) if how != "copy" else monitor)
+    # What the error says to do: copy the model and optimizer (with the tools attached, that works), attach anew.
+    copied_model, copied = copy.deepcopy((model, optimizer))
+    again = LoadBalancing([copied_model.moe.router], update_rate=0.01)
+    again.load_state_dict(balancing.state_dict())
+    again.attach(copied)
+    for m, o in ((model, optimizer), (copied_model, copied)):
+        o.zero_grad()
+        m(data(2)).pow(2).mean().backward()
+        o.step()
+    assert torch.equal(copied_model.moe.router.expert_bias, model.moe.router.expert_bias)
+    assert model.moe.router.expert_bias.any()
+    monitor.remove()
+    del optimizer, monitor
+    gc.collect()
+    copier(balancing)  # its optimizer is gone: attached to nothing again

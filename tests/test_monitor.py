@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import json
 import math
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -16,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -414,6 +417,32 @@ def test_monitor_load_state_dict_refuses_bad_steps_and_a_step_half_taken(plain: 
     monitor.remove()
     with pytest.raises(RuntimeError, match="was removed"):
         monitor.load_state_dict({"step": 0})
+
+
+@pytest.mark.parametrize("tool", ["Monitor", "NonFiniteFinder"])
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_step_saved_as_a_numpy_integer_or_a_0d_tensor_loads(tool: str, plain: bool) -> None:
+    # Refused before: checkpoints (and Lightning's and Hugging Face's state) often hold the step as
+    # np.int64 or a 0-d tensor. Any integral number >= 0 loads, as an int; bools, floats and negatives do not.
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    made = Monitor(opt, model if plain else None) if tool == "Monitor" else NonFiniteFinder(opt, model)
+    for step in (np.int64(7), np.uint8(3), torch.tensor(5), torch.tensor(4, dtype=torch.int32), 6):
+        made.load_state_dict({"step": step})
+        saved = made.state_dict()
+        assert saved == {"step": int(step)} and type(saved["step"]) is int
+    for bad in (
+        np.bool_(True), torch.tensor(True), True, 2.0, np.float64(2.0), torch.tensor(2.0),
+        np.int64(-1), torch.tensor(-1), torch.tensor([3]), "3",
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=r"takes \{'step': n\} with n an integer >= 0"):
+            made.load_state_dict({"step": bad})
+    assert made.state_dict() == {"step": 6}
+    opt.zero_grad()
+    model(batch(0)).sum().backward()
+    opt.step()
+    assert made.state_dict() == {"step": 7}
+    made.remove()
 
 
 def test_a_step_hooks_coming_step_renumbers_its_interval() -> None:
@@ -907,6 +936,78 @@ def test_a_resumed_finder_reports_the_step_of_the_run_without_the_break(plain: b
         opt.step()
     assert finder.found is not None and finder.found.step == 2 and finder.state_dict() == {"step": 3}
     finder.remove()
+
+
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_step_the_finder_refuses_is_not_counted_by_it_either(plain: bool) -> None:
+    # The finder counted the step it refused: one ahead of the Monitor's and the optimizer's count from
+    # then on, and the offset was saved in its state_dict and resumed.
+    model = Reused()
+    opt: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=0.01) if plain else InputAwareAdamW(model, lr=0.01)
+    )
+    monitor = Monitor(opt, model if plain else None)
+    finder = NonFiniteFinder(opt, model if plain else None, action="raise")
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(batch(step)).sum()
+        if step == 1:
+            (loss * math.inf).backward()
+            with pytest.raises(NonFiniteError, match="step 1: every module's output was finite"):
+                opt.step()
+        else:
+            loss.backward()
+            opt.step()
+    taken = int(opt.state[model.out.weight]["step"])
+    assert taken == 2 and finder.state_dict() == monitor.state_dict() == {"step": taken}
+    saved = finder.state_dict()
+    finder.remove()
+    finder = NonFiniteFinder(opt, model if plain else None)  # resumed: warns
+    finder.load_state_dict(saved)
+    model.poison.backward_at = 1
+    opt.zero_grad()
+    model(batch(3)).sum().backward()
+    with pytest.warns(NonFiniteWarning, match=r"step 2: poison \(call 1\) in the backward"):
+        opt.step()
+    assert monitor.last is not None and monitor.last["step"] == 2 == int(opt.state[model.out.weight]["step"]) - 1
+    assert finder.state_dict() == monitor.state_dict() == {"step": 3}
+    finder.remove()
+    monitor.remove()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+@pytest.mark.parametrize("plain", [False, True])
+def test_a_copy_of_a_tool_is_refused_naming_what_to_do_and_that_works(plain: bool, how: str) -> None:
+    # deepcopy((model, optimizer, monitor)) gave a Monitor attached to nothing (the copied optimizer is built
+    # without its hooks): it never logged, with no word. Pickling failed on a weakref, naming neither.
+    copier = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": lambda x: pickle.loads(pickle.dumps(x))}[how]
+    model = mlp()
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.1) if plain else InputAwareSGD(model, lr=0.1)
+    tools = {"Monitor": Monitor(opt, model if plain else None), "NonFiniteFinder": NonFiniteFinder(opt, model)}
+    for step in range(2):
+        opt.zero_grad()
+        model(batch(step)).sum().backward()
+        opt.step()
+    for name, tool in tools.items():
+        refused = rf"a {name} attached to an optimizer cannot be copied or pickled.*attach a new {name} to the copy"
+        with pytest.raises(TypeError, match=refused):
+            copier((model, opt, tool) if how != "copy" else tool)  # (copy.copy of a tuple shares its items)
+    # What the error says to do: the model and the optimizer copy with the tools attached; attach anew.
+    copied_model, copied = copy.deepcopy((model, opt)) if how != "pickle" else pickle.loads(pickle.dumps((model, opt)))
+    monitor = Monitor(copied, copied_model if plain else None)
+    finder = NonFiniteFinder(copied, copied_model)
+    monitor.load_state_dict(tools["Monitor"].state_dict())
+    finder.load_state_dict(tools["NonFiniteFinder"].state_dict())
+    for m, o in ((model, opt), (copied_model, copied)):
+        o.zero_grad()
+        m(batch(2)).sum().backward()
+        o.step()
+    assert monitor.last is not None and tools["Monitor"].last is not None
+    assert monitor.last["step"] == tools["Monitor"].last["step"] == 2
+    assert monitor.last["parameters"] == tools["Monitor"].last["parameters"]
+    assert finder.state_dict() == tools["NonFiniteFinder"].state_dict() == {"step": 3}
+    for tool in (monitor, finder, *tools.values()):
+        tool.remove()
 
 
 # -- lifecycle (issue 19) -------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -100,6 +101,22 @@ def test_bad_damping_and_the_renamed_eps() -> None:
         NLMS(nn.Linear(2, 2), lr=0.1, eps=1e-6)
 
 
+def test_a_param_group_with_the_renamed_eps_is_refused_as_the_constructor_refuses_it() -> None:
+    # add_param_group kept the group's eps and normalized it by the default damping, with no word.
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    optimizer = NLMS(model, lr=0.1, params=list(model[0].parameters()))
+    with pytest.raises(TypeError, match=r"NLMS's eps was renamed damping.*give the group 'damping' instead of 'eps'"):
+        optimizer.add_param_group({"params": list(model[1].parameters()), "eps": 0.5})
+    assert len(optimizer.param_groups) == 1
+    with pytest.raises(TypeError, match=r"NLMS's eps was renamed damping"):
+        NLMS(model, lr=0.1, params=[{"params": list(model.parameters()), "eps": 0.5}])
+    optimizer.add_param_group({"params": list(model[1].parameters()), "damping": 0.5})
+    assert optimizer.param_groups[1]["damping"] == 0.5 and "eps" not in optimizer.param_groups[1]
+    beside = NLMS(model, lr=0.1, base=torch.optim.AdamW, params=list(model[0].parameters()))
+    beside.add_param_group({"params": list(model[1].parameters()), "eps": 1e-3})  # the base's own eps
+    assert beside.param_groups[1]["eps"] == 1e-3 and beside.param_groups[1]["damping"] == 1e-6
+
+
 @pytest.mark.parametrize("base", [torch.optim.AdamW, torch.optim.Adam, torch.optim.RMSprop])
 def test_the_damping_is_its_own_beside_a_base_that_has_an_eps(base: type) -> None:
     # NLMS's regularizer was the group's "eps", which the base's own eps (1e-8) already held: with
@@ -124,6 +141,40 @@ def test_a_checkpoint_from_before_the_rename_loads_its_eps_as_the_damping() -> N
     state["param_groups"][0]["eps"] = 0.25
     optimizer.load_state_dict(state)
     assert optimizer.param_groups[0]["damping"] == 0.25 and "eps" not in optimizer.param_groups[0]
+
+
+def test_a_layer_of_width_zero_takes_the_stock_sgd_step() -> None:
+    """Linear(6, 0) and Linear(0, 3) take SGD's step (nothing to normalize), the other layers NLMS's, as if the
+    empty layers were not there. Linear(0, 3)'s input rows (width 0) crashed the step in a reshape."""
+    from .test_kfac import WithEmptyLayers
+
+    model = WithEmptyLayers().double()
+    reference = copy.deepcopy(model)
+    optimizer = NLMS(model, lr=0.1, damping=0.1, momentum=0.9)
+    ruled = [p for n, p in reference.named_parameters() if n.startswith(("hidden", "head"))]
+    empty = [p for n, p in reference.named_parameters() if n.startswith("no_")]
+    references = [
+        NLMS(reference, lr=0.1, damping=0.1, momentum=0.9, params=ruled),
+        torch.optim.SGD(empty, lr=0.1, momentum=0.9),
+    ]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x, target = (torch.randn(5, n, generator=generator, dtype=torch.float64) for n in (6, 3))
+        for m, optimizers in ((model, [optimizer]), (reference, references)):
+            for o in optimizers:
+                o.zero_grad()
+            nn.functional.mse_loss(m(x), target).backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # nothing to warn about: the stock step is the rule's here
+                for o in optimizers:
+                    o.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14, msg=name)
+    assert not torch.equal(model.no_inputs.bias, WithEmptyLayers().double().no_inputs.bias)  # it did move
+    torch.testing.assert_close(
+        optimizer.state[model.no_inputs.bias]["momentum_buffer"],
+        references[1].state[reference.no_inputs.bias]["momentum_buffer"],
+    )
 
 
 def test_gradient_accumulation_equals_the_concatenated_batch() -> None:

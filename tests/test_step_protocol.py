@@ -92,6 +92,35 @@ def test_a_pre_hook_may_inject_inputs_and_they_reach_the_rule() -> None:
     assert received == [given]
 
 
+def test_inputs_giving_a_weight_another_layers_calls_are_refused_before_any_change() -> None:
+    # step(inputs={weight: calls}) took the calls of a module that does not own the weight: the rule
+    # normalized the first layer by the last one's inputs, with no word.
+    from inputaware_optim import Rule as Transform
+
+    class Normalization(Transform):
+        reads = "calls"
+
+        def update(self, optimizer: Any, inputs: Inputs) -> None:
+            for p in optimizer._params():
+                if p.grad is not None and (seen := inputs.get(p)) is not None:
+                    p.grad.div_(1 + seen.cat().pow(2).mean())
+
+    model = nn.ModuleDict({"first": nn.Linear(4, 6), "tied": nn.Linear(4, 6), "last": nn.Linear(6, 3)}).double()
+    model.tied.weight = model.first.weight  # a weight two modules own: either one's calls are its inputs
+    optimizer = InputAwareSGD(model, rules=[Normalization()], lr=0.1)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    model.last(torch.tanh(model.first(x) + model.tied(x))).sum().backward()
+    inputs = optimizer.capture.inputs()
+    weight = model.first.weight
+    before = [p.detach().clone() for p in model.parameters()]
+    for wrong in ({weight: inputs[model.last]}, {weight: [*inputs[model.first], *inputs[model.last]]}):
+        with pytest.raises(TypeError, match=r"gives first\.weight the calls of last \(Linear\), which does not own"):
+            optimizer.step(inputs=wrong)
+        assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    optimizer.step(inputs={weight: [*inputs[model.first], *inputs[model.tied]]})  # its owners' calls
+    assert not torch.equal(weight, before[0])
+
+
 # -- base=: one optimizer, one whole state ------------------------------------------------------
 
 RULES: dict[str, Callable[..., Any]] = {

@@ -351,12 +351,12 @@ class _Probes:
         return directions if directions.dtype == like.dtype else directions.to(like.dtype)
 
     def plain_sums(self, per: PerSample, params: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
-        if isinstance(per, MatrixRows) and per.weight:
+        if isinstance(per, MatrixRows) and per.weight and params["weight"].numel() > 0:  # (else nothing to project)
             weight = params["weight"]
             if per.transposed:
                 self.transposed.add(weight)
             return per.projected_sums(self._directions(weight, per.outputs, per.like))
-        if isinstance(per, BlockRows) and per.weight:
+        if isinstance(per, BlockRows) and per.weight and params["weight"].numel() > 0:
             projected = per.g @ self._directions(params["weight"], per.g.shape[-1], per.g)  # (b, blocks, t, 4)
             out = {"weight": torch.einsum("bjtk,bjti->jki", projected, per.x)}
             if per.bias:

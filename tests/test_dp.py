@@ -540,3 +540,16 @@ def test_a_zero_width_linear_is_clipped_as_the_reference(width: tuple[int, int])
     model(torch.randn(5, 6, dtype=torch.float64)).pow(2).sum(1).mean().backward()
     noisy.step()
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_model_compiled_with_fullgraph_is_refused_naming_dpsgd_and_what_to_do() -> None:
+    # torch.compile(fullgraph=True) raised torch's generic "Skip calling `torch.compiler.disable()`d function"
+    # (reason: None), naming neither DPSGD nor what to do. DP reads each forward's batch eagerly: a graph break.
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=0.1, noise_multiplier=0.0)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"DPSGD.*each forward's batch eagerly.*without fullgraph=True") as raised:
+        compiled(torch.randn(5, 6))
+    assert type(raised.value).__module__.startswith("torch._dynamo")  # torch's error, carrying DP's reason
+    assert optimizer.privacy_history == []

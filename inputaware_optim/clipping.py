@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -145,11 +146,16 @@ class ClippedSums(Reduction):
         sizes = {m: {_samples_of(m, _batch_first(c, batch_dim)) for c in cs} for m, cs in calls.items()}
         shapes = capture.model_input_shapes(forward)
         given = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
-        count = self._agreed_batch(sizes, given)
+        try:
+            count = self._agreed_batch(sizes, given)
+        except RuntimeError:
+            self._refuse_recurrent_layout(calls, shapes or [])  # the likely cause, said with its own numbers
+            raise
         if count in given and count > 1:
             self._refuse_broadcast_inputs(calls, [s for s in shapes or () if len(s) > batch_dim], count)
         if not given or count in given or any(m is capture.root for m in calls):
             return count  # agrees, or the model is itself a layer whose call says what its samples are
+        self._refuse_recurrent_layout(calls, shapes or [])
         called = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
             f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
@@ -161,6 +167,47 @@ class ClippedSums(Reduction):
             "keep the batch first throughout (batch_first=True, padded sequences rather than packed), and call "
             "each layer on the whole batch. No parameter was changed"
         )
+
+    def _refuse_recurrent_layout(self, calls: _Calls, shapes: list[torch.Size]) -> None:
+        """Refuse a forward whose batch check failed inside one of Opacus's recurrent layers (``DPLSTM``, ``DPGRU``,
+        ``DPRNN``: a linear layer per gate, called once per time step on ``(B, features)``) fed sequence-first or
+        packed input, or read with ``batch_dim=1``, naming it, with the batch and steps its calls hold."""
+        found = _recurrent_calls(self.capture.root, calls)
+        if not found:
+            return
+        recurrent, inner = next(iter(found.items()))
+        name = f"{self.capture.name(recurrent)} ({type(recurrent).__name__})"
+        layers = ", ".join(self.capture.name(m) for m in list(inner)[:2])
+        first = [c.args[0] for c in next(iter(inner.values())) if c.args and isinstance(c.args[0], Tensor)]
+        if not first or first[0].dim() != 2:
+            return
+        # Each call is one time step on its batch (a PackedSequence's shrinks as sequences end: largest first).
+        steps, features = sorted((int(x.shape[0]) for x in first), reverse=True), int(first[0].shape[1])
+        batch, batch_first = steps[0], bool(getattr(recurrent, "batch_first", False))
+        fix = _padded_advice(batch, len(steps), batch_first, self.batch_dim)
+        if len(set(steps)) > 1:
+            shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+            raise RuntimeError(
+                f"{name} got a PackedSequence: its layers ({layers}) are called once per time step on the "
+                f"sequences still running, batches of {shown} (a batch of {batch} sequences, the longest "
+                f"{len(steps)} steps), but DP clips a sample by its row in every call of the forward, so each call "
+                f"must hold the whole batch. {fix}"
+            )
+        if self.batch_dim == 1:
+            raise RuntimeError(
+                f"{name} is read with batch_dim=1, but its layers ({layers}) are called once per time step on "
+                f"(B, features) tensors, ({batch}, {features}) here: their dim 1 holds features, not samples. "
+                f"Opacus's recurrent layers hand every layer the batch first. {fix}"
+            )
+        if not batch_first:
+            seen = next((s for s in shapes if len(s) > 1 and s[1] == batch), shapes[0] if shapes else None)
+            held = f"the model's input {tuple(seen)}" if seen is not None else "the model's input"
+            raise RuntimeError(
+                f"{name} got sequence-first input (T, B, ...), batch_first=False: its layers ({layers}) are called "
+                f"once per time step, {len(steps)} steps on a batch of {batch} samples each, while {held} holds "
+                f"the batch along dim 1, and DP counts each forward's samples along dim 0 of the model's inputs. "
+                f"{fix}"
+            )
 
     def _agreed_batch(self, sizes: dict[nn.Module, set[int]], given: set[int]) -> int:
         """The batch every call of a forward holds; refused, naming the calls that hold another."""
@@ -434,6 +481,30 @@ def _samples_of(module: nn.Module, call: Call) -> int:
     if type(kind).samples is layers.LayerKind.samples and type(first) is Tensor and first.dim() > 0:
         return int(first.shape[0])
     return kind.samples(module, call)  # (a 0-d input: its error)
+
+
+def _padded_advice(batch: int, steps: int, batch_first: bool, batch_dim: int) -> str:
+    """What to feed one of Opacus's recurrent layers instead: padded, batch-first tensors."""
+    return (
+        f"{'Pass' if batch_first else 'Construct it with batch_first=True and pass'} it padded (B, T, ...) "
+        f"tensors, ({batch}, {steps}, ...) here (torch.nn.utils.rnn.pad_packed_sequence(..., batch_first=True) or "
+        f"pad_sequence(..., batch_first=True); mask the padded steps out of the loss)"
+        f"{', with batch_dim=0' if batch_dim else ''}. No parameter was changed"
+    )
+
+
+def _recurrent_calls(root: nn.Module, calls: _Calls) -> dict[nn.Module, _Calls]:
+    """The calls of ``calls`` inside each of Opacus's recurrent layers (``opacus.layers.DPRNNBase``) of ``root``."""
+    dp_rnn = sys.modules.get("opacus.layers.dp_rnn")  # (loaded if the model holds one)
+    base = getattr(dp_rnn, "DPRNNBase", None)
+    if base is None:
+        return {}
+    found: dict[nn.Module, _Calls] = {}
+    for recurrent in (m for m in root.modules() if isinstance(m, base)):
+        inner = {m: calls[m] for m in recurrent.modules() if m in calls}  # (in the layer's order: input gates first)
+        if inner:
+            found[recurrent] = inner
+    return found
 
 
 def _batch_first(call: Call, batch_dim: int) -> Call:

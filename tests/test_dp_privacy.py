@@ -811,6 +811,74 @@ def test_opacus_recurrent_layers_sequence_first_or_packed_are_refused(name: str,
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
+class _Recurrent(nn.Module):
+    """Opacus's DPLSTM on a batch of 3 sequences of up to 6 steps: sequence-first, packed or padded batch-first."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        layers = pytest.importorskip("opacus.layers")
+        torch.manual_seed(0)
+        self.rnn, self.head = layers.DPLSTM(4, 5, batch_first=layout != "sequence-first"), nn.Linear(5, 2)
+        self.layout = layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "packed":
+            packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([6, 5, 3]), batch_first=True)
+            return self.head(nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0][:, -1])
+        out = self.rnn(x)[0]
+        return self.head(out[-1] if self.layout == "sequence-first" else out[:, -1])
+
+
+@pytest.mark.parametrize(
+    ("layout", "batch_dim", "message"),
+    [
+        (
+            "sequence-first",
+            0,
+            r"^rnn \(DPLSTM\) got sequence-first input \(T, B, \.\.\.\), batch_first=False: its layers \(rnn.l0.ih, "
+            r"rnn.l0.hh\) are called once per time step, 6 steps on a batch of 3 samples each, while the model's input "
+            r"\(6, 3, 4\) holds the batch along dim 1.*Construct it with batch_first=True and pass it padded \(B, T, "
+            r"\.\.\.\) tensors, \(3, 6, \.\.\.\) here",
+        ),
+        (
+            "sequence-first",
+            1,
+            r"^rnn \(DPLSTM\) is read with batch_dim=1, but its layers .* on \(B, features\) tensors, \(3, 4\) here: "
+            r"their dim 1 holds features, not samples.*batch_first=True.*\(3, 6, \.\.\.\).*with batch_dim=0",
+        ),
+        (
+            "packed",
+            0,
+            r"^rnn \(DPLSTM\) got a PackedSequence: .* batches of 3, 3, 3, 2, 2, 1 \(a batch of 3 sequences, the "
+            r"longest 6 steps\).*Pass it padded \(B, T, \.\.\.\) tensors, \(3, 6, \.\.\.\) here.*pad_packed_sequence",
+        ),
+    ],
+    ids=["sequence-first", "sequence-first, batch_dim=1", "packed"],
+)
+def test_a_dplstm_fed_sequence_first_or_packed_input_is_refused_naming_the_layout(
+    layout: str, batch_dim: int, message: str
+) -> None:
+    """The refusal named neither layout, and its numbers misled: "it holds 5 samples" (the hidden size, read as
+    the batch under batch_dim=1) for a batch of 3. It names the DPLSTM, the layout, the batch (3) and the steps
+    (6), and says what to do: batch_first=True, padded (B, T, ...) tensors. Padded batch-first is exact."""
+    model = _Recurrent(layout).double()
+    shape = (6, 3, 4) if layout == "sequence-first" else (3, 6, 4)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, batch_dim=batch_dim)
+    loss_of(model(x)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=message + r".*No parameter was changed$"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    padded = _Recurrent("padded").double()  # the advice taken: batch_first=True on (3, 6, 4), exact
+    x = x.transpose(0, 1) if layout == "sequence-first" else x
+    expected = reference(_Recurrent("padded").double(), x, 0.05)
+    optimizer = DPSGD(padded, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    loss_of(padded(x)).backward()
+    optimizer.step()
+    assert_grads(padded, expected)
+
+
 # -- a model copied with DP's hooks on it --------------------------------------------------------
 
 

@@ -240,6 +240,57 @@ def test_epsilon_composes_every_step_at_its_own_noise(phases: list[tuple[float, 
     assert optimizer.epsilon(1e-5, accountant="rdp") == pytest.approx(expected, rel=1e-12)
 
 
+TARGETS = [  # (optimizer, epsilon, delta, sample_rate, steps or epochs, accountant)
+    (DPSGD, 1.0, 1e-5, 0.01, {"epochs": 1}, "rdp"),
+    (DPAdamW, 8.0, 1e-6, 0.004, {"steps": 300}, "rdp"),
+    (DPSGD, 1.0, 1e-6, 0.25, {"epochs": 2}, "prv"),
+    (DPAdamW, 3.0, 1e-5, 0.1, {"steps": 50}, "gdp"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha", "ignore:GDP accounting is experimental")
+@pytest.mark.parametrize(("optimizer_class", "epsilon", "delta", "rate", "length", "accountant"), TARGETS)
+def test_the_noise_multiplier_for_a_budget_is_opacuss_and_spends_at_most_that_budget(
+    optimizer_class: type, epsilon: float, delta: float, rate: float, length: dict[str, int], accountant: str
+) -> None:
+    """Opacus's ``make_private_with_epsilon`` had no counterpart: one called ``get_noise_multiplier`` by hand.
+    ``noise_multiplier_for`` is that function's answer on the same inputs, and a run of that length at it spends
+    at most the budget by the same accountant."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from inputaware_optim.accounting import PrivacyAccountant
+
+    sigma = optimizer_class.noise_multiplier_for(
+        epsilon=epsilon, delta=delta, sample_rate=rate, accountant=accountant, **length
+    )
+    expected = get_noise_multiplier(
+        target_epsilon=epsilon, target_delta=delta, sample_rate=rate, accountant=accountant, **length
+    )
+    assert sigma == expected
+    steps = length.get("steps") or int(length["epochs"] / rate)
+    spent = PrivacyAccountant()
+    spent.history = [(sigma, rate, steps)]
+    assert epsilon - 0.01 <= spent.epsilon(delta, accountant) <= epsilon
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"epsilon": 0.0}, "Invalid epsilon: 0.0"),
+        ({"delta": 1.0}, "Invalid delta: 1.0"),
+        ({"sample_rate": 1.5}, "Invalid sample_rate: 1.5"),
+        ({"steps": None}, "Give steps or epochs, exactly one"),
+        ({"epochs": 1}, "Give steps or epochs, exactly one"),
+        ({"steps": 0}, "Invalid steps: 0"),
+        ({"accountant": "moments"}, "Invalid accountant: 'moments'"),
+    ],
+)
+def test_the_noise_multiplier_for_a_budget_refuses_bad_arguments_by_name(change: dict[str, Any], message: str) -> None:
+    arguments = {"epsilon": 1.0, "delta": 1e-5, "sample_rate": 0.01, "steps": 100, **change}
+    with pytest.raises(ValueError, match=message):
+        DPSGD.noise_multiplier_for(**arguments)
+
+
 def test_a_raised_noise_does_not_lower_the_epsilon_already_spent_and_a_resumed_run_reports_it() -> None:
     """sigma 0.6 then 4.0 (the issue's case, shortened): the epsilon of both phases is Opacus's over
     both, by its PRV accountant (the default) and RDP; a run resumed from a state dict saved after

@@ -12,9 +12,10 @@ from torch import Tensor, nn
 from torch.linalg import vector_norm
 from torch.profiler import record_function
 
+from ._torch import scaler_handoff
 from .accounting import PrivacyAccountant
 from .adamw import InputAwareAdamW
-from .base import InputAwareOptimizer
+from .base import InputAwareOptimizer, _step_arguments
 from .capture import module_names, parameter_names, unwrap_model
 from .clipping import ClippedSums, _unsupported, _zeros
 from .distributed import all_reduce_sum_, all_zero, local_tensor, reduce_scatter_like, sharded
@@ -513,6 +514,54 @@ class _PrivateOptimizer(InputAwareOptimizer):
         more = kwargs.pop("rules", ())
         more = [more] if isinstance(more, Rule) else list(more)
         super().__init__(model, params, lr=lr, rules=[rule, *more], **kwargs)
+        self._skip_signals: list[bool] = []  # Opacus's protocol (signal_skip_step): one per coming step()
+        self._virtual = False  # the last step() was virtual: zero_grad() keeps what it accumulated
+
+    # -- virtual steps (Opacus's BatchMemoryManager) ----------------------------------------------------
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Make the coming ``step()`` virtual (``do_skip``) or real: Opacus's protocol, by which its
+        ``BatchMemoryManager`` splits each logical batch into physical batches of at most
+        ``max_physical_batch_size``, signalling before each one (in order, a queue, as Opacus keeps it).
+
+        A virtual step changes nothing (no clipping is undone, no noise drawn, no step accounted; a closure is
+        run and its loss returned), and the ``zero_grad()`` after it keeps the gradients and what DP captured of
+        them, so the next backward adds to them: the real step that ends the logical batch clips every sample of
+        it (each was clipped as its backward ended) and draws the noise once, as one step on the whole logical
+        batch would (tested equal, noise included). Under ``loss_reduction="mean"`` each physical batch's loss is
+        its sum divided by ``expected_batch_size``, which the several backward passes require."""
+        self._skip_signals.append(bool(do_skip))
+
+    def _run_step(self, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._skip_signals and self._skip_signals.pop(0):
+            return self._virtual_step(args, dict(kwargs))
+        try:
+            return super()._run_step(step, args, kwargs)
+        finally:
+            self._virtual = False  # (after the step: a closure's zero_grad() still kept the logical batch)
+
+    def _virtual_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        closure, _ = _step_arguments(args, kwargs)
+        if scaler_handoff(self)[0] is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a virtual step (signal_skip_step, Opacus's BatchMemoryManager) under "
+                "GradScaler would add physical batches scaled by different loss scales; train in bfloat16 (no "
+                "GradScaler) or float32 to use virtual steps. No parameter was changed"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._virtual = True
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients and drop the captured calls, as every input-aware optimizer does; after a virtual
+        step (``signal_skip_step``) nothing: the logical batch goes on."""
+        if not self._virtual:
+            super().zero_grad(set_to_none)
+
+    # -- privacy accounting ------------------------------------------------------------------------------
 
     @property
     def privacy_history(self) -> list[tuple[float, float | None, int]]:
@@ -613,7 +662,8 @@ class DPSGD(_PrivateOptimizer, InputAwareSGD):
     ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they add up to the gradient backward
     computed. ``max_grad_norm`` and ``noise_multiplier`` are read from the param groups, equal in all (a schedule
     may change them between steps). What is refused, gradient accumulation, DDP and FSDP2, and the accounting: see
-    the DP guide (``docs/dp.md``).
+    the DP guide (``docs/dp.md``). ``noise_multiplier_for`` finds the noise multiplier for a privacy budget;
+    ``signal_skip_step`` makes Opacus's ``BatchMemoryManager`` split logical batches into physical ones.
 
     Args:
         model: The model.

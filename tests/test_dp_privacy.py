@@ -828,6 +828,93 @@ def test_the_readme_poisson_recipe_is_opacus_on_the_same_draws(clip: float) -> N
         torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)
 
 
+# -- virtual steps: Opacus's BatchMemoryManager -----------------------------------------------------
+
+
+def _virtual_run(physical: int | None, noise: float, poisson: bool) -> tuple[list[torch.Tensor], list[Any], list[int]]:
+    """One epoch over 32 samples in logical batches of 8 (expected, under Poisson sampling), each split by Opacus's
+    BatchMemoryManager into physical batches of at most ``physical`` (None: one step per logical batch)."""
+    from opacus.data_loader import DPDataLoader
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(8)
+    x, y = torch.randn(32, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (32,), generator=generator)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    if poisson:  # the same draws in both runs
+        loader = DPDataLoader.from_data_loader(loader, generator=torch.Generator().manual_seed(4))
+    model = _poisson_model()
+    optimizer = DPSGD(
+        model,
+        lr=0.5,
+        max_grad_norm=0.05,
+        noise_multiplier=noise,
+        expected_batch_size=8,
+        sample_rate=0.25,
+        generator=torch.Generator().manual_seed(5),
+    )
+    sizes = []
+
+    def train(batches: Any) -> None:
+        for xb, yb in batches:
+            sizes.append(len(xb))
+            optimizer.zero_grad()
+            (nn.functional.cross_entropy(model(xb), yb, reduction="sum") / 8).backward()  # sum / expected batch
+            optimizer.step()
+
+    if physical is None:
+        train(loader)
+    else:
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as split:
+            train(split)
+    return [p.detach().clone() for p in model.parameters()], optimizer.privacy_history, sizes
+
+
+@pytest.mark.parametrize("poisson", [False, True], ids=["fixed batches", "Poisson"])
+@pytest.mark.parametrize("noise", [0.0, 1.3], ids=["noise off", "noise on"])
+def test_opacus_batch_memory_manager_steps_as_one_step_per_logical_batch(noise: float, poisson: bool) -> None:
+    """Opacus's BatchMemoryManager raised AttributeError (no signal_skip_step). Physical batches of at most 3
+    now add up to the logical batch's step: every sample clipped, the noise drawn once from the same stream,
+    one step accounted (float64, to rounding: the clipped sums add in another order)."""
+    pytest.importorskip("opacus")
+    whole, history, logical = _virtual_run(None, noise, poisson)
+    split, split_history, physical = _virtual_run(3, noise, poisson)
+    assert max(physical) <= 3 < max(logical) and sum(physical) == sum(logical)
+    assert split_history == history == [(noise, 0.25, len(logical))]
+    for p, q in zip(split, whole, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_a_virtual_step_keeps_the_gradients_and_a_real_one_clears_them() -> None:
+    """``signal_skip_step(True)``: the step and the zero_grad() after it change nothing; ``False``: both act."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.signal_skip_step(do_skip=True)
+    loss_of(model(batch(2, seed=1))).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert optimizer.step(lambda: torch.tensor(2.0)) == 2.0  # a closure runs, its loss returned
+    optimizer.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    optimizer.signal_skip_step(do_skip=False)
+    loss_of(model(batch(2, seed=2))).backward()
+    optimizer.step()
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters()) and optimizer.privacy_history == [(0.0, None, 1)]
+
+
+def test_a_virtual_step_under_grad_scaler_is_refused() -> None:
+    model = Chain()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer.signal_skip_step(True)
+    scaler.scale(loss_of(model(batch(2, seed=1).float()))).backward()
+    with pytest.raises(RuntimeError, match=r"virtual step .* under GradScaler"):
+        scaler.step(optimizer)
+
+
 # -- 9. Opacus's recurrent layers: exact batch-first and padded, refused otherwise -------------
 
 

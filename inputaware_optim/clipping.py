@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["ClippedSums"]
 
 _Calls = dict[nn.Module, list[Call]]  # one forward's calls, by module
-_Sums = tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]  # clipped and unclipped sums, by parameter
+# Clipped and unclipped sums, by parameter, and how many samples' norms were at most the clip (adaptive clipping).
+_Sums = tuple[dict[Tensor, Tensor], dict[Tensor, Tensor], Any]
 
 
 class ClippedSums(Reduction):
@@ -112,16 +113,19 @@ class ClippedSums(Reduction):
         scale = float(expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
+        within: Any = 0.0
         for forward, calls in by_forward.items():  # an empty batch (Poisson sampling): zero sums
-            sums, plain = self._clipped_sums(calls, scale, clip) if samples[forward] else self._empty_sums(calls)
+            sums, plain, count = self._clipped_sums(calls, scale, clip) if samples[forward] else self._empty_sums(calls)
             _add_into(out, sums)
             _add_into(unclipped, plain)
+            within = within + count
         # This pass, by a token of its own: which forwards it holds, and through which modules.
         modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
         every = [c for calls in by_forward.values() for module_calls in calls.values() for c in module_calls]
         tensors = [t for c in every for t in _tensors_of(c)]
         common = {
             "samples": float(sum(samples.values())),
+            "within_clip": within,  # samples whose gradient norm was at most the clip (a tensor: no sync)
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
             "clips": frozenset({clip}),
             "expected": frozenset({expected}),
@@ -269,7 +273,7 @@ class ClippedSums(Reduction):
             return b
         if "error" in a:
             return a
-        out = {k: a[k] + b[k] for k in ("sum", "samples")}
+        out = {k: a[k] + b[k] for k in ("sum", "samples", "within_clip")}
         out |= {k: a[k] | b[k] for k in ("passes", "clips", "expected", "dtypes")}
         return out | {"unclipped": add_statistics(a["unclipped"], b["unclipped"])}
 
@@ -289,7 +293,7 @@ class ClippedSums(Reduction):
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
         params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
         sums = {p: _zeros(p, torch.promote_types(p.dtype, torch.float32)) for p in params}
-        return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {})
+        return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {}), 0.0
 
     def _clipped_sums(self, calls: _Calls, scale: float, clip: float) -> _Sums:
         """One forward's samples clipped (each over every parameter) and summed; when ``verify``, unclipped too."""
@@ -299,7 +303,9 @@ class ClippedSums(Reduction):
             squared: Tensor = sum(n.double() for n in norms)  # type: ignore[assignment]
             if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
                 squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))  # type: ignore[assignment]
-        weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
+        norms_of_samples = scale * squared.sqrt()  # each sample's own gradient's (its loss's share times scale)
+        weights = scale * (clip / (norms_of_samples + 1e-6)).clamp(max=1.0)
+        within = (norms_of_samples <= clip).sum(dtype=torch.float64)  # Andrew et al.'s b_i = 1[|g_i| <= C]
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
         with record_function("DP: clipped sums"):
@@ -311,7 +317,7 @@ class ClippedSums(Reduction):
                 args = (piece.per, piece.params, len(weights))
                 unclipped = self._located(piece.module, piece.calls, calls, self.probes.plain_sums, *args)
                 _add_into(plain, {piece.params[n]: t for n, t in unclipped.items()})
-        return sums, plain
+        return sums, plain, within
 
     def _pieces(self, calls: _Calls) -> list[_Piece]:
         """One forward's per-sample gradients: a piece per module (its calls merged) and per shared weight."""

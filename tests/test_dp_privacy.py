@@ -7,6 +7,7 @@ textbook way), from the same noise stream drawn by hand, or from Opacus."""
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 import traceback
 import warnings
@@ -826,6 +827,170 @@ def test_the_readme_poisson_recipe_is_opacus_on_the_same_draws(clip: float) -> N
         optimizer.step()
     for p, q in zip(model.parameters(), opacus_poisson_run(clip), strict=True):
         torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)
+
+
+# -- adaptive clipping (Andrew et al. 2021) ----------------------------------------------------------
+
+
+def sample_norms(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Each sample's own gradient norm (of ``|model(x_i)|²``, over every parameter), by vmap(grad)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of_one(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (xi[None],)).pow(2).sum()
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0))(params, x)
+    return torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in per_sample.values()))
+
+
+def papers_clip(clip: float, norms: torch.Tensor, noise: float, m: float, group: dict[str, Any]) -> float:
+    """The paper's geometric update, its count centered (each b_i - 1/2) and noised, over the step's batch m."""
+    centered = float((norms <= clip).sum(dtype=torch.float64)) - 0.5 * len(norms) + noise
+    fraction = centered / m + 0.5
+    step = -group["clipbound_learning_rate"] * (fraction - group["target_unclipped_quantile"])
+    return min(max(clip * math.exp(step), group["min_clipbound"]), group["max_clipbound"])
+
+
+ADAPTIVE = {  # (target quantile, learning rate, min and max clip)
+    "median": (0.5, 0.2, 0.0, math.inf),
+    "upper quantile, clamped": (0.9, 1.0, 0.0, 0.33),
+    "lower quantile, clamped": (0.1, 2.0, 0.29, math.inf),
+}
+
+
+@pytest.mark.parametrize("poisson", [False, True], ids=["fixed batches", "Poisson batches"])
+@pytest.mark.parametrize("name", list(ADAPTIVE))
+def test_adaptive_clipping_without_noise_is_the_papers_update_step_by_step(name: str, poisson: bool) -> None:
+    """With the noise off the quantile update is deterministic: at every step the gradient is the clipped mean at
+    the clip of that step (vmap(grad)), and the next clip is C exp(-eta (b - gamma)), b the fraction of samples
+    whose norm is at most C, kept in [min_clipbound, max_clipbound], exactly. Under Poisson sampling (batches of
+    3, 7, 5, 2, expected 4) b counts over the drawn batch and divides by the expected one, as the noise does."""
+    quantile, rate, low, high = ADAPTIVE[name]
+    model = Chain().double()
+    optimizer = DPSGD(
+        model,
+        lr=0.5,
+        max_grad_norm=0.3,
+        noise_multiplier=0.0,
+        expected_batch_size=4 if poisson else None,
+        target_unclipped_quantile=quantile,
+        clipbound_learning_rate=rate,
+        min_clipbound=low,
+        max_clipbound=high,
+    )
+    clips = [0.3]
+    for step, size in enumerate([3, 7, 5, 2] if poisson else [6, 6, 6, 6]):
+        group = optimizer.param_groups[0]
+        x = batch(size, seed=40 + step)
+        norms = sample_norms(model, x)
+        expected = reference(model, x, clips[-1])
+        if poisson:
+            expected = {k: v * size / 4 for k, v in expected.items()}  # the clipped sum over the expected batch
+        optimizer.zero_grad()
+        (model(x).pow(2).flatten(1).sum(1).sum() / (4 if poisson else size)).backward()
+        optimizer.step()
+        assert_grads(model, expected)
+        clips.append(papers_clip(clips[-1], norms, 0.0, 4 if poisson else size, group))
+        assert group["max_grad_norm"] == clips[-1]
+    assert len(set(clips)) > 1  # it moved
+    if name != "median":
+        assert clips[-1] == (high if quantile > 0.5 else low)
+    assert optimizer.privacy_history == [(0.0, None, 4)]
+
+
+def test_adaptive_clipping_with_noise_splits_it_and_accounts_the_noise_multiplier() -> None:
+    """With the noise on, the gradient is noised at sigma_delta = (sigma^-2 - (2 sigma_b)^-2)^-1/2 (the generator's
+    draws, parameter by parameter), the count at sigma_b (its next draw), and the clip moves by that noisy count.
+    Gradient and count together are the Gaussian mechanism of the effective noise multiplier
+    (sigma_delta^-2 + (2 sigma_b)^-2)^-1/2 = sigma: epsilon over the history is Opacus's accountant on it."""
+    sigma, count_std, rate = 0.8, 1.5, 0.05
+    model = Chain().double()
+    optimizer = DPSGD(
+        model,
+        lr=0.5,
+        max_grad_norm=0.3,
+        noise_multiplier=sigma,
+        sample_rate=rate,
+        target_unclipped_quantile=0.5,
+        unclipped_num_std=count_std,
+        generator=torch.Generator().manual_seed(6),
+    )
+    gradient_sigma = (sigma**-2 - (2 * count_std) ** -2) ** -0.5
+    stream = torch.Generator().manual_seed(6)
+    clip = 0.3
+    for step in range(3):
+        group = optimizer.param_groups[0]
+        x = batch(6, seed=50 + step)
+        norms, expected = sample_norms(model, x), reference(model, x, clip)
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+        for key, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=stream).double() * (gradient_sigma * clip / 6)
+            torch.testing.assert_close(param.grad, expected[key] + noise, rtol=1e-9, atol=1e-12, msg=key)
+        count_noise = float(torch.randn((), generator=stream)) * count_std
+        clip = papers_clip(clip, norms, count_noise, 6, group)
+        assert group["max_grad_norm"] == pytest.approx(clip, rel=1e-12)
+    effective = (gradient_sigma**-2 + (2 * count_std) ** -2) ** -0.5
+    assert optimizer.privacy_history == [(sigma, rate, 3)]
+    assert optimizer.epsilon(1e-5, accountant="rdp") == pytest.approx(
+        opacus_epsilon([effective] * 3, rate, 1e-5, "rdp"), rel=1e-9
+    )
+
+
+def test_adaptive_clipping_without_noise_follows_opacuss_adaclip() -> None:
+    """Against Opacus's AdaClipDPOptimizer (fixed batches, where its conventions agree with the paper's; its
+    count noise at 1e-12, as it requires noise_multiplier < 2 * unclipped_num_std even without noise): the same
+    clips and the same parameters, step by step."""
+    pytest.importorskip("opacus")
+    from opacus import GradSampleModule
+    from opacus.optimizers.adaclipoptimizer import AdaClipDPOptimizer
+
+    options = {"target_unclipped_quantile": 0.5, "clipbound_learning_rate": 0.5, "max_clipbound": 10.0}
+    ours, theirs = Chain().double(), GradSampleModule(Chain().double())
+    optimizer = DPSGD(ours, lr=0.5, max_grad_norm=0.3, noise_multiplier=0.0, min_clipbound=1e-3, **options)
+    opacus = AdaClipDPOptimizer(
+        torch.optim.SGD(theirs.parameters(), lr=0.5),
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=6,
+        min_clipbound=1e-3,
+        unclipped_num_std=1e-12,
+        **options,
+    )
+    for step in range(5):
+        x = batch(6, seed=60 + step)
+        for model, each in ((ours, optimizer), (theirs, opacus)):
+            each.zero_grad()
+            loss_of(model(x)).backward()
+            each.step()
+        # (Opacus updates its clip in float32: exp of a float32 tensor)
+        assert optimizer.param_groups[0]["max_grad_norm"] == pytest.approx(float(opacus.max_grad_norm), rel=1e-6)
+        for p, q in zip(ours.parameters(), theirs._module.parameters(), strict=True):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"noise_multiplier": 1.0}, r"Invalid unclipped_num_std: None with noise_multiplier=1.0.*Theorem 1"),
+        ({"noise_multiplier": 1.0, "unclipped_num_std": 0.5}, r"Invalid unclipped_num_std: 0.5 with noise_mult"),
+        ({"target_unclipped_quantile": 1.5}, r"Invalid target_unclipped_quantile: 1.5"),
+        ({"clipbound_learning_rate": -1.0}, r"Invalid clipbound_learning_rate: -1.0"),
+        ({"min_clipbound": 2.0, "max_clipbound": 1.0}, r"Invalid min_clipbound, max_clipbound: 2.0, 1.0"),
+    ],
+)
+def test_adaptive_clipping_refuses_bad_hyperparameters_by_name(options: dict[str, Any], message: str) -> None:
+    arguments = {"noise_multiplier": 0.0, "target_unclipped_quantile": 0.5, **options}
+    model = Chain()
+    with pytest.raises(ValueError, match=message):
+        DPSGD(model, lr=0.1, **arguments)
+    assert all(not m._forward_hooks for m in model.modules())
+    optimizer = DPSGD(model, lr=0.1, noise_multiplier=1.0, target_unclipped_quantile=0.5, unclipped_num_std=1.0)
+    optimizer.param_groups[0].update({"unclipped_num_std": None, **arguments})  # set since, refused at the step
+    loss_of(model(batch(4, seed=1).float())).backward()
+    with pytest.raises(ValueError, match=message):
+        optimizer.step()
 
 
 # -- virtual steps: Opacus's BatchMemoryManager -----------------------------------------------------

@@ -833,6 +833,8 @@ class DPSGD(_PrivateOptimizer, InputAwareSGD):
         loss_reduction: ``"mean"`` (the loss averaged over the batch) or ``"sum"``.
         expected_batch_size: The samples per step the loss is a mean over, and the noised sum's
             divisor (needed under gradient accumulation; under Poisson sampling, rate × dataset size).
+            Under data parallelism it is per rank, the samples one rank's step averages over: 2 ranks of 4
+            samples take ``expected_batch_size=4``, not 8 (the step divides by the sum over the ranks).
         batch_dim: The dimension of every layer's input that holds the samples (0, or 1 for ``(T, B, ...)``).
         sample_rate: Each sample's probability of being in a batch, for ``epsilon`` (or None).
         generator: The ``torch.Generator`` the noise is drawn from (default: one seeded from torch's

@@ -646,6 +646,77 @@ def test_the_noise_under_ddp_has_the_standard_deviation_of_one_draw(world: int, 
     torch.testing.assert_close(update, torch.randn(update.shape, generator=stream) * std, rtol=1e-5, atol=1e-7)
 
 
+def _per_rank_rank(rank: int, directory: str, port: int, out: str) -> None:
+    """One of 2 DDP ranks, each with 4 of a global batch of 8: a step with expected_batch_size=4 (per rank), one
+    with 8 (the global batch, the mistake), and an adaptive one; rank 0 saves what each step did."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.multiprocess import mark_done
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    x = batch(8, seed=70)[4 * rank : 4 * rank + 4]
+    results = {}
+    for name, options in PER_RANK_RUNS.items():
+        model = Chain().double()
+        before = [p.detach().clone() for p in model.parameters()]
+        wrapped = DistributedDataParallel(model)
+        optimizer = DPSGD(wrapped, lr=1.0, noise_multiplier=0.0, **options)
+        loss_of(wrapped(x)).backward()  # each rank's loss a mean over its own 4 samples
+        optimizer.step()
+        results[name] = ([b - p.detach() for b, p in zip(before, model.parameters(), strict=True)], optimizer)
+    saved = {name: (update, opt.param_groups[0]["max_grad_norm"]) for name, (update, opt) in results.items()}
+    if rank == 0:
+        torch.save(saved, out)
+    dist.barrier()
+    mark_done(directory, rank)
+    os._exit(0)  # without torch's gloo teardown (see tests/multiprocess.py)
+
+
+PER_RANK_RUNS = {  # every sample clipped (max_grad_norm 1e-3), or adaptive
+    "per rank": {"max_grad_norm": 1e-3, "expected_batch_size": 4},
+    "global": {"max_grad_norm": 1e-3, "expected_batch_size": 8},
+    "adaptive": {"max_grad_norm": 0.05, "expected_batch_size": 4, "target_unclipped_quantile": 0.5},
+}
+
+
+def test_expected_batch_size_is_per_rank_under_ddp(tmp_path: Any) -> None:
+    """Under DDP ``expected_batch_size`` is the samples one rank's step averages over: 2 ranks x 4 take
+    expected_batch_size=4, and step as one process on the 8 samples (the clipped sums and the batch are added
+    over the ranks). The global 8 halves the step (the signal, and the noise with it). Adaptive clipping counts
+    over both ranks: the next clip is one process's."""
+    import socket
+
+    from tests.multiprocess import run_spawned
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "steps.pt")
+    run_spawned(_per_rank_rank, args=(port, out), world=2)
+    ranks = torch.load(out)
+    x = batch(8, seed=70)
+    for name, options in PER_RANK_RUNS.items():
+        model = Chain().double()
+        before = [p.detach().clone() for p in model.parameters()]
+        one = DPSGD(model, lr=1.0, noise_multiplier=0.0, **{**options, "expected_batch_size": 8})
+        loss_of(model(x)).backward()
+        one.step()
+        whole = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+        update, clip = ranks[name]
+        # (the global 8 scales each sample's gradient by 2 before clipping: half, to the clip factor's 1e-6)
+        factor, rtol = (0.5, 1e-5) if name == "global" else (1.0, 1e-10)
+        for theirs, ours in zip(update, whole, strict=True):
+            torch.testing.assert_close(theirs, factor * ours, rtol=rtol, atol=1e-14)
+        assert clip == pytest.approx(one.param_groups[0]["max_grad_norm"], rel=1e-12)
+    assert ranks["adaptive"][1] != PER_RANK_RUNS["adaptive"]["max_grad_norm"]
+
+
 # -- 6. bfloat16 autocast ----------------------------------------------------------------------
 
 

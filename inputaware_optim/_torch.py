@@ -22,7 +22,8 @@ fails there, by name, rather than somewhere in a rule. Reach into torch only her
 * Non-reentrant ``torch.utils.checkpoint`` installs saved-tensor hooks whose pack hook is a closure
   over its region's frame (``recompute_fn``, ``weak_holders``), and re-runs the forward in backward
   under a pack hook named ``_recomputation_hook``.
-* Dynamo keeps compiled code per code object (``_debug_get_cache_entry_list``), dropped by ``reset_code``.
+* Dynamo keeps compiled code per code object (``_debug_get_cache_entry_list``), dropped by ``reset_code``;
+  the ``reason`` given to ``torch.compiler.disable`` is in the error ``fullgraph=True`` raises at its call.
 * ``GradScaler`` hands an optimizer with ``_step_supports_amp_scaling = True`` ``grad_scale`` and
   ``found_inf`` as attributes, steps it even on inf/NaN, and deletes them after a step that returned;
   ``torch._amp_foreach_non_finite_check_and_unscale_`` is its kernel, which it runs on a sparse
@@ -96,16 +97,17 @@ def remove_hooks_of(module: Any, owner: object) -> None:
 _LAZILY_DISABLED: list[Callable[[], None]] = []
 
 
-def compiler_disabled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.compiler.disable(fn)``, made once ``torch._dynamo`` is loaded (before, nothing compiles, so nothing
-    traces ``fn``): importing this library does not import ``torch._dynamo``, which takes as long as torch.
-    ``prepare_compiler_disabled()`` makes them all while no code is traced (made while tracing, the first
-    trace breaks its graph once more)."""
+def compiler_disabled(fn: Callable[..., Any], reason: str | None = None) -> Callable[..., Any]:
+    """``torch.compiler.disable(fn, reason=reason)``, made once ``torch._dynamo`` is loaded (before, nothing
+    compiles, so nothing traces ``fn``): importing this library does not import ``torch._dynamo``, which takes as
+    long as torch. ``prepare_compiler_disabled()`` makes them all while no code is traced (made while tracing, the
+    first trace breaks its graph once more). ``reason`` is in the error ``torch.compile(fullgraph=True)`` raises
+    at the call."""
     disabled: list[Callable[..., Any]] = []
 
     def prepare() -> None:
         if not disabled and "torch._dynamo" in sys.modules:
-            disabled.append(torch.compiler.disable(fn))
+            disabled.append(torch.compiler.disable(fn, reason=reason))
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:

@@ -4,6 +4,7 @@ history of noise multipliers and sampling rates (``epsilon``)."""
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 __all__ = ["PrivacyAccountant"]
@@ -67,6 +68,53 @@ class PrivacyAccountant:
         counter.history = list(history)
         return float(counter.get_epsilon(delta=delta))
 
+    @staticmethod
+    def noise_multiplier_for(
+        *,
+        epsilon: float,
+        delta: float,
+        sample_rate: float,
+        steps: int | None = None,
+        epochs: float | None = None,
+        accountant: str = "prv",
+        epsilon_tolerance: float = 0.01,
+    ) -> float:
+        r"""The noise multiplier whose ``steps`` (or ``epochs``) at ``sample_rate`` spend :math:`\varepsilon` at most
+        ``epsilon`` for ``delta``, by Opacus's ``get_noise_multiplier`` (the smallest it finds, to
+        ``epsilon_tolerance``), called with these arguments: its ``target_epsilon``, ``target_delta``,
+        ``sample_rate``, ``steps`` or ``epochs`` (``int(epochs / sample_rate)`` steps), ``accountant``.
+
+        Args:
+            epsilon: The target :math:`\varepsilon` (> 0).
+            delta: The target :math:`\delta` (in (0, 1)).
+            sample_rate: Each sample's probability of being in a batch (in (0, 1]).
+            steps: The steps of the run; or
+            epochs: its epochs (exactly one of the two).
+            accountant: Opacus's ``"prv"`` (its ``PrivacyEngine``'s default, and ``epsilon``'s), ``"rdp"`` or ``"gdp"``.
+            epsilon_tolerance: How far below ``epsilon`` the search may stop.
+
+        Raises:
+            ValueError: If an argument is out of range, or no noise multiplier up to 1e6 meets the budget.
+            ImportError: If ``opacus`` is not installed.
+        """
+        _check_target(epsilon, delta, sample_rate, steps, epochs, accountant, epsilon_tolerance)
+        try:
+            from opacus.accountants.utils import get_noise_multiplier
+        except ImportError:
+            _opacus_accountants()  # (raises, saying how to install it)
+            raise
+        return float(
+            get_noise_multiplier(
+                target_epsilon=epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                epochs=epochs,
+                accountant=accountant,
+                epsilon_tolerance=epsilon_tolerance,
+            )
+        )
+
     def state_dict(self) -> list[list[Any]]:
         return [list(entry) for entry in self.history]
 
@@ -85,3 +133,27 @@ def _opacus_accountants() -> Any:
             "pip install 'inputaware_optim[privacy]')"
         ) from error
     return create_accountant
+
+
+def _check_target(
+    epsilon: Any, delta: Any, sample_rate: Any, steps: Any, epochs: Any, accountant: Any, tolerance: Any
+) -> None:
+    def real(value: Any) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+    if not (real(epsilon) and epsilon > 0):
+        raise ValueError(f"Invalid epsilon: {epsilon!r} (must be a finite number > 0)")
+    if not (real(delta) and 0 < delta < 1):
+        raise ValueError(f"Invalid delta: {delta!r} (must be in (0, 1))")
+    if not (real(sample_rate) and 0 < sample_rate <= 1):
+        raise ValueError(f"Invalid sample_rate: {sample_rate!r} (must be in (0, 1])")
+    if (steps is None) == (epochs is None):
+        raise ValueError(f"Give steps or epochs, exactly one of them (got steps={steps!r}, epochs={epochs!r})")
+    if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        raise ValueError(f"Invalid steps: {steps!r} (must be an integer >= 1)")
+    if epochs is not None and not (real(epochs) and int(epochs / sample_rate) >= 1):
+        raise ValueError(f"Invalid epochs: {epochs!r} (must make one step at least: epochs / sample_rate >= 1)")
+    if accountant not in ACCOUNTANTS:
+        raise ValueError(f"Invalid accountant: {accountant!r} (choose Opacus's 'prv', 'rdp' or 'gdp')")
+    if not (real(tolerance) and tolerance > 0):
+        raise ValueError(f"Invalid epsilon_tolerance: {tolerance!r} (must be a finite number > 0)")

@@ -485,8 +485,17 @@ class _Log:
 
 
 # Compiled code keeps no count of forwards (read in traced code, it would be a guard: a recompile per
-# forward); where a reader needs each forward's batch, the count runs eagerly at the forward's start.
-_count_forward_eagerly = compiler_disabled(_Log.count_forward)
+# forward); where a reader needs each forward's batch (DP's batch check), the count runs eagerly at the
+# forward's start. Under fullgraph=True that graph break is an error, which carries this reason.
+_count_forward_eagerly = compiler_disabled(
+    _Log.count_forward,
+    reason=(
+        "DPSGD / DPAdamW (PerSampleClipping) read each forward's batch eagerly, at the start of the model's "
+        "forward: the samples each layer's call holds are checked against the model's inputs. That is one graph "
+        "break, which torch.compile(model, fullgraph=True) refuses. Compile the model without fullgraph=True "
+        "(torch.compile(model)): the rest of its forward still compiles, and DP clips it exactly"
+    ),
+)
 _DEFERRED = object()  # a reader's forward result still to come (checkpointing's re-run)
 _PENDING = nn.Module()  # the module of a compiled call until its arguments are bound
 _grad_enabled = torch.is_grad_enabled

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["ClippedSums"]
 
 _Calls = dict[nn.Module, list[Call]]  # one forward's calls, by module
-_Sums = tuple[dict[Tensor, Tensor], dict[Tensor, Tensor]]  # clipped and unclipped sums, by parameter
+# Clipped and unclipped sums, by parameter, and how many samples' norms were at most the clip (adaptive clipping).
+_Sums = tuple[dict[Tensor, Tensor], dict[Tensor, Tensor], Any]
 
 
 class ClippedSums(Reduction):
@@ -111,16 +113,19 @@ class ClippedSums(Reduction):
         scale = float(expected or sum(samples.values())) if self.reduction == "mean" else 1.0
         out: dict[Tensor, Any] = {}
         unclipped: dict[Tensor, Any] = {}
+        within: Any = 0.0
         for forward, calls in by_forward.items():  # an empty batch (Poisson sampling): zero sums
-            sums, plain = self._clipped_sums(calls, scale, clip) if samples[forward] else self._empty_sums(calls)
+            sums, plain, count = self._clipped_sums(calls, scale, clip) if samples[forward] else self._empty_sums(calls)
             _add_into(out, sums)
             _add_into(unclipped, plain)
+            within = within + count
         # This pass, by a token of its own: which forwards it holds, and through which modules.
         modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
         every = [c for calls in by_forward.values() for module_calls in calls.values() for c in module_calls]
         tensors = [t for c in every for t in _tensors_of(c)]
         common = {
             "samples": float(sum(samples.values())),
+            "within_clip": within,  # samples whose gradient norm was at most the clip (a tensor: no sync)
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
             "clips": frozenset({clip}),
             "expected": frozenset({expected}),
@@ -145,11 +150,16 @@ class ClippedSums(Reduction):
         sizes = {m: {_samples_of(m, _batch_first(c, batch_dim)) for c in cs} for m, cs in calls.items()}
         shapes = capture.model_input_shapes(forward)
         given = {int(shape[batch_dim]) for shape in shapes or () if len(shape) > batch_dim}
-        count = self._agreed_batch(sizes, given)
+        try:
+            count = self._agreed_batch(sizes, given)
+        except RuntimeError:
+            self._refuse_recurrent_layout(calls, shapes or [])  # the likely cause, said with its own numbers
+            raise
         if count in given and count > 1:
             self._refuse_broadcast_inputs(calls, [s for s in shapes or () if len(s) > batch_dim], count)
         if not given or count in given or any(m is capture.root for m in calls):
             return count  # agrees, or the model is itself a layer whose call says what its samples are
+        self._refuse_recurrent_layout(calls, shapes or [])
         called = ", ".join(capture.name(m) for m in list(calls)[:3])
         raise RuntimeError(
             f"the layers called in one forward ({called}, ...) hold {count} samples along dim {batch_dim}, but no "
@@ -161,6 +171,47 @@ class ClippedSums(Reduction):
             "keep the batch first throughout (batch_first=True, padded sequences rather than packed), and call "
             "each layer on the whole batch. No parameter was changed"
         )
+
+    def _refuse_recurrent_layout(self, calls: _Calls, shapes: list[torch.Size]) -> None:
+        """Refuse a forward whose batch check failed inside one of Opacus's recurrent layers (``DPLSTM``, ``DPGRU``,
+        ``DPRNN``: a linear layer per gate, called once per time step on ``(B, features)``) fed sequence-first or
+        packed input, or read with ``batch_dim=1``, naming it, with the batch and steps its calls hold."""
+        found = _recurrent_calls(self.capture.root, calls)
+        if not found:
+            return
+        recurrent, inner = next(iter(found.items()))
+        name = f"{self.capture.name(recurrent)} ({type(recurrent).__name__})"
+        layers = ", ".join(self.capture.name(m) for m in list(inner)[:2])
+        first = [c.args[0] for c in next(iter(inner.values())) if c.args and isinstance(c.args[0], Tensor)]
+        if not first or first[0].dim() != 2:
+            return
+        # Each call is one time step on its batch (a PackedSequence's shrinks as sequences end: largest first).
+        steps, features = sorted((int(x.shape[0]) for x in first), reverse=True), int(first[0].shape[1])
+        batch, batch_first = steps[0], bool(getattr(recurrent, "batch_first", False))
+        fix = _padded_advice(batch, len(steps), batch_first, self.batch_dim)
+        if len(set(steps)) > 1:
+            shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+            raise RuntimeError(
+                f"{name} got a PackedSequence: its layers ({layers}) are called once per time step on the "
+                f"sequences still running, batches of {shown} (a batch of {batch} sequences, the longest "
+                f"{len(steps)} steps), but DP clips a sample by its row in every call of the forward, so each call "
+                f"must hold the whole batch. {fix}"
+            )
+        if self.batch_dim == 1:
+            raise RuntimeError(
+                f"{name} is read with batch_dim=1, but its layers ({layers}) are called once per time step on "
+                f"(B, features) tensors, ({batch}, {features}) here: their dim 1 holds features, not samples. "
+                f"Opacus's recurrent layers hand every layer the batch first. {fix}"
+            )
+        if not batch_first:
+            seen = next((s for s in shapes if len(s) > 1 and s[1] == batch), shapes[0] if shapes else None)
+            held = f"the model's input {tuple(seen)}" if seen is not None else "the model's input"
+            raise RuntimeError(
+                f"{name} got sequence-first input (T, B, ...), batch_first=False: its layers ({layers}) are called "
+                f"once per time step, {len(steps)} steps on a batch of {batch} samples each, while {held} holds "
+                f"the batch along dim 1, and DP counts each forward's samples along dim 0 of the model's inputs. "
+                f"{fix}"
+            )
 
     def _agreed_batch(self, sizes: dict[nn.Module, set[int]], given: set[int]) -> int:
         """The batch every call of a forward holds; refused, naming the calls that hold another."""
@@ -222,7 +273,7 @@ class ClippedSums(Reduction):
             return b
         if "error" in a:
             return a
-        out = {k: a[k] + b[k] for k in ("sum", "samples")}
+        out = {k: a[k] + b[k] for k in ("sum", "samples", "within_clip")}
         out |= {k: a[k] | b[k] for k in ("passes", "clips", "expected", "dtypes")}
         return out | {"unclipped": add_statistics(a["unclipped"], b["unclipped"])}
 
@@ -242,7 +293,7 @@ class ClippedSums(Reduction):
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
         params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
         sums = {p: _zeros(p, torch.promote_types(p.dtype, torch.float32)) for p in params}
-        return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {})
+        return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {}), 0.0
 
     def _clipped_sums(self, calls: _Calls, scale: float, clip: float) -> _Sums:
         """One forward's samples clipped (each over every parameter) and summed; when ``verify``, unclipped too."""
@@ -252,7 +303,9 @@ class ClippedSums(Reduction):
             squared: Tensor = sum(n.double() for n in norms)  # type: ignore[assignment]
             if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
                 squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))  # type: ignore[assignment]
-        weights = scale * (clip / (scale * squared.sqrt() + 1e-6)).clamp(max=1.0)
+        norms_of_samples = scale * squared.sqrt()  # each sample's own gradient's (its loss's share times scale)
+        weights = scale * (clip / (norms_of_samples + 1e-6)).clamp(max=1.0)
+        within = (norms_of_samples <= clip).sum(dtype=torch.float64)  # Andrew et al.'s b_i = 1[|g_i| <= C]
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
         with record_function("DP: clipped sums"):
@@ -264,7 +317,7 @@ class ClippedSums(Reduction):
                 args = (piece.per, piece.params, len(weights))
                 unclipped = self._located(piece.module, piece.calls, calls, self.probes.plain_sums, *args)
                 _add_into(plain, {piece.params[n]: t for n, t in unclipped.items()})
-        return sums, plain
+        return sums, plain, within
 
     def _pieces(self, calls: _Calls) -> list[_Piece]:
         """One forward's per-sample gradients: a piece per module (its calls merged) and per shared weight."""
@@ -351,12 +404,12 @@ class _Probes:
         return directions if directions.dtype == like.dtype else directions.to(like.dtype)
 
     def plain_sums(self, per: PerSample, params: dict[str, Tensor], batch: int) -> dict[str, Tensor]:
-        if isinstance(per, MatrixRows) and per.weight:
+        if isinstance(per, MatrixRows) and per.weight and params["weight"].numel() > 0:  # (else nothing to project)
             weight = params["weight"]
             if per.transposed:
                 self.transposed.add(weight)
             return per.projected_sums(self._directions(weight, per.outputs, per.like))
-        if isinstance(per, BlockRows) and per.weight:
+        if isinstance(per, BlockRows) and per.weight and params["weight"].numel() > 0:
             projected = per.g @ self._directions(params["weight"], per.g.shape[-1], per.g)  # (b, blocks, t, 4)
             out = {"weight": torch.einsum("bjtk,bjti->jki", projected, per.x)}
             if per.bias:
@@ -434,6 +487,30 @@ def _samples_of(module: nn.Module, call: Call) -> int:
     if type(kind).samples is layers.LayerKind.samples and type(first) is Tensor and first.dim() > 0:
         return int(first.shape[0])
     return kind.samples(module, call)  # (a 0-d input: its error)
+
+
+def _padded_advice(batch: int, steps: int, batch_first: bool, batch_dim: int) -> str:
+    """What to feed one of Opacus's recurrent layers instead: padded, batch-first tensors."""
+    return (
+        f"{'Pass' if batch_first else 'Construct it with batch_first=True and pass'} it padded (B, T, ...) "
+        f"tensors, ({batch}, {steps}, ...) here (torch.nn.utils.rnn.pad_packed_sequence(..., batch_first=True) or "
+        f"pad_sequence(..., batch_first=True); mask the padded steps out of the loss)"
+        f"{', with batch_dim=0' if batch_dim else ''}. No parameter was changed"
+    )
+
+
+def _recurrent_calls(root: nn.Module, calls: _Calls) -> dict[nn.Module, _Calls]:
+    """The calls of ``calls`` inside each of Opacus's recurrent layers (``opacus.layers.DPRNNBase``) of ``root``."""
+    dp_rnn = sys.modules.get("opacus.layers.dp_rnn")  # (loaded if the model holds one)
+    base = getattr(dp_rnn, "DPRNNBase", None)
+    if base is None:
+        return {}
+    found: dict[nn.Module, _Calls] = {}
+    for recurrent in (m for m in root.modules() if isinstance(m, base)):
+        inner = {m: calls[m] for m in recurrent.modules() if m in calls}  # (in the layer's order: input gates first)
+        if inner:
+            found[recurrent] = inner
+    return found
 
 
 def _batch_first(call: Call, batch_dim: int) -> Call:

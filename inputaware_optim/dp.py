@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import torch
@@ -12,9 +13,10 @@ from torch import Tensor, nn
 from torch.linalg import vector_norm
 from torch.profiler import record_function
 
+from ._torch import scaler_handoff
 from .accounting import PrivacyAccountant
 from .adamw import InputAwareAdamW
-from .base import InputAwareOptimizer
+from .base import InputAwareOptimizer, _step_arguments
 from .capture import module_names, parameter_names, unwrap_model
 from .clipping import ClippedSums, _unsupported, _zeros
 from .distributed import all_reduce_sum_, all_zero, local_tensor, reduce_scatter_like, sharded
@@ -36,7 +38,8 @@ class PerSampleClipping(Rule):
     as backward made it), and no rule after it may read the inputs (they are the batch's, not private).
 
     Hyperparameters in every param group (equal in all): ``max_grad_norm``, ``noise_multiplier``,
-    ``expected_batch_size``, ``sample_rate``.
+    ``expected_batch_size``, ``sample_rate``; under adaptive clipping also ``target_unclipped_quantile``,
+    ``clipbound_learning_rate``, ``unclipped_num_std``, ``min_clipbound``, ``max_clipbound``.
 
     Attributes:
         accountant: The ``PrivacyAccountant`` of the steps taken.
@@ -54,6 +57,11 @@ class PerSampleClipping(Rule):
         batch_dim: int = 0,
         sample_rate: float | None = None,
         generator: torch.Generator | None = None,
+        target_unclipped_quantile: float | None = None,
+        clipbound_learning_rate: float = 0.2,
+        unclipped_num_std: float | None = None,
+        min_clipbound: float = 0.0,
+        max_clipbound: float = math.inf,
     ) -> None:
         _check_hyperparameters(loss_reduction, max_grad_norm, noise_multiplier, expected_batch_size, sample_rate)
         if generator is not None and not isinstance(generator, torch.Generator):
@@ -67,6 +75,17 @@ class PerSampleClipping(Rule):
             "expected_batch_size": expected_batch_size,
             "sample_rate": sample_rate,
         }
+        self.adaptive = target_unclipped_quantile is not None
+        if self.adaptive:  # (without it, the groups hold no key of it: a fixed clip)
+            self.defaults |= {
+                "target_unclipped_quantile": target_unclipped_quantile,
+                "clipbound_learning_rate": clipbound_learning_rate,
+                "unclipped_num_std": unclipped_num_std,
+                "min_clipbound": min_clipbound,
+                "max_clipbound": max_clipbound,
+            }
+            _check_adaptive({"max_grad_norm": max_grad_norm, "noise_multiplier": noise_multiplier, **self.defaults})
+        self._whole_batch = _WHOLE_BATCH + (_ADAPTIVE if self.adaptive else ())
         self.loss_reduction = loss_reduction
         self.batch_dim = batch_dim
         self.accountant = PrivacyAccountant()
@@ -74,6 +93,7 @@ class PerSampleClipping(Rule):
         self._generator = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
         self._clipped: ClippedSums | None = None
         self._released: float | None = None  # the noise multiplier of the step being taken, once it released
+        self._next_clip: float | None = None  # adaptive clipping: the clip of the next step, once it released
 
     @property
     def reads(self) -> list[Reduction]:  # type: ignore[override]
@@ -130,10 +150,10 @@ class PerSampleClipping(Rule):
         first = groups[0]
         for index, group in enumerate(groups):
             self.check_group(group)  # (also read in the hooks, where the clipping happens)
-            differ = [k for k in _WHOLE_BATCH if group[k] != first[k]]
+            differ = [k for k in self._whole_batch if group[k] != first[k]]
             if differ:
                 raise ValueError(
-                    f"{', '.join(_WHOLE_BATCH)} describe every sample's gradient over all parameters at once, so "
+                    f"{', '.join(self._whole_batch)} describe every sample's gradient over all parameters at once, so "
                     "every param group must use the same values: param group 0 has "
                     f"{', '.join(f'{k}={first[k]}' for k in differ)}, param group {index} "
                     f"{', '.join(f'{k}={group[k]}' for k in differ)}. Change them in every group at once"
@@ -142,6 +162,8 @@ class PerSampleClipping(Rule):
 
     def check_group(self, group: dict[str, Any]) -> None:
         _check_hyperparameters(self.loss_reduction, *(group[k] for k in _WHOLE_BATCH))
+        if self.adaptive:
+            _check_adaptive(group)
 
     def _warn_outside(self, root: nn.Module) -> None:
         """Warn (once per set) of parameters of the model outside this optimizer that got a gradient: not private."""
@@ -198,6 +220,7 @@ class PerSampleClipping(Rule):
                 "LayerNorm, or put the batch norms in eval mode. No parameter was changed"
             )
         clip, sigma = self._group_privacy()
+        self._next_clip = None
         private = self._private_gradients(inputs, clip, sigma)
         for param, grad in private.items():
             if param.grad is None:  # no sample reached it (a branch not taken, an expert no token chose): noise alone
@@ -212,7 +235,48 @@ class PerSampleClipping(Rule):
     def advance(self, optimizer: Any) -> None:
         if self._released is not None:
             self.accountant.record(self._released, optimizer.param_groups[0]["sample_rate"])
-        self._released = None
+        if self._released is not None and self._next_clip is not None:  # the clip follows the private quantile
+            for group in optimizer.param_groups:
+                group["max_grad_norm"] = self._next_clip
+        self._released = self._next_clip = None
+
+    def _gradient_noise(self, sigma: float) -> float:
+        r"""The noise multiplier of the gradient: ``sigma`` itself, or under adaptive clipping Andrew et al.'s
+        split (Theorem 1), :math:`\sigma_\Delta = (\sigma^{-2} - (2\sigma_b)^{-2})^{-1/2}`, so that the gradient and
+        the count released together are the Gaussian mechanism of noise multiplier ``sigma`` (accounted)."""
+        if not self.adaptive or sigma == 0:
+            return sigma
+        count_std = float(self.optimizer.param_groups[0]["unclipped_num_std"])
+        return (sigma**-2 - (2 * count_std) ** -2) ** -0.5
+
+    def _adapted_clip(self, within: Tensor, batch: float, clip: float) -> float:
+        r"""The clip of the next step (Andrew et al. 2021): :math:`C \exp(-\eta_C (\tilde b - \gamma))`, within
+        ``[min_clipbound, max_clipbound]``, where ``within`` is the noised :math:`\sum_i (b_i - 1/2)`
+        (:math:`b_i = 1` if sample :math:`i`'s norm is at most :math:`C`; sensitivity 1/2) and
+        :math:`\tilde b = within / m + 1/2`, :math:`m` the step's batch (``expected_batch_size`` where given)."""
+        group = self.optimizer.param_groups[0]
+        if batch == 0:  # no batch to take a fraction of (an empty one without expected_batch_size): it stays
+            return clip
+        fraction = float(within) / batch + 0.5
+        step = -float(group["clipbound_learning_rate"]) * (fraction - float(group["target_unclipped_quantile"]))
+        bounded = min(max(clip * math.exp(step), float(group["min_clipbound"])), float(group["max_clipbound"]))
+        return max(bounded, math.ulp(0.0))  # (> 0: a clip that underflowed would be refused at the next step)
+
+    def _centered_count(self, totals: dict[Tensor, Any], present: list[Tensor]) -> Tensor:
+        r"""This rank's :math:`\sum_i (b_i - 1/2)` over the step's samples (float64, on the CPU)."""
+        if not present:
+            return torch.zeros((), dtype=torch.float64)
+        entry = totals[max(present, key=lambda p: len(totals[p]["passes"]))]  # one that every pass reached
+        within = torch.as_tensor(entry["within_clip"], dtype=torch.float64).cpu()
+        return within - 0.5 * entry["samples"]
+
+    def _count_noise(self) -> Tensor:
+        r"""One draw of the count's noise, :math:`N(0, \sigma_b^2)`, from the generator (after the gradient's)."""
+        std = float(self.optimizer.param_groups[0]["unclipped_num_std"] or 0.0)
+        if std == 0:
+            return torch.zeros((), dtype=torch.float64)
+        noise = torch.randn((), generator=self._generator, device=self._generator.device)
+        return noise.double().cpu() * std
 
     def _private_gradients(self, inputs: Inputs, clip: float, sigma: float) -> dict[Tensor, Tensor]:
         """The private gradients of every trained parameter, one no sample reached included (else which parameters
@@ -238,11 +302,32 @@ class PerSampleClipping(Rule):
         batch = self._step_batch(present, totals, clip)
         dtype = next((totals[p]["sum"].dtype for p in trained if p in totals), None)  # of the zeros of those unreached
         sums = {p: totals[p]["sum"] if p in totals else _zeros(p, dtype or p.dtype) for p in trained}
-        if distributed:
-            return self._private_gradients_over_ranks(sums, totals, batch, clip * sigma, data_parallel)
-        divisor = self._divisor(batch)
-        with record_function("DP: noise"):
-            return {p: self._noised_into_grad(p, total, sigma * clip, divisor) for p, total in sums.items()}
+        return self._release(sums, totals, present, batch, clip, sigma, data_parallel if distributed else False)
+
+    def _release(
+        self,
+        sums: dict[Tensor, Tensor],
+        totals: dict[Tensor, Any],
+        present: list[Tensor],
+        batch: float,
+        clip: float,
+        sigma: float,
+        data_parallel: Any,
+    ) -> dict[Tensor, Tensor]:
+        """The clipped sums noised and divided by the batch (over the ranks unless ``data_parallel`` is False);
+        under adaptive clipping, the count noised too and the next clip taken from it."""
+        std = self._gradient_noise(sigma) * clip
+        count = self._centered_count(totals, present) if self.adaptive else None
+        if data_parallel is not False:
+            private, count, batch = self._private_gradients_over_ranks(sums, totals, batch, std, data_parallel, count)
+        else:
+            divisor = self._divisor(batch)
+            with record_function("DP: noise"):
+                private = {p: self._noised_into_grad(p, total, std, divisor) for p, total in sums.items()}
+            count = None if count is None else count + self._count_noise()
+        if count is not None:
+            self._next_clip = self._adapted_clip(count, batch, clip)
+        return private
 
     def _refuse_what_is_not_clipped(
         self, targets: list[Tensor], totals: dict[Tensor, Any], distributed: bool
@@ -301,27 +386,42 @@ class PerSampleClipping(Rule):
         return float(batch)
 
     def _private_gradients_over_ranks(
-        self, sums: dict[Tensor, Tensor], totals: dict[Tensor, Any], batch: float, std: float, data_parallel: Any
-    ) -> dict[Tensor, Tensor]:
-        """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch.
+        self,
+        sums: dict[Tensor, Tensor],
+        totals: dict[Tensor, Any],
+        batch: float,
+        std: float,
+        data_parallel: Any,
+        centered: Tensor | None,
+    ) -> tuple[dict[Tensor, Tensor], Tensor | None, float]:
+        """The clipped sums added over the ranks, the noise drawn once (on rank 0), divided by the batch; with the
+        count of adaptive clipping (``centered``) added and noised likewise, and the batch of all ranks.
         Every rank adds the same list: zeros for a module its samples never reached (a branch, an expert)."""
         targets = list(sums)
         sums = {p: total.clone() if p in totals else total for p, total in sums.items()}  # (the capture keeps them)
-        if std > 0 and (data_parallel is None or torch.distributed.get_rank(data_parallel) == 0):
-            for total in sums.values():  # drawn once over all ranks (replicas stay identical), as in one process
-                noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
-                total.add_(noise.to(total.device, total.dtype), alpha=std)
+        first = self._noised_once(sums.values(), std, data_parallel)
+        counts = [] if centered is None else [centered + self._count_noise() if first else centered.clone()]
         count = torch.tensor(float(batch), dtype=torch.float64)
         # The ranks that saw each (a parameter without a gradient has nothing to explain).
         captured = torch.tensor([float(p in totals or p.grad is None) for p in targets], dtype=torch.float64)
-        all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count, captured], data_parallel)
+        all_reduce_sum_([*(s for p, s in sums.items() if not sharded(p)), count, captured, *counts], data_parallel)
         nowhere = [p for p, ranks in zip(targets, captured.tolist(), strict=True) if ranks == 0]
         if nowhere:  # on every rank alike, after the collective (no rank is left waiting)
             raise self._uncaptured(nowhere)
         for param in [p for p in sums if sharded(p)]:  # FSDP2: this rank's shard of the sum, by a reduce-scatter
             sums[param] = reduce_scatter_like(sums[param], param)
         divisor = self._divisor(float(count))  # on every rank alike: the count is all-reduced
-        return {p: total / divisor for p, total in sums.items()}
+        return {p: total / divisor for p, total in sums.items()}, (counts[0] if counts else None), float(count)
+
+    def _noised_once(self, sums: Iterable[Tensor], std: float, data_parallel: Any) -> bool:
+        """Add the noise to ``sums`` on rank 0 only (drawn once over all ranks: replicas stay identical, as in one
+        process); whether this is rank 0."""
+        first = data_parallel is None or torch.distributed.get_rank(data_parallel) == 0
+        if std > 0 and first:
+            for total in sums:
+                noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
+                total.add_(noise.to(total.device, total.dtype), alpha=std)
+        return first
 
     def _refuse_split_forwards(self, totals: dict[Tensor, Any]) -> None:
         """Refuse a forward whose calls reached several backward passes: each pass clipped only its share."""
@@ -457,6 +557,45 @@ def _fits(grad: Tensor, total: Tensor) -> bool:
 
 
 _WHOLE_BATCH = ("max_grad_norm", "noise_multiplier", "expected_batch_size", "sample_rate")
+_ADAPTIVE = (
+    "target_unclipped_quantile",
+    "clipbound_learning_rate",
+    "unclipped_num_std",
+    "min_clipbound",
+    "max_clipbound",
+)
+
+
+def _check_adaptive(group: dict[str, Any]) -> None:
+    """Check adaptive clipping's hyperparameters in ``group`` (and its noise split, against ``noise_multiplier``)."""
+
+    def real(value: Any) -> bool:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+    quantile, rate, std = (
+        group["target_unclipped_quantile"],
+        group["clipbound_learning_rate"],
+        group["unclipped_num_std"],
+    )
+    low, high, sigma = group["min_clipbound"], group["max_clipbound"], group["noise_multiplier"]
+    if not (real(quantile) and 0.0 <= quantile <= 1.0):
+        raise ValueError(f"Invalid target_unclipped_quantile: {quantile!r} (must be in [0, 1])")
+    if not (real(rate) and 0.0 <= rate < math.inf):
+        raise ValueError(f"Invalid clipbound_learning_rate: {rate!r} (must be finite and >= 0)")
+    if not (real(low) and real(high) and 0.0 <= low < high):
+        raise ValueError(
+            f"Invalid min_clipbound, max_clipbound: {low!r}, {high!r} (need 0 <= min_clipbound < max_clipbound)"
+        )
+    if std is not None and not (real(std) and 0.0 <= std < math.inf):
+        raise ValueError(f"Invalid unclipped_num_std: {std!r} (must be None or finite and >= 0)")
+    if sigma > 0 and not (std is not None and sigma < 2 * std):
+        raise ValueError(
+            f"Invalid unclipped_num_std: {std!r} with noise_multiplier={sigma}: adaptive clipping releases a noised "
+            "count of the samples within the clip beside the gradient, and the two together are the Gaussian "
+            "mechanism of noise_multiplier (accounted) only if noise_multiplier < 2 * unclipped_num_std (Andrew et "
+            "al. 2021, Theorem 1). Pass unclipped_num_std (the standard deviation of the count's noise; the paper "
+            "suggests expected_batch_size / 20)"
+        )
 
 
 def _check_hyperparameters(
@@ -498,6 +637,11 @@ class _PrivateOptimizer(InputAwareOptimizer):
         batch_dim: int = 0,
         sample_rate: float | None = None,
         generator: torch.Generator | None = None,
+        target_unclipped_quantile: float | None = None,
+        clipbound_learning_rate: float = 0.2,
+        unclipped_num_std: float | None = None,
+        min_clipbound: float = 0.0,
+        max_clipbound: float = math.inf,
         params: Any = None,
         **kwargs: Any,
     ) -> None:
@@ -509,10 +653,63 @@ class _PrivateOptimizer(InputAwareOptimizer):
             batch_dim=batch_dim,
             sample_rate=sample_rate,
             generator=generator,
+            target_unclipped_quantile=target_unclipped_quantile,
+            clipbound_learning_rate=clipbound_learning_rate,
+            unclipped_num_std=unclipped_num_std,
+            min_clipbound=min_clipbound,
+            max_clipbound=max_clipbound,
         )
         more = kwargs.pop("rules", ())
         more = [more] if isinstance(more, Rule) else list(more)
         super().__init__(model, params, lr=lr, rules=[rule, *more], **kwargs)
+        self._skip_signals: list[bool] = []  # Opacus's protocol (signal_skip_step): one per coming step()
+        self._virtual = False  # the last step() was virtual: zero_grad() keeps what it accumulated
+
+    # -- virtual steps (Opacus's BatchMemoryManager) ----------------------------------------------------
+
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Make the coming ``step()`` virtual (``do_skip``) or real: Opacus's protocol, by which its
+        ``BatchMemoryManager`` splits each logical batch into physical batches of at most
+        ``max_physical_batch_size``, signalling before each one (in order, a queue, as Opacus keeps it).
+
+        A virtual step changes nothing (no clipping is undone, no noise drawn, no step accounted; a closure is
+        run and its loss returned), and the ``zero_grad()`` after it keeps the gradients and what DP captured of
+        them, so the next backward adds to them: the real step that ends the logical batch clips every sample of
+        it (each was clipped as its backward ended) and draws the noise once, as one step on the whole logical
+        batch would (tested equal, noise included). Under ``loss_reduction="mean"`` each physical batch's loss is
+        its sum divided by ``expected_batch_size``, which the several backward passes require."""
+        self._skip_signals.append(bool(do_skip))
+
+    def _run_step(self, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._skip_signals and self._skip_signals.pop(0):
+            return self._virtual_step(args, dict(kwargs))
+        try:
+            return super()._run_step(step, args, kwargs)
+        finally:
+            self._virtual = False  # (after the step: a closure's zero_grad() still kept the logical batch)
+
+    def _virtual_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        closure, _ = _step_arguments(args, kwargs)
+        if scaler_handoff(self)[0] is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: a virtual step (signal_skip_step, Opacus's BatchMemoryManager) under "
+                "GradScaler would add physical batches scaled by different loss scales; train in bfloat16 (no "
+                "GradScaler) or float32 to use virtual steps. No parameter was changed"
+            )
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._virtual = True
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients and drop the captured calls, as every input-aware optimizer does; after a virtual
+        step (``signal_skip_step``) nothing: the logical batch goes on."""
+        if not self._virtual:
+            super().zero_grad(set_to_none)
+
+    # -- privacy accounting ------------------------------------------------------------------------------
 
     @property
     def privacy_history(self) -> list[tuple[float, float | None, int]]:
@@ -531,6 +728,46 @@ class _PrivateOptimizer(InputAwareOptimizer):
             ImportError: If ``opacus`` is not installed.
         """
         return self._clipping.accountant.epsilon(delta, accountant, self.param_groups[0]["sample_rate"])
+
+    @staticmethod
+    def noise_multiplier_for(
+        *,
+        epsilon: float,
+        delta: float,
+        sample_rate: float,
+        steps: int | None = None,
+        epochs: float | None = None,
+        accountant: str = "prv",
+        epsilon_tolerance: float = 0.01,
+    ) -> float:
+        r"""The noise multiplier for a privacy budget: the smallest (to ``epsilon_tolerance``) whose ``steps`` (or
+        ``epochs``: ``int(epochs / sample_rate)`` steps) at ``sample_rate`` spend at most ``epsilon`` for ``delta``
+        by ``accountant``, as Opacus's ``get_noise_multiplier`` (``make_private_with_epsilon``) finds it. Pass it
+        as ``noise_multiplier=``, with ``sample_rate=``; ``epsilon(delta, accountant)`` then reports the budget
+        spent. (Under adaptive clipping it is the noise multiplier accounted, as ``noise_multiplier`` is.)
+
+        Args:
+            epsilon: The target :math:`\varepsilon` (> 0).
+            delta: The target :math:`\delta` (in (0, 1)).
+            sample_rate: Each sample's probability of being in a batch (in (0, 1]).
+            steps: The steps the run will take; or
+            epochs: its epochs (exactly one of the two).
+            accountant: Opacus's ``"prv"`` (its ``PrivacyEngine``'s default, and ``epsilon``'s), ``"rdp"`` or ``"gdp"``.
+            epsilon_tolerance: How far below ``epsilon`` the search may stop.
+
+        Raises:
+            ValueError: If an argument is out of range, or no noise multiplier up to 1e6 meets the budget.
+            ImportError: If ``opacus`` is not installed.
+        """
+        return PrivacyAccountant.noise_multiplier_for(
+            epsilon=epsilon,
+            delta=delta,
+            sample_rate=sample_rate,
+            steps=steps,
+            epochs=epochs,
+            accountant=accountant,
+            epsilon_tolerance=epsilon_tolerance,
+        )
 
     @property
     def _clipping(self) -> PerSampleClipping:
@@ -573,7 +810,20 @@ class DPSGD(_PrivateOptimizer, InputAwareSGD):
     ``torch.func``'s ``vmap(grad)`` for others), and every step checks that they add up to the gradient backward
     computed. ``max_grad_norm`` and ``noise_multiplier`` are read from the param groups, equal in all (a schedule
     may change them between steps). What is refused, gradient accumulation, DDP and FSDP2, and the accounting: see
-    the DP guide (``docs/dp.md``).
+    the DP guide (``docs/dp.md``). ``noise_multiplier_for`` finds the noise multiplier for a privacy budget;
+    ``signal_skip_step`` makes Opacus's ``BatchMemoryManager`` split logical batches into physical ones.
+
+    Adaptive clipping (Andrew et al. 2021), with ``target_unclipped_quantile`` :math:`\gamma`: after each step the
+    clip follows a private quantile of the per-sample norms,
+
+    .. math::
+        \tilde b = \frac{1}{m}\Big(\sum_{i=1}^{B} \big(b_i - \tfrac12\big) + \mathcal N(0, \sigma_b^2)\Big) + \tfrac12,
+        \qquad C \leftarrow C \exp\big(-\eta_C (\tilde b - \gamma)\big)
+
+    (:math:`b_i = 1` if :math:`\lVert g_i\rVert \le C`; :math:`m` the step's batch, ``expected_batch_size`` where
+    given; :math:`C` kept in ``[min_clipbound, max_clipbound]`` and written into ``max_grad_norm``), and the gradient
+    is noised at :math:`\sigma_\Delta = (\sigma^{-2} - (2\sigma_b)^{-2})^{-1/2}`, so that gradient and count
+    together are the Gaussian mechanism of noise multiplier :math:`\sigma`, which is accounted.
 
     Args:
         model: The model.
@@ -583,10 +833,19 @@ class DPSGD(_PrivateOptimizer, InputAwareSGD):
         loss_reduction: ``"mean"`` (the loss averaged over the batch) or ``"sum"``.
         expected_batch_size: The samples per step the loss is a mean over, and the noised sum's
             divisor (needed under gradient accumulation; under Poisson sampling, rate × dataset size).
+            Under data parallelism it is per rank, the samples one rank's step averages over: 2 ranks of 4
+            samples take ``expected_batch_size=4``, not 8 (the step divides by the sum over the ranks).
         batch_dim: The dimension of every layer's input that holds the samples (0, or 1 for ``(T, B, ...)``).
         sample_rate: Each sample's probability of being in a batch, for ``epsilon`` (or None).
         generator: The ``torch.Generator`` the noise is drawn from (default: one seeded from torch's
             global RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
+        target_unclipped_quantile: :math:`\gamma`, the fraction of samples the clip should leave unclipped
+            (in [0, 1]); ``None`` (default): a fixed clip, no adaptive clipping.
+        clipbound_learning_rate: :math:`\eta_C` (>= 0; the paper's 0.2).
+        unclipped_num_std: :math:`\sigma_b`, the standard deviation of the count's noise (in samples); needed
+            when ``noise_multiplier > 0``, and then more than ``noise_multiplier / 2`` (the paper: ``m / 20``).
+        min_clipbound: The smallest clip adaptive clipping may set (>= 0).
+        max_clipbound: The largest (default: unbounded).
         params: Parameters or param groups of ``model`` (default: all that require grad).
     """
 

@@ -293,7 +293,8 @@ class LinearKind(_WeightMatrix):
         x, g = _statistics_dtype(call.input), _statistics_dtype(_grad_output(call))
         if x.dim() == 1:
             x, g = x[None], g[None]
-        x, g = x.reshape(x.shape[0], -1, x.shape[-1]), g.reshape(g.shape[0], -1, g.shape[-1])
+        positions = math.prod(x.shape[1:-1])  # (not -1: a zero-width layer's rows hold no elements to infer it from)
+        x, g = x.reshape(x.shape[0], positions, x.shape[-1]), g.reshape(g.shape[0], positions, g.shape[-1])
         return MatrixRows(x, g, names, weight_of(module).shape, self.transposed)
 
 

@@ -3,6 +3,7 @@ builds one from a call (``LayerKind.per_sample``), DP reads each sample's square
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,8 @@ class PerSample:
 
     def sq_norms(self) -> Tensor:
         """Each sample's squared gradient norm over the parameters: ``(batch,)``."""
-        return torch.stack([g.reshape(g.shape[0], -1).pow(2).sum(1) for g in self.grads().values()]).sum(0)
+        rows = [g.reshape(g.shape[0], math.prod(g.shape[1:])) for g in self.grads().values()]  # (a 0-element one too)
+        return torch.stack([r.pow(2).sum(1) for r in rows]).sum(0)
 
     def weighted_sum(self, weights: Tensor) -> dict[str, Tensor]:
         """``sum_i weights[i] * (sample i's gradient)`` for each parameter."""
@@ -123,7 +125,7 @@ class MatrixRows(PerSample):
                     x = x * weights[:, None, None]
                 else:
                     g = g * weights[:, None, None]
-                matrix = g.reshape(-1, g.shape[2]).T @ x.reshape(-1, x.shape[2])
+                matrix = g.flatten(0, 1).T @ x.flatten(0, 1)  # (flatten: a zero-width layer's rows too)
             sums["weight"] = (matrix.T if self.transposed else matrix).reshape(self.weight_shape)
         if self.bias:
             sums["bias"] = weights @ self.bias_rows
@@ -139,8 +141,8 @@ class MatrixRows(PerSample):
                 x, g = self.x, self.g
                 assert x is not None and g is not None
                 if g.shape[1] == 1 or g.is_contiguous():  # rows as they are (not a transposed view: 3x slower)
-                    projected = (g.reshape(-1, g.shape[2]) @ directions).T  # (k, rows)
-                    out["weight"] = projected @ x.reshape(-1, x.shape[2])
+                    projected = (g.flatten(0, 1) @ directions).T  # (k, rows)
+                    out["weight"] = projected @ x.flatten(0, 1)
                 else:  # a convolution's channel-major rows: per sample, without copying them
                     projected = torch.matmul(directions.T, g.transpose(1, 2))  # (batch, k, positions)
                     out["weight"] = torch.bmm(projected, x).sum(0)

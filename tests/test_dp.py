@@ -512,3 +512,44 @@ def test_dp_refuses_a_layer_called_on_one_sample_at_a_time_and_is_exact_for_one(
     with pytest.raises(RuntimeError, match=r"called on one sample at a time.*No parameter was changed"):
         optimizer.step()
     assert_step_is_clipped_mean(_OneAtATime(conv).double(), torch.randn(1, *shape, dtype=torch.float64))
+
+
+class _ZeroWidth(nn.Module):
+    """A model with a zero-width layer beside the others: ``Linear(6, 0)`` (no outputs) or ``Linear(0, 4)``."""
+
+    def __init__(self, width: tuple[int, int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.empty, self.head = nn.Linear(6, 4), nn.Linear(*width), nn.Linear(4, 2)
+        self.width = width
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        side = self.empty(x if self.width[0] == 6 else x[:, :0]).sum(1, keepdim=True)  # (B, 1): 0, or the bias
+        return self.head(torch.tanh(self.body(x))) + side
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # (torch, constructing them)
+@pytest.mark.parametrize("width", [(6, 0), (0, 4)], ids=["Linear(6, 0)", "Linear(0, 4)"])
+def test_a_zero_width_linear_is_clipped_as_the_reference(width: tuple[int, int]) -> None:
+    # Linear(6, 0) crashed the step ("cannot reshape tensor of 0 elements into shape [5, -1, 0]"): its
+    # per-sample gradient is empty, and the step is the reference's, the empty layer's included.
+    model = _ZeroWidth(width).double()
+    assert_step_is_clipped_mean(model, torch.randn(5, 6, generator=torch.Generator().manual_seed(7)).double())
+    model = _ZeroWidth(width).double()  # and with the noise on
+    noisy = DPSGD(model, lr=0.1, max_grad_norm=0.05, noise_multiplier=1.0)
+    model(torch.randn(5, 6, dtype=torch.float64)).pow(2).sum(1).mean().backward()
+    noisy.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_model_compiled_with_fullgraph_is_refused_naming_dpsgd_and_what_to_do() -> None:
+    # torch.compile(fullgraph=True) raised torch's generic "Skip calling `torch.compiler.disable()`d function"
+    # (reason: None), naming neither DPSGD nor what to do. DP reads each forward's batch eagerly: a graph break.
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=0.1, noise_multiplier=0.0)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=r"DPSGD.*each forward's batch eagerly.*without fullgraph=True") as raised:
+        compiled(torch.randn(5, 6))
+    assert type(raised.value).__module__.startswith("torch._dynamo")  # torch's error, carrying DP's reason
+    assert optimizer.privacy_history == []

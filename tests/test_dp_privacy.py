@@ -7,6 +7,7 @@ textbook way), from the same noise stream drawn by hand, or from Opacus."""
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 import traceback
 import warnings
@@ -238,6 +239,57 @@ def test_epsilon_composes_every_step_at_its_own_noise(phases: list[tuple[float, 
     private_steps(optimizer, model, sigmas)
     expected = opacus_epsilon(sigmas, sample_rate, 1e-5, "rdp")
     assert optimizer.epsilon(1e-5, accountant="rdp") == pytest.approx(expected, rel=1e-12)
+
+
+TARGETS = [  # (optimizer, epsilon, delta, sample_rate, steps or epochs, accountant)
+    (DPSGD, 1.0, 1e-5, 0.01, {"epochs": 1}, "rdp"),
+    (DPAdamW, 8.0, 1e-6, 0.004, {"steps": 300}, "rdp"),
+    (DPSGD, 1.0, 1e-6, 0.25, {"epochs": 2}, "prv"),
+    (DPAdamW, 3.0, 1e-5, 0.1, {"steps": 50}, "gdp"),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha", "ignore:GDP accounting is experimental")
+@pytest.mark.parametrize(("optimizer_class", "epsilon", "delta", "rate", "length", "accountant"), TARGETS)
+def test_the_noise_multiplier_for_a_budget_is_opacuss_and_spends_at_most_that_budget(
+    optimizer_class: type, epsilon: float, delta: float, rate: float, length: dict[str, int], accountant: str
+) -> None:
+    """Opacus's ``make_private_with_epsilon`` had no counterpart: one called ``get_noise_multiplier`` by hand.
+    ``noise_multiplier_for`` is that function's answer on the same inputs, and a run of that length at it spends
+    at most the budget by the same accountant."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    from inputaware_optim.accounting import PrivacyAccountant
+
+    sigma = optimizer_class.noise_multiplier_for(
+        epsilon=epsilon, delta=delta, sample_rate=rate, accountant=accountant, **length
+    )
+    expected = get_noise_multiplier(
+        target_epsilon=epsilon, target_delta=delta, sample_rate=rate, accountant=accountant, **length
+    )
+    assert sigma == expected
+    steps = length.get("steps") or int(length["epochs"] / rate)
+    spent = PrivacyAccountant()
+    spent.history = [(sigma, rate, steps)]
+    assert epsilon - 0.01 <= spent.epsilon(delta, accountant) <= epsilon
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"epsilon": 0.0}, "Invalid epsilon: 0.0"),
+        ({"delta": 1.0}, "Invalid delta: 1.0"),
+        ({"sample_rate": 1.5}, "Invalid sample_rate: 1.5"),
+        ({"steps": None}, "Give steps or epochs, exactly one"),
+        ({"epochs": 1}, "Give steps or epochs, exactly one"),
+        ({"steps": 0}, "Invalid steps: 0"),
+        ({"accountant": "moments"}, "Invalid accountant: 'moments'"),
+    ],
+)
+def test_the_noise_multiplier_for_a_budget_refuses_bad_arguments_by_name(change: dict[str, Any], message: str) -> None:
+    arguments = {"epsilon": 1.0, "delta": 1e-5, "sample_rate": 0.01, "steps": 100, **change}
+    with pytest.raises(ValueError, match=message):
+        DPSGD.noise_multiplier_for(**arguments)
 
 
 def test_a_raised_noise_does_not_lower_the_epsilon_already_spent_and_a_resumed_run_reports_it() -> None:
@@ -595,6 +647,77 @@ def test_the_noise_under_ddp_has_the_standard_deviation_of_one_draw(world: int, 
     torch.testing.assert_close(update, torch.randn(update.shape, generator=stream) * std, rtol=1e-5, atol=1e-7)
 
 
+def _per_rank_rank(rank: int, directory: str, port: int, out: str) -> None:
+    """One of 2 DDP ranks, each with 4 of a global batch of 8: a step with expected_batch_size=4 (per rank), one
+    with 8 (the global batch, the mistake), and an adaptive one; rank 0 saves what each step did."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from tests.multiprocess import mark_done
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    x = batch(8, seed=70)[4 * rank : 4 * rank + 4]
+    results = {}
+    for name, options in PER_RANK_RUNS.items():
+        model = Chain().double()
+        before = [p.detach().clone() for p in model.parameters()]
+        wrapped = DistributedDataParallel(model)
+        optimizer = DPSGD(wrapped, lr=1.0, noise_multiplier=0.0, **options)
+        loss_of(wrapped(x)).backward()  # each rank's loss a mean over its own 4 samples
+        optimizer.step()
+        results[name] = ([b - p.detach() for b, p in zip(before, model.parameters(), strict=True)], optimizer)
+    saved = {name: (update, opt.param_groups[0]["max_grad_norm"]) for name, (update, opt) in results.items()}
+    if rank == 0:
+        torch.save(saved, out)
+    dist.barrier()
+    mark_done(directory, rank)
+    os._exit(0)  # without torch's gloo teardown (see tests/multiprocess.py)
+
+
+PER_RANK_RUNS = {  # every sample clipped (max_grad_norm 1e-3), or adaptive
+    "per rank": {"max_grad_norm": 1e-3, "expected_batch_size": 4},
+    "global": {"max_grad_norm": 1e-3, "expected_batch_size": 8},
+    "adaptive": {"max_grad_norm": 0.05, "expected_batch_size": 4, "target_unclipped_quantile": 0.5},
+}
+
+
+def test_expected_batch_size_is_per_rank_under_ddp(tmp_path: Any) -> None:
+    """Under DDP ``expected_batch_size`` is the samples one rank's step averages over: 2 ranks x 4 take
+    expected_batch_size=4, and step as one process on the 8 samples (the clipped sums and the batch are added
+    over the ranks). The global 8 halves the step (the signal, and the noise with it). Adaptive clipping counts
+    over both ranks: the next clip is one process's."""
+    import socket
+
+    from tests.multiprocess import run_spawned
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "steps.pt")
+    run_spawned(_per_rank_rank, args=(port, out), world=2)
+    ranks = torch.load(out)
+    x = batch(8, seed=70)
+    for name, options in PER_RANK_RUNS.items():
+        model = Chain().double()
+        before = [p.detach().clone() for p in model.parameters()]
+        one = DPSGD(model, lr=1.0, noise_multiplier=0.0, **{**options, "expected_batch_size": 8})
+        loss_of(model(x)).backward()
+        one.step()
+        whole = [b - p.detach() for b, p in zip(before, model.parameters(), strict=True)]
+        update, clip = ranks[name]
+        # (the global 8 scales each sample's gradient by 2 before clipping: half, to the clip factor's 1e-6)
+        factor, rtol = (0.5, 1e-5) if name == "global" else (1.0, 1e-10)
+        for theirs, ours in zip(update, whole, strict=True):
+            torch.testing.assert_close(theirs, factor * ours, rtol=rtol, atol=1e-14)
+        assert clip == pytest.approx(one.param_groups[0]["max_grad_norm"], rel=1e-12)
+    assert ranks["adaptive"][1] != PER_RANK_RUNS["adaptive"]["max_grad_norm"]
+
+
 # -- 6. bfloat16 autocast ----------------------------------------------------------------------
 
 
@@ -778,6 +901,257 @@ def test_the_readme_poisson_recipe_is_opacus_on_the_same_draws(clip: float) -> N
         torch.testing.assert_close(p.detach(), q, rtol=1e-9, atol=1e-12)
 
 
+# -- adaptive clipping (Andrew et al. 2021) ----------------------------------------------------------
+
+
+def sample_norms(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Each sample's own gradient norm (of ``|model(x_i)|²``, over every parameter), by vmap(grad)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss_of_one(p: dict[str, torch.Tensor], xi: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (xi[None],)).pow(2).sum()
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0))(params, x)
+    return torch.sqrt(sum(g.reshape(len(x), -1).pow(2).sum(1) for g in per_sample.values()))
+
+
+def papers_clip(clip: float, norms: torch.Tensor, noise: float, m: float, group: dict[str, Any]) -> float:
+    """The paper's geometric update, its count centered (each b_i - 1/2) and noised, over the step's batch m."""
+    centered = float((norms <= clip).sum(dtype=torch.float64)) - 0.5 * len(norms) + noise
+    fraction = centered / m + 0.5
+    step = -group["clipbound_learning_rate"] * (fraction - group["target_unclipped_quantile"])
+    return min(max(clip * math.exp(step), group["min_clipbound"]), group["max_clipbound"])
+
+
+ADAPTIVE = {  # (target quantile, learning rate, min and max clip)
+    "median": (0.5, 0.2, 0.0, math.inf),
+    "upper quantile, clamped": (0.9, 1.0, 0.0, 0.33),
+    "lower quantile, clamped": (0.1, 2.0, 0.29, math.inf),
+}
+
+
+@pytest.mark.parametrize("poisson", [False, True], ids=["fixed batches", "Poisson batches"])
+@pytest.mark.parametrize("name", list(ADAPTIVE))
+def test_adaptive_clipping_without_noise_is_the_papers_update_step_by_step(name: str, poisson: bool) -> None:
+    """With the noise off the quantile update is deterministic: at every step the gradient is the clipped mean at
+    the clip of that step (vmap(grad)), and the next clip is C exp(-eta (b - gamma)), b the fraction of samples
+    whose norm is at most C, kept in [min_clipbound, max_clipbound], exactly. Under Poisson sampling (batches of
+    3, 7, 5, 2, expected 4) b counts over the drawn batch and divides by the expected one, as the noise does."""
+    quantile, rate, low, high = ADAPTIVE[name]
+    model = Chain().double()
+    optimizer = DPSGD(
+        model,
+        lr=0.5,
+        max_grad_norm=0.3,
+        noise_multiplier=0.0,
+        expected_batch_size=4 if poisson else None,
+        target_unclipped_quantile=quantile,
+        clipbound_learning_rate=rate,
+        min_clipbound=low,
+        max_clipbound=high,
+    )
+    clips = [0.3]
+    for step, size in enumerate([3, 7, 5, 2] if poisson else [6, 6, 6, 6]):
+        group = optimizer.param_groups[0]
+        x = batch(size, seed=40 + step)
+        norms = sample_norms(model, x)
+        expected = reference(model, x, clips[-1])
+        if poisson:
+            expected = {k: v * size / 4 for k, v in expected.items()}  # the clipped sum over the expected batch
+        optimizer.zero_grad()
+        (model(x).pow(2).flatten(1).sum(1).sum() / (4 if poisson else size)).backward()
+        optimizer.step()
+        assert_grads(model, expected)
+        clips.append(papers_clip(clips[-1], norms, 0.0, 4 if poisson else size, group))
+        assert group["max_grad_norm"] == clips[-1]
+    assert len(set(clips)) > 1  # it moved
+    if name != "median":
+        assert clips[-1] == (high if quantile > 0.5 else low)
+    assert optimizer.privacy_history == [(0.0, None, 4)]
+
+
+def test_adaptive_clipping_with_noise_splits_it_and_accounts_the_noise_multiplier() -> None:
+    """With the noise on, the gradient is noised at sigma_delta = (sigma^-2 - (2 sigma_b)^-2)^-1/2 (the generator's
+    draws, parameter by parameter), the count at sigma_b (its next draw), and the clip moves by that noisy count.
+    Gradient and count together are the Gaussian mechanism of the effective noise multiplier
+    (sigma_delta^-2 + (2 sigma_b)^-2)^-1/2 = sigma: epsilon over the history is Opacus's accountant on it."""
+    sigma, count_std, rate = 0.8, 1.5, 0.05
+    model = Chain().double()
+    optimizer = DPSGD(
+        model,
+        lr=0.5,
+        max_grad_norm=0.3,
+        noise_multiplier=sigma,
+        sample_rate=rate,
+        target_unclipped_quantile=0.5,
+        unclipped_num_std=count_std,
+        generator=torch.Generator().manual_seed(6),
+    )
+    gradient_sigma = (sigma**-2 - (2 * count_std) ** -2) ** -0.5
+    stream = torch.Generator().manual_seed(6)
+    clip = 0.3
+    for step in range(3):
+        group = optimizer.param_groups[0]
+        x = batch(6, seed=50 + step)
+        norms, expected = sample_norms(model, x), reference(model, x, clip)
+        optimizer.zero_grad()
+        loss_of(model(x)).backward()
+        optimizer.step()
+        for key, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=stream).double() * (gradient_sigma * clip / 6)
+            torch.testing.assert_close(param.grad, expected[key] + noise, rtol=1e-9, atol=1e-12, msg=key)
+        count_noise = float(torch.randn((), generator=stream)) * count_std
+        clip = papers_clip(clip, norms, count_noise, 6, group)
+        assert group["max_grad_norm"] == pytest.approx(clip, rel=1e-12)
+    effective = (gradient_sigma**-2 + (2 * count_std) ** -2) ** -0.5
+    assert optimizer.privacy_history == [(sigma, rate, 3)]
+    assert optimizer.epsilon(1e-5, accountant="rdp") == pytest.approx(
+        opacus_epsilon([effective] * 3, rate, 1e-5, "rdp"), rel=1e-9
+    )
+
+
+def test_adaptive_clipping_without_noise_follows_opacuss_adaclip() -> None:
+    """Against Opacus's AdaClipDPOptimizer (fixed batches, where its conventions agree with the paper's; its
+    count noise at 1e-12, as it requires noise_multiplier < 2 * unclipped_num_std even without noise): the same
+    clips and the same parameters, step by step."""
+    pytest.importorskip("opacus")
+    from opacus import GradSampleModule
+    from opacus.optimizers.adaclipoptimizer import AdaClipDPOptimizer
+
+    options = {"target_unclipped_quantile": 0.5, "clipbound_learning_rate": 0.5, "max_clipbound": 10.0}
+    ours, theirs = Chain().double(), GradSampleModule(Chain().double())
+    optimizer = DPSGD(ours, lr=0.5, max_grad_norm=0.3, noise_multiplier=0.0, min_clipbound=1e-3, **options)
+    opacus = AdaClipDPOptimizer(
+        torch.optim.SGD(theirs.parameters(), lr=0.5),
+        noise_multiplier=0.0,
+        max_grad_norm=0.3,
+        expected_batch_size=6,
+        min_clipbound=1e-3,
+        unclipped_num_std=1e-12,
+        **options,
+    )
+    for step in range(5):
+        x = batch(6, seed=60 + step)
+        for model, each in ((ours, optimizer), (theirs, opacus)):
+            each.zero_grad()
+            loss_of(model(x)).backward()
+            each.step()
+        # (Opacus updates its clip in float32: exp of a float32 tensor)
+        assert optimizer.param_groups[0]["max_grad_norm"] == pytest.approx(float(opacus.max_grad_norm), rel=1e-6)
+        for p, q in zip(ours.parameters(), theirs._module.parameters(), strict=True):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"noise_multiplier": 1.0}, r"Invalid unclipped_num_std: None with noise_multiplier=1.0.*Theorem 1"),
+        ({"noise_multiplier": 1.0, "unclipped_num_std": 0.5}, r"Invalid unclipped_num_std: 0.5 with noise_mult"),
+        ({"target_unclipped_quantile": 1.5}, r"Invalid target_unclipped_quantile: 1.5"),
+        ({"clipbound_learning_rate": -1.0}, r"Invalid clipbound_learning_rate: -1.0"),
+        ({"min_clipbound": 2.0, "max_clipbound": 1.0}, r"Invalid min_clipbound, max_clipbound: 2.0, 1.0"),
+    ],
+)
+def test_adaptive_clipping_refuses_bad_hyperparameters_by_name(options: dict[str, Any], message: str) -> None:
+    arguments = {"noise_multiplier": 0.0, "target_unclipped_quantile": 0.5, **options}
+    model = Chain()
+    with pytest.raises(ValueError, match=message):
+        DPSGD(model, lr=0.1, **arguments)
+    assert all(not m._forward_hooks for m in model.modules())
+    optimizer = DPSGD(model, lr=0.1, noise_multiplier=1.0, target_unclipped_quantile=0.5, unclipped_num_std=1.0)
+    optimizer.param_groups[0].update({"unclipped_num_std": None, **arguments})  # set since, refused at the step
+    loss_of(model(batch(4, seed=1).float())).backward()
+    with pytest.raises(ValueError, match=message):
+        optimizer.step()
+
+
+# -- virtual steps: Opacus's BatchMemoryManager -----------------------------------------------------
+
+
+def _virtual_run(physical: int | None, noise: float, poisson: bool) -> tuple[list[torch.Tensor], list[Any], list[int]]:
+    """One epoch over 32 samples in logical batches of 8 (expected, under Poisson sampling), each split by Opacus's
+    BatchMemoryManager into physical batches of at most ``physical`` (None: one step per logical batch)."""
+    from opacus.data_loader import DPDataLoader
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(8)
+    x, y = torch.randn(32, 5, generator=generator, dtype=torch.float64), torch.randint(0, 3, (32,), generator=generator)
+    loader = DataLoader(TensorDataset(x, y), batch_size=8)
+    if poisson:  # the same draws in both runs
+        loader = DPDataLoader.from_data_loader(loader, generator=torch.Generator().manual_seed(4))
+    model = _poisson_model()
+    optimizer = DPSGD(
+        model,
+        lr=0.5,
+        max_grad_norm=0.05,
+        noise_multiplier=noise,
+        expected_batch_size=8,
+        sample_rate=0.25,
+        generator=torch.Generator().manual_seed(5),
+    )
+    sizes = []
+
+    def train(batches: Any) -> None:
+        for xb, yb in batches:
+            sizes.append(len(xb))
+            optimizer.zero_grad()
+            (nn.functional.cross_entropy(model(xb), yb, reduction="sum") / 8).backward()  # sum / expected batch
+            optimizer.step()
+
+    if physical is None:
+        train(loader)
+    else:
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical, optimizer=optimizer) as split:
+            train(split)
+    return [p.detach().clone() for p in model.parameters()], optimizer.privacy_history, sizes
+
+
+@pytest.mark.parametrize("poisson", [False, True], ids=["fixed batches", "Poisson"])
+@pytest.mark.parametrize("noise", [0.0, 1.3], ids=["noise off", "noise on"])
+def test_opacus_batch_memory_manager_steps_as_one_step_per_logical_batch(noise: float, poisson: bool) -> None:
+    """Opacus's BatchMemoryManager raised AttributeError (no signal_skip_step). Physical batches of at most 3
+    now add up to the logical batch's step: every sample clipped, the noise drawn once from the same stream,
+    one step accounted (float64, to rounding: the clipped sums add in another order)."""
+    pytest.importorskip("opacus")
+    whole, history, logical = _virtual_run(None, noise, poisson)
+    split, split_history, physical = _virtual_run(3, noise, poisson)
+    assert max(physical) <= 3 < max(logical) and sum(physical) == sum(logical)
+    assert split_history == history == [(noise, 0.25, len(logical))]
+    for p, q in zip(split, whole, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_a_virtual_step_keeps_the_gradients_and_a_real_one_clears_them() -> None:
+    """``signal_skip_step(True)``: the step and the zero_grad() after it change nothing; ``False``: both act."""
+    model = Chain().double()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.signal_skip_step(do_skip=True)
+    loss_of(model(batch(2, seed=1))).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    assert optimizer.step(lambda: torch.tensor(2.0)) == 2.0  # a closure runs, its loss returned
+    optimizer.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    optimizer.signal_skip_step(do_skip=False)
+    loss_of(model(batch(2, seed=2))).backward()
+    optimizer.step()
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    optimizer.zero_grad()
+    assert all(p.grad is None for p in model.parameters()) and optimizer.privacy_history == [(0.0, None, 1)]
+
+
+def test_a_virtual_step_under_grad_scaler_is_refused() -> None:
+    model = Chain()
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, expected_batch_size=4)
+    scaler = torch.amp.GradScaler("cpu")
+    optimizer.signal_skip_step(True)
+    scaler.scale(loss_of(model(batch(2, seed=1).float()))).backward()
+    with pytest.raises(RuntimeError, match=r"virtual step .* under GradScaler"):
+        scaler.step(optimizer)
+
+
 # -- 9. Opacus's recurrent layers: exact batch-first and padded, refused otherwise -------------
 
 
@@ -810,6 +1184,74 @@ def test_opacus_recurrent_layers_sequence_first_or_packed_are_refused(name: str,
     with pytest.raises(RuntimeError, match="No parameter was changed"):
         optimizer.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+class _Recurrent(nn.Module):
+    """Opacus's DPLSTM on a batch of 3 sequences of up to 6 steps: sequence-first, packed or padded batch-first."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        layers = pytest.importorskip("opacus.layers")
+        torch.manual_seed(0)
+        self.rnn, self.head = layers.DPLSTM(4, 5, batch_first=layout != "sequence-first"), nn.Linear(5, 2)
+        self.layout = layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "packed":
+            packed = nn.utils.rnn.pack_padded_sequence(x, torch.tensor([6, 5, 3]), batch_first=True)
+            return self.head(nn.utils.rnn.pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0][:, -1])
+        out = self.rnn(x)[0]
+        return self.head(out[-1] if self.layout == "sequence-first" else out[:, -1])
+
+
+@pytest.mark.parametrize(
+    ("layout", "batch_dim", "message"),
+    [
+        (
+            "sequence-first",
+            0,
+            r"^rnn \(DPLSTM\) got sequence-first input \(T, B, \.\.\.\), batch_first=False: its layers \(rnn.l0.ih, "
+            r"rnn.l0.hh\) are called once per time step, 6 steps on a batch of 3 samples each, while the model's input "
+            r"\(6, 3, 4\) holds the batch along dim 1.*Construct it with batch_first=True and pass it padded \(B, T, "
+            r"\.\.\.\) tensors, \(3, 6, \.\.\.\) here",
+        ),
+        (
+            "sequence-first",
+            1,
+            r"^rnn \(DPLSTM\) is read with batch_dim=1, but its layers .* on \(B, features\) tensors, \(3, 4\) here: "
+            r"their dim 1 holds features, not samples.*batch_first=True.*\(3, 6, \.\.\.\).*with batch_dim=0",
+        ),
+        (
+            "packed",
+            0,
+            r"^rnn \(DPLSTM\) got a PackedSequence: .* batches of 3, 3, 3, 2, 2, 1 \(a batch of 3 sequences, the "
+            r"longest 6 steps\).*Pass it padded \(B, T, \.\.\.\) tensors, \(3, 6, \.\.\.\) here.*pad_packed_sequence",
+        ),
+    ],
+    ids=["sequence-first", "sequence-first, batch_dim=1", "packed"],
+)
+def test_a_dplstm_fed_sequence_first_or_packed_input_is_refused_naming_the_layout(
+    layout: str, batch_dim: int, message: str
+) -> None:
+    """The refusal named neither layout, and its numbers misled: "it holds 5 samples" (the hidden size, read as
+    the batch under batch_dim=1) for a batch of 3. It names the DPLSTM, the layout, the batch (3) and the steps
+    (6), and says what to do: batch_first=True, padded (B, T, ...) tensors. Padded batch-first is exact."""
+    model = _Recurrent(layout).double()
+    shape = (6, 3, 4) if layout == "sequence-first" else (3, 6, 4)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    optimizer = DPSGD(model, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0, batch_dim=batch_dim)
+    loss_of(model(x)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=message + r".*No parameter was changed$"):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    padded = _Recurrent("padded").double()  # the advice taken: batch_first=True on (3, 6, 4), exact
+    x = x.transpose(0, 1) if layout == "sequence-first" else x
+    expected = reference(_Recurrent("padded").double(), x, 0.05)
+    optimizer = DPSGD(padded, lr=0.5, max_grad_norm=0.05, noise_multiplier=0.0)
+    loss_of(padded(x)).backward()
+    optimizer.step()
+    assert_grads(padded, expected)
 
 
 # -- a model copied with DP's hooks on it --------------------------------------------------------

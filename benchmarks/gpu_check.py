@@ -2,6 +2,7 @@
 
 On one device it checks:
 
+* ``noise``: DP's noise is drawn by a generator on the parameters' device (not on the CPU, then copied).
 * ``kernels``: ``InputAwareSGD`` / ``InputAwareAdamW`` with the for-loop, foreach and fused
   kernels are bitwise ``torch.optim.SGD`` / ``AdamW`` with the same flags (parameters and
   state over several steps), plain and under float16 autocast with ``GradScaler`` (one
@@ -54,7 +55,7 @@ from inputaware_optim import (
 from .core import Config
 from .timing import interleave
 
-CHECKS = ("kernels", "storage", "amp", "compile", "gpt")
+CHECKS = ("noise", "kernels", "storage", "amp", "compile", "gpt")
 IMPLEMENTATIONS: dict[str, dict[str, Any]] = {
     "for-loop": {"foreach": False},
     "foreach": {"foreach": True},
@@ -407,7 +408,23 @@ def check_gpt(setup: Setup) -> list[Row]:
     return rows
 
 
+def check_noise(setup: Setup) -> list[Row]:
+    """DP's noise is drawn on the device of the parameters (a generator there), not on the CPU and copied."""
+    rows = []
+    for name in ("DPSGD", "DPAdamW"):
+        make, _ = RULES[name]
+        model = Net(setup).to(setup.device)
+        optimizer = make(model)
+        generator = optimizer.rules[0]._generator
+        _train_step(model, optimizer, _batches(setup, 1)[0])
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+        on_device = generator.device.type == setup.device.type
+        rows.append(Row("noise", name, on_device and finite, f"generator on {generator.device}"))
+    return rows
+
+
 RUNNERS: dict[str, Callable[[Setup], list[Row]]] = {
+    "noise": check_noise,
     "kernels": check_kernels,
     "storage": check_storage,
     "amp": check_amp,

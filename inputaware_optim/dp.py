@@ -90,7 +90,9 @@ class PerSampleClipping(Rule):
         self.batch_dim = batch_dim
         self.accountant = PrivacyAccountant()
         # Seeded from the global RNG (reproducible under torch.manual_seed); drawing leaves its stream undisturbed.
-        self._generator = generator or torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+        # Made in setup, on the parameters' device: the noise is drawn where it is added (a CUDA model's on the GPU).
+        self._seed = None if generator is not None else int(torch.randint(0, 2**62, ()).item())
+        self._generator = generator if generator is not None else torch.Generator().manual_seed(self._seed)
         self._clipped: ClippedSums | None = None
         self._released: float | None = None  # the noise multiplier of the step being taken, once it released
         self._next_clip: float | None = None  # adaptive clipping: the clip of the next step, once it released
@@ -116,6 +118,9 @@ class PerSampleClipping(Rule):
 
     def setup(self, optimizer: Any) -> None:
         self.accountant.owner = type(optimizer).__name__
+        device = next((local_tensor(p).device for p in optimizer._params()), self._generator.device)
+        if self._seed is not None and self._generator.device != device:  # (the default: where the parameters are)
+            self._generator = torch.Generator(device=device).manual_seed(self._seed)
         self._group_privacy()
         name, trained = type(optimizer).__name__, {p for p in optimizer._params() if p.requires_grad}
         meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
@@ -837,8 +842,8 @@ class DPSGD(_PrivateOptimizer, InputAwareSGD):
             samples take ``expected_batch_size=4``, not 8 (the step divides by the sum over the ranks).
         batch_dim: The dimension of every layer's input that holds the samples (0, or 1 for ``(T, B, ...)``).
         sample_rate: Each sample's probability of being in a batch, for ``epsilon`` (or None).
-        generator: The ``torch.Generator`` the noise is drawn from (default: one seeded from torch's
-            global RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
+        generator: The ``torch.Generator`` the noise is drawn from (default: one on the parameters' device,
+            seeded from torch's global RNG at construction, so ``torch.manual_seed`` makes runs reproducible).
         target_unclipped_quantile: :math:`\gamma`, the fraction of samples the clip should leave unclipped
             (in [0, 1]); ``None`` (default): a fixed clip, no adaptive clipping.
         clipbound_learning_rate: :math:`\eta_C` (>= 0; the paper's 0.2).

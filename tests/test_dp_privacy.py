@@ -1299,3 +1299,13 @@ def test_zero_gradients_without_a_backward_are_a_step_without_data_only_at_learn
     optimizer.step()
     assert optimizer.privacy_history == []
     assert all(torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_noise_of_a_cuda_model_is_drawn_on_its_device() -> None:
+    # It was drawn on the CPU (a model-sized draw, then a copy to the device, every step).
+    model = nn.Linear(4, 3).cuda()
+    optimizer = DPSGD(model, lr=0.1)
+    assert optimizer.rules[0]._generator.device == next(model.parameters()).device
+    model(torch.randn(5, 4, device="cuda")).sum().backward()
+    optimizer.step()

@@ -93,7 +93,8 @@ class EvaPreconditioner(KroneckerPreconditioner):
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
         updated, kept = len(layers), self._between_statistics(due, ["input_mean", "output_grad_mean"])
         layers, vectors = layers + [layer for layer, _ in kept], vectors + [(a, g) for _, (a, g) in kept]
-        matrices = [layer.kind.grad_matrix(layer.module, layer.homogeneous) for layer in layers]
+        # (in float32 at least, rounded once into a half-precision gradient: as FOOF's and K-FAC's products)
+        matrices = [_at_least_float32(layer.kind.grad_matrix(layer.module, layer.homogeneous)) for layer in layers]
         directions = [
             self._direction(m, a.to(m.dtype), g.to(m.dtype), float(layer.group["damping"]))
             for layer, m, (a, g) in zip(layers, matrices, vectors, strict=True)
@@ -266,3 +267,7 @@ def per_factor_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -
 
 
 DAMPING_FORMS = {"kronecker": eva_direction, "factors": per_factor_direction}
+
+
+def _at_least_float32(matrix: Tensor) -> Tensor:
+    return matrix.to(torch.promote_types(matrix.dtype, torch.float32))

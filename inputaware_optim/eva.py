@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torch import Tensor, nn
 
 from ._torch import foreach_norm
 from .distributed import sharded
+from .inverses import condition_limit, refuse_ill_conditioned
 from .kfac import KroneckerFactors
 from .kronecker import KroneckerPreconditioner, Sums, running_average
 from .layers import Layer, weight_of
@@ -93,12 +95,17 @@ class EvaPreconditioner(KroneckerPreconditioner):
         vectors = [self._running_means(layer, s) for layer, s in zip(layers, sums, strict=True)]
         updated, kept = len(layers), self._between_statistics(due, ["input_mean", "output_grad_mean"])
         layers, vectors = layers + [layer for layer, _ in kept], vectors + [(a, g) for _, (a, g) in kept]
-        matrices = [layer.kind.grad_matrix(layer.module, layer.homogeneous) for layer in layers]
+        # (in float32 at least, rounded once into a half-precision gradient: as FOOF's and K-FAC's products)
+        matrices = [_at_least_float32(layer.kind.grad_matrix(layer.module, layer.homogeneous)) for layer in layers]
         directions = [
             self._direction(m, a.to(m.dtype), g.to(m.dtype), float(layer.group["damping"]))
             for layer, m, (a, g) in zip(layers, matrices, vectors, strict=True)
         ]
-        scale = self._checked_scale(layers, matrices, directions)
+        conditions = [  # (checked with the directions, in the same transfer to the host)
+            (self._damped_condition(layer, a, g), (a.dtype, m.dtype))
+            for layer, m, (a, g) in zip(layers, matrices, vectors, strict=True)
+        ]
+        scale = self._checked_scale(layers, matrices, directions, conditions)
         for index, (layer, (a, g), direction) in enumerate(zip(layers, vectors, directions, strict=True)):
             if index < updated:
                 state = self.state[weight_of(layer.module)]
@@ -107,15 +114,32 @@ class EvaPreconditioner(KroneckerPreconditioner):
             nu = 1.0 if layer.group["kl_clip"] is None else scale
             layer.kind.set_grad_matrix(layer.module, direction * nu if nu != 1.0 else direction, layer.homogeneous)
 
+    def _damped_condition(self, layer: Layer, a: Tensor, g: Tensor) -> Tensor:
+        """The condition number of the matrix Eva inverts in closed form (one per block), held to the contract of
+        ``inverses`` as FOOF's and K-FAC's inverses are: ``ḡḡᵀ ⊗ āāᵀ + γI`` (eigenvalues γ, and
+        ``|ḡ|²|ā|² + γ`` once) or, under ``damping_form="factors"``, ``(ḡḡᵀ + γI) ⊗ (āāᵀ + γI)``."""
+        damping = float(layer.group["damping"])
+        g2, a2 = (torch.linalg.vector_norm(v, dim=-1, dtype=torch.float64) ** 2 for v in (g, a))
+        if self._direction is eva_direction:
+            return _rank_one_condition(g2 * a2, g.shape[-1] * a.shape[-1], damping)
+        return _rank_one_condition(g2, g.shape[-1], damping) * _rank_one_condition(a2, a.shape[-1], damping)
+
     def _running_means(self, layer: Layer, sums: Sums) -> tuple[Tensor, Tensor]:
         state = self.state[weight_of(layer.module)]
         a, g = (running_average(state.get(f"{f}_mean"), sums[f][0] / sums[f][1], layer.group) for f in self.factors)
         return a, g
 
-    def _checked_scale(self, layers: list[Layer], matrices: list[Tensor], directions: list[Tensor]) -> float:
-        """The KL-clip scale, after one check of every direction, before any change (one transfer to
-        the host for both). One scale for every clipped layer, whatever groups they are in
-        (the KL clip bounds the whole update, as in the authors' code): so their ``kl_clip`` must agree."""
+    def _checked_scale(
+        self,
+        layers: list[Layer],
+        matrices: list[Tensor],
+        directions: list[Tensor],
+        conditions: Sequence[tuple[Tensor, tuple[torch.dtype, ...]]],
+    ) -> float:
+        """The KL-clip scale, after one check of every direction and of every layer's ``conditions`` (against
+        ``inverses.condition_limit`` of their dtypes), before any change (one transfer to the host for all).
+        One scale for every clipped layer, whatever groups they are in (the KL clip bounds the whole update, as
+        in the authors' code): so their ``kl_clip`` must agree."""
         clips = {group["kl_clip"] for group in self.optimizer.param_groups} - {None}
         if len(clips) > 1:
             raise ValueError(
@@ -132,8 +156,9 @@ class EvaPreconditioner(KroneckerPreconditioner):
             # A norm is finite unless the direction holds a NaN or an inf (or its squares overflow: then
             # each element is checked).
             finite = torch.stack(foreach_norm(directions)).isfinite().all().double()
-            found = torch.stack([finite, sum(inners, torch.zeros((), dtype=torch.float64, device=finite.device))])
-            is_finite, total = found.tolist()
+            worst = torch.stack([(c / condition_limit(*dtypes)).max() for c, dtypes in conditions]).max()
+            zero = torch.zeros((), dtype=torch.float64, device=finite.device)
+            is_finite, total, over = torch.stack([finite, sum(inners, zero), worst.to(finite.device)]).tolist()
             if not is_finite:
                 for layer, direction in zip(layers, directions, strict=True):
                     if not bool(direction.isfinite().all()):
@@ -142,6 +167,10 @@ class EvaPreconditioner(KroneckerPreconditioner):
                             "finite: training has diverged (NaN or inf activations or gradients). Lower the learning "
                             "rate or raise damping. No parameter was changed by this step"
                         )
+            if not over < 1.0:  # (a diverged run is said as such first)
+                for layer, (condition, dtypes) in zip(layers, conditions, strict=True):
+                    name = f"{self.optimizer.capture.name(layer.module)} (output_grad ⊗ input)"
+                    refuse_ill_conditioned(condition, dtypes, name, float(layer.group["damping"]))
         total = abs(total)
         return 1.0 if not clips or total == 0.0 else min(1.0, math.sqrt(clips.pop() / total))
 
@@ -177,7 +206,10 @@ class Eva(SGDWithRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\gamma` (> 0), added to the Kronecker product of the rank-one factors.
+        damping: :math:`\gamma` (> 0), added to the Kronecker product of the rank-one factors. A step with
+            :math:`(\gamma + \lVert \bar g\rVert^2 \lVert \bar a\rVert^2) / \gamma` at or above
+            ``inverses.condition_limit`` (8.4e5: the vectors and the product are float32 at least) is refused,
+            changing nothing, as FOOF's and K-FAC's inverses are.
         stat_decay: Decay of the running vectors, in [0, 1).
         kl_clip: :math:`\kappa` (> 0), or ``None`` for no clipping (the authors' default, 0.001).
         statistics_every: Collect the vectors every this many steps (>= 1); the kept vectors between.
@@ -266,3 +298,14 @@ def per_factor_direction(matrix: Tensor, a: Tensor, g: Tensor, damping: float) -
 
 
 DAMPING_FORMS = {"kronecker": eva_direction, "factors": per_factor_direction}
+
+
+def _rank_one_condition(square: Tensor, size: int, damping: float) -> Tensor:
+    """``μ_max / μ_min`` of ``vvᵀ + γI`` of ``size`` (``square``: ``|v|²``): its eigenvalues are ``|v|² + γ``
+    once and ``γ`` ``size - 1`` times."""
+    top = square + damping
+    return top / (damping if size > 1 else top)
+
+
+def _at_least_float32(matrix: Tensor) -> Tensor:
+    return matrix.to(torch.promote_types(matrix.dtype, torch.float32))

@@ -59,7 +59,10 @@ class FOOF(SGDWithRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\lambda` (>= 0), absolute: it scales with the inputs' variance.
+        damping: :math:`\lambda` (>= 0), absolute: it scales with the inputs' variance. A step whose
+            :math:`\bar A + \lambda I` has a condition number at or above ``inverses.condition_limit`` in its
+            dtypes (8.4e5 for float32 statistics: beyond, the step would be rounding) is refused, changing
+            nothing, by either ``inverse``.
         stat_decay: :math:`\beta`, in [0, 1).
         update_every: Refresh the inverse every this many optimizer steps (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1); the kept inverses between.

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .inputs import Call, Captured
+from .inverses import eigenvalue_condition
 from .kronecker import FactorSums, KroneckerPreconditioner, Sums
 from .layers import ConvKind, Layer, LinearKind, weight_of
 from .sgd import SGDWithRule
@@ -143,6 +144,13 @@ class KFACPreconditioner(KroneckerPreconditioner):
         dtype = torch.promote_types(matrix.dtype, inverses["input"].dtype)  # (no half-precision product)
         return inverses["output_grad"][rows].to(dtype) @ matrix.to(dtype) @ inverses["input"].to(dtype)
 
+    def _eigenvalue_condition(self, layer: Layer, values: dict[str, Tensor]) -> Tensor:
+        if not self._kfac_pytorch:
+            return super()._eigenvalue_condition(layer, values)
+        # kfac-pytorch's "eigen" inverts Ḡ ⊗ Ā + λI, whose eigenvalues are d_G d_Aᵀ + λ
+        products = values["output_grad"][..., :, None] * values["input"][..., None, :]
+        return eigenvalue_condition(products + float(layer.group["damping"]), dims=2)
+
     def _kronecker_damped(self, layer: Layer, matrix: Tensor) -> Tensor:
         r""":math:`(\bar G \otimes \bar A + \lambda I)^{-1} \operatorname{vec} \tilde G` in the kept eigenbases:
         :math:`Q_G [(Q_G^\top \tilde G Q_A) / (d_G d_A^\top + \lambda)] Q_A^\top` (kfac-pytorch's "eigen")."""
@@ -182,7 +190,10 @@ class KFAC(SGDWithRule):
         model: The model.
         lr: Learning rate.
         momentum: SGD momentum (``None``: 0.9; with ``base=``, the base's own default).
-        damping: :math:`\lambda` (>= 0), split between the factors as above.
+        damping: :math:`\lambda` (>= 0), split between the factors as above. A step whose damped Kronecker
+            product (the product of the damped factors, or kfac-pytorch's eigen ``Ḡ ⊗ Ā + λI``) has a condition
+            number at or above ``inverses.condition_limit`` (8.4e5 for float32 statistics) is refused, changing
+            nothing, by either ``inverse``.
         stat_decay: Decay of the running factors, in [0, 1).
         update_every: Refresh the inverses every this many optimizer steps (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1); the kept inverses between.

@@ -35,7 +35,10 @@ from .inverses import (
     _NotPositiveDefinite,
     damped_inverse,
     eigenbasis,
+    eigenvalue_condition,
     inverse_from_eigenbasis,
+    kronecker_condition,
+    refuse_ill_conditioned,
 )
 from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
@@ -91,7 +94,9 @@ class KroneckerPreconditioner(Rule):
     ``<factor>_second_moment``, ``<factor>_inverse`` and ``statistics_steps``; with ``inverse="eigh"`` also
     ``<factor>_eigenvalues``, ``<factor>_eigenvectors`` and ``<factor>_inverse_damping`` (the damping the
     inverse was formed with). Hyperparameters in every param group: ``damping``, ``stat_decay``,
-    ``update_every``, ``statistics_every`` (and ``schedule_step``, the steps taken).
+    ``update_every``, ``statistics_every`` (and ``schedule_step``, the steps taken). Where an inverse is formed
+    (a refresh, or a new damping under ``"eigh"``) the matrix the step inverts is held to the contract of
+    ``inverses`` (``_check_inverted``): at or over ``condition_limit``, the step is refused before any change.
     """
 
     layers: ClassVar[str | None] = "input_rows"
@@ -241,6 +246,10 @@ class KroneckerPreconditioner(Rule):
                 (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
                 for layer, inverses in self._between_statistics(due, [f"{f}_inverse" for f in self.factors])
             ]
+            for layer, (_, moments, inverses, _, bases) in zip(layers, updates, strict=True):
+                self._check_inverted(layer, inverses, moments, bases)
+            for layer, inverses in kept:
+                self._check_inverted(layer, inverses, {}, {})
         except _NotPositiveDefinite as error:  # a diverged run is said as such before any advice on damping
             self._refuse_not_finite_gradients(error)
             raise
@@ -249,6 +258,38 @@ class KroneckerPreconditioner(Rule):
         for layer, inverses in kept:
             self._keep_inverses(layer, inverses)  # (under "eigh", those a change of damping formed anew)
             self._set_preconditioned(layer, inverses)
+
+    def _check_inverted(
+        self,
+        layer: Layer,
+        inverses: dict[str, Tensor],
+        moments: dict[str, Tensor],
+        bases: dict[str, tuple[Tensor, Tensor]],
+    ) -> None:
+        """Refuse, before any change, a layer whose step inverts a matrix with a condition number at or over
+        ``inverses.condition_limit``: the Kronecker product of its damped factors (FOOF's one factor), or what
+        ``_eigenvalue_condition`` says under ``"eigh"``. Checked where an inverse was formed this step (a refresh,
+        or a new damping under ``"eigh"``: ``moments`` and ``bases`` are this step's); a kept one was when formed."""
+        state = self.state[weight_of(layer.module)]
+        if all(state.get(f"{f}_inverse") is inverses[f] for f in self.factors):
+            return
+        dtypes = (self._inverse_dtype, inverses[self.factors[0]].dtype)  # (inverted in, kept and applied in)
+        if self._inverse == "eigh":
+            values = {f: bases[f][0] if f in bases else state[f"{f}_eigenvalues"] for f in self.factors}
+            conditions = self._eigenvalue_condition(layer, values)
+        else:
+            means = {f: m.diagonal(dim1=-2, dim2=-1).mean(-1) for f, m in moments.items()}
+            damped = [(moments[f], self._damping(layer.group, f, means), inverses[f]) for f in self.factors]
+            conditions = kronecker_condition(damped, dtypes)
+        name = f"{self.optimizer.capture.name(layer.module)} ({' ⊗ '.join(reversed(self.factors))})"
+        refuse_ill_conditioned(conditions, dtypes, name, float(layer.group["damping"]))
+
+    def _eigenvalue_condition(self, layer: Layer, values: dict[str, Tensor]) -> Tensor:
+        """The condition number of the matrix a step inverts, from its factors' eigenvalues ``values``: the
+        Kronecker product of the damped factors'."""
+        means = {f: v.mean(-1) for f, v in values.items()}
+        shifted = [v + torch.as_tensor(self._damping(layer.group, f, means))[..., None] for f, v in values.items()]
+        return torch.stack([eigenvalue_condition(s) for s in shifted]).prod(0)
 
     def _commit_statistics(self, layer: Layer, update: Any) -> dict[str, Tensor]:
         """Keep a statistics step's moments, decompositions and inverses; return the inverses."""
@@ -343,7 +384,8 @@ class KroneckerPreconditioner(Rule):
         means = {f: state[f"{f}_eigenvalues"].mean(-1) for f in self.factors}  # (of the kept decompositions)
         damping = self._damping(layer.group, factor, means)
         name = f"{self.optimizer.capture.name(layer.module)} ({factor})"
-        return inverse_from_eigenbasis(values, vectors, damping, name, inverse.dtype, layer.group["damping"])
+        given = layer.group["damping"]
+        return inverse_from_eigenbasis(values, vectors, damping, name, inverse.dtype, given, checked=False)
 
     def _keep_inverses(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         state = self.state[weight_of(layer.module)]
@@ -392,7 +434,10 @@ class KroneckerPreconditioner(Rule):
                     jobs.append(functools.partial(eigenbasis, moment, name, dtype))
                     likes.append(moment.new_empty((*moment.shape[:-2], n + 1, n), dtype=dtype))
                 else:
-                    jobs.append(functools.partial(damped_inverse, moment, damping, name, dtype=dtype, given=given))
+                    job = functools.partial(
+                        damped_inverse, moment, damping, name, dtype=dtype, given=given, checked=False
+                    )
+                    jobs.append(job)  # (the condition number is the layer's: _check_inverted)
                     likes.append(moment)
                 costs.append(float(moment.numel() * n))  # ~ n³ per block either way
                 slots.append((inverses, bases, factor, name, damping, given, moment.dtype))
@@ -402,7 +447,7 @@ class KroneckerPreconditioner(Rule):
             if self._inverse == "eigh":
                 values, vectors = result[..., -1, :].clone(), result[..., :-1, :].clone()
                 bases[factor] = (values, vectors)
-                result = inverse_from_eigenbasis(values, vectors, damping, name, like, given)
+                result = inverse_from_eigenbasis(values, vectors, damping, name, like, given, checked=False)
             inverses[factor] = result
 
 

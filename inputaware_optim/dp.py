@@ -91,8 +91,11 @@ class PerSampleClipping(Rule):
         self.accountant = PrivacyAccountant()
         # Seeded from the global RNG (reproducible under torch.manual_seed); drawing leaves its stream undisturbed.
         # Made in setup, on the parameters' device: the noise is drawn where it is added (a CUDA model's on the GPU).
-        self._seed = None if generator is not None else int(torch.randint(0, 2**62, ()).item())
-        self._generator = generator if generator is not None else torch.Generator().manual_seed(self._seed)
+        self._seed: int | None = None
+        if generator is None:
+            self._seed = int(torch.randint(0, 2**62, ()).item())
+            generator = torch.Generator().manual_seed(self._seed)
+        self._generator = generator
         self._clipped: ClippedSums | None = None
         self._released: float | None = None  # the noise multiplier of the step being taken, once it released
         self._next_clip: float | None = None  # adaptive clipping: the clip of the next step, once it released

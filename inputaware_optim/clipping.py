@@ -119,13 +119,13 @@ class ClippedSums(Reduction):
             _add_into(out, sums)
             _add_into(unclipped, plain)
             within = within + count
-        # This pass, by a token of its own: which forwards it holds, and through which modules.
+        # This pass, by a token of its own: which forwards it holds, through which modules.
         modules = tuple(dict.fromkeys(self.name(m) for calls in by_forward.values() for m in calls))
         every = [c for calls in by_forward.values() for module_calls in calls.values() for c in module_calls]
         tensors = [t for c in every for t in _tensors_of(c)]
         common = {
             "samples": float(sum(samples.values())),
-            "within_clip": within,  # samples whose gradient norm was at most the clip (a tensor: no sync)
+            "within_clip": within,  # samples whose gradient norm was at most the clip (a number)
             "passes": {next(self.passes): (frozenset(by_forward), modules)},
             "clips": frozenset({clip}),
             "expected": frozenset({expected}),
@@ -301,11 +301,16 @@ class ClippedSums(Reduction):
             pieces = self._pieces(calls)
             norms = [self._located(piece.module, piece.calls, calls, piece.per.sq_norms) for piece in pieces]
             squared: Tensor = sum(n.double() for n in norms)  # type: ignore[assignment]
-            if not bool(torch.isfinite(squared).all()):  # one check for all: each is finite if their sum is
+            norms_of_samples = scale * squared.sqrt()  # each sample's own gradient's (its loss's share times scale)
+            # One read per pass, of both: whether every norm is finite (each is if their sum is), and how many
+            # samples' norms are at most the clip (Andrew et al.'s b_i = 1[|g_i| <= C]).
+            read = torch.stack([torch.isfinite(squared).all().double(), _within(norms_of_samples, clip)])
+            finite, within = read.tolist()
+            if not finite:  # (overflowed in float32: those norms again, in float64)
                 squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))  # type: ignore[assignment]
-        norms_of_samples = scale * squared.sqrt()  # each sample's own gradient's (its loss's share times scale)
+                norms_of_samples = scale * squared.sqrt()
+                within = _within(norms_of_samples, clip).item()
         weights = scale * (clip / (norms_of_samples + 1e-6)).clamp(max=1.0)
-        within = (norms_of_samples <= clip).sum(dtype=torch.float64)  # Andrew et al.'s b_i = 1[|g_i| <= C]
         sums: dict[Tensor, Tensor] = {}
         plain: dict[Tensor, Tensor] = {}
         with record_function("DP: clipped sums"):
@@ -368,6 +373,11 @@ def _tensors_of(call: Call) -> list[Tensor]:
     """A call's tensor arguments and output gradients."""
     grads = call.grad_outputs if call.has_grad_outputs else ()
     return [t for t in (*grads, *call.args) if isinstance(t, Tensor)]
+
+
+def _within(norms: Tensor, clip: float) -> Tensor:
+    """How many of ``norms`` are at most ``clip`` (float64, 0-d)."""
+    return (norms <= clip).sum(dtype=torch.float64)
 
 
 def _zeros(param: Tensor, dtype: torch.dtype) -> Tensor:

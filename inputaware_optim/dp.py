@@ -275,7 +275,7 @@ class PerSampleClipping(Rule):
         if not present:
             return torch.zeros((), dtype=torch.float64)
         entry = totals[max(present, key=lambda p: len(totals[p]["passes"]))]  # one that every pass reached
-        within = torch.as_tensor(entry["within_clip"], dtype=torch.float64).cpu()
+        within = torch.as_tensor(entry["within_clip"], dtype=torch.float64)
         return within - 0.5 * entry["samples"]
 
     def _count_noise(self) -> Tensor:

@@ -6,7 +6,9 @@ refused, naming the layer, the damping and what to do, before anything changes."
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -14,6 +16,7 @@ from torch import Tensor
 __all__ = [
     "INVERSES",
     "ROUNDING_MARGIN",
+    "Check",
     "condition",
     "condition_limit",
     "damped_inverse",
@@ -21,6 +24,7 @@ __all__ = [
     "eigenvalue_condition",
     "inverse_from_eigenbasis",
     "kronecker_condition",
+    "refuse_any",
     "refuse_ill_conditioned",
 ]
 
@@ -96,7 +100,8 @@ def damped_inverse(
     """:math:`(M + \\lambda I)^{-1}` by Cholesky in ``dtype``, returned in ``matrix``'s dtype, row-major (so
     a product with it takes the same kernel, the same bits, wherever it was computed). ``damping`` is a
     number, or one per block; ``given`` the hyperparameter it was derived from, if it differs (an error
-    names both). ``checked=False`` leaves the condition number to a caller that inverts a product of it.
+    names both). ``checked=False`` leaves the checks to a caller that inverts a product of it (``Check``): no
+    host read, and the inverse is NaN where the factorization failed.
 
     Raises:
         RuntimeError: If the damped matrix is not positive definite, or (``checked``) its condition number is
@@ -107,13 +112,17 @@ def damped_inverse(
     damped.diagonal(dim1=-2, dim2=-1).add_(_per_block(damping))
     factor, info = torch.linalg.cholesky_ex(damped)
     dtypes = (matrix.dtype, dtype)
+    if not checked:  # the caller checks the inverse (NaN where the factorization failed): no read here
+        failed = (info != 0)[..., None, None]
+        identity = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+        inverse = torch.cholesky_inverse(torch.where(failed, identity, factor)).mT  # (a failed factor, replaced)
+        return torch.where(failed, torch.nan, inverse).to(matrix.dtype)
     if bool(info.any()):
         _refuse_not_finite(matrix, name)
         refuse_ill_conditioned(torch.tensor(torch.inf), dtypes, name, damping, given)
     # Column-major out of LAPACK and exactly symmetric: its transpose is the row-major inverse, with no copy.
     inverse = torch.cholesky_inverse(factor).mT
-    if checked:
-        refuse_ill_conditioned(kronecker_condition([(matrix, damping, inverse)], dtypes), dtypes, name, damping, given)
+    refuse_ill_conditioned(kronecker_condition([(matrix, damping, inverse)], dtypes), dtypes, name, damping, given)
     return inverse.to(matrix.dtype)
 
 
@@ -127,6 +136,45 @@ def kronecker_condition(
     if bool((2 * bound < condition_limit(*dtypes)).all()):
         return bound
     return torch.stack([condition(matrix, damping) for matrix, damping, _ in factors]).prod(0)
+
+
+class Check(NamedTuple):
+    """A matrix a step inverts, to be checked before any change (``refuse_any``): ``conditions`` (per block) its
+    condition number or an upper bound of it (NaN where an inversion failed), ``exact`` the exact one where that is a
+    bound (computed only near the limit), ``dtypes`` those its statistics were kept, inverted and applied in."""
+
+    conditions: Tensor
+    exact: Callable[[], Tensor] | None
+    dtypes: tuple[torch.dtype, ...]
+    name: str
+    damping: float
+    statistics: Sequence[Tensor]
+    failed: Callable[[], None] | None = None  # where an inversion failed: raises saying which, with what damping
+
+
+def refuse_any(checks: Sequence[Check]) -> None:
+    """Refuse, naming its layer, the first matrix of ``checks`` whose condition number is not below
+    ``condition_limit`` (or whose inversion failed): one host read for all of them, a second only near the limit.
+
+    Raises:
+        RuntimeError: As ``refuse_ill_conditioned``, or if the statistics are not finite.
+    """
+    if not checks:
+        return
+    worst = torch.stack([check.conditions.double().amax() for check in checks]).tolist()
+    for check, value in zip(checks, worst, strict=True):
+        limit = condition_limit(*check.dtypes)
+        if value < (limit / 2 if check.exact is not None else limit):  # (a bound: room for its rounding)
+            continue
+        if math.isnan(value):  # an inversion failed: not finite, or not positive definite
+            for matrix in check.statistics:
+                _refuse_not_finite(matrix, check.name)
+            if check.failed is not None:
+                check.failed()
+            conditions = torch.tensor(torch.inf)
+        else:
+            conditions = check.exact() if check.exact is not None else check.conditions
+        refuse_ill_conditioned(conditions, check.dtypes, check.name, check.damping)
 
 
 class _NotPositiveDefinite(RuntimeError):

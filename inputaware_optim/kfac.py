@@ -34,7 +34,7 @@ class KroneckerFactors(FactorSums):
         entry = Captured([call])
         rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
         batch = float(layer.kind.batch_size(call.module, entry))
-        count = rows.new_tensor(float(rows.shape[-2]))
+        count = float(rows.shape[-2])
         positions = rows.shape[-2] / batch if self.per_position and isinstance(layer.kind, ConvKind) else 1.0
         if positions != 1.0:
             rows = rows / positions
@@ -46,7 +46,7 @@ class KroneckerFactors(FactorSums):
         if positions != 1.0:  # (only with per_position)
             grads = grads / positions
         count = float(grads.shape[-2]) if self.per_position else batch
-        return {"input": (input_sum, rows), "output_grad": (self.side(grads), grads.new_tensor(count))}
+        return {"input": (input_sum, rows), "output_grad": (self.side(grads), float(count))}
 
 
 class KFACPreconditioner(KroneckerPreconditioner):

@@ -32,19 +32,20 @@ from .distributed import (
 from .inputs import Call, Captured, Inputs
 from .inverses import (
     INVERSES,
+    Check,
     _NotPositiveDefinite,
+    condition,
     damped_inverse,
     eigenbasis,
     eigenvalue_condition,
     inverse_from_eigenbasis,
-    kronecker_condition,
-    refuse_ill_conditioned,
+    refuse_any,
 )
 from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .rule import Rule
 
-Sums = dict[str, tuple[Tensor, Tensor]]  # a layer's factor sums: {factor: (numerator, denominator)}
+Sums = dict[str, tuple[Tensor, float]]  # a layer's factor sums: {factor: (numerator, the rows they sum)}
 
 __all__ = [
     "INVERSES",
@@ -81,7 +82,7 @@ class FactorSums(Reduction):
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
         rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
-        return {"input": (self.side(rows), rows.new_tensor(float(rows.shape[-2])))}
+        return {"input": (self.side(rows), float(rows.shape[-2]))}  # (a count known here: no device read)
 
 
 class KroneckerPreconditioner(Rule):
@@ -246,10 +247,12 @@ class KroneckerPreconditioner(Rule):
                 (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
                 for layer, inverses in self._between_statistics(due, [f"{f}_inverse" for f in self.factors])
             ]
-            for layer, (_, moments, inverses, _, bases) in zip(layers, updates, strict=True):
-                self._check_inverted(layer, inverses, moments, bases)
-            for layer, inverses in kept:
-                self._check_inverted(layer, inverses, {}, {})
+            checks = [
+                self._check(layer, inverses, moments, bases)
+                for layer, (_, moments, inverses, _, bases) in zip(layers, updates, strict=True)
+            ]
+            checks += [self._check(layer, inverses, {}, {}) for layer, inverses in kept]
+            refuse_any([check for check in checks if check is not None])  # (one host read for every layer)
         except _NotPositiveDefinite as error:  # a diverged run is said as such before any advice on damping
             self._refuse_not_finite_gradients(error)
             raise
@@ -259,30 +262,39 @@ class KroneckerPreconditioner(Rule):
             self._keep_inverses(layer, inverses)  # (under "eigh", those a change of damping formed anew)
             self._set_preconditioned(layer, inverses)
 
-    def _check_inverted(
+    def _check(
         self,
         layer: Layer,
         inverses: dict[str, Tensor],
         moments: dict[str, Tensor],
         bases: dict[str, tuple[Tensor, Tensor]],
-    ) -> None:
-        """Refuse, before any change, a layer whose step inverts a matrix with a condition number at or over
-        ``inverses.condition_limit``: the Kronecker product of its damped factors (FOOF's one factor), or what
-        ``_eigenvalue_condition`` says under ``"eigh"``. Checked where an inverse was formed this step (a refresh,
-        or a new damping under ``"eigh"``: ``moments`` and ``bases`` are this step's); a kept one was when formed."""
+    ) -> Check | None:
+        """What to check before any change of a layer whose step inverts a matrix formed this step (a refresh, or a
+        new damping under ``"eigh"``: ``moments`` and ``bases`` are this step's; a kept one was checked when
+        formed): the condition number of the Kronecker product of its damped factors (FOOF's one factor), or what
+        ``_eigenvalue_condition`` says under ``"eigh"``, against ``inverses.condition_limit``."""
         state = self.state[weight_of(layer.module)]
         if all(state.get(f"{f}_inverse") is inverses[f] for f in self.factors):
-            return
+            return None
         dtypes = (self._inverse_dtype, inverses[self.factors[0]].dtype)  # (inverted in, kept and applied in)
+        name = f"{self.optimizer.capture.name(layer.module)} ({' ⊗ '.join(reversed(self.factors))})"
+        damping = float(layer.group["damping"])
         if self._inverse == "eigh":
             values = {f: bases[f][0] if f in bases else state[f"{f}_eigenvalues"] for f in self.factors}
-            conditions = self._eigenvalue_condition(layer, values)
-        else:
-            means = {f: m.diagonal(dim1=-2, dim2=-1).mean(-1) for f, m in moments.items()}
-            damped = [(moments[f], self._damping(layer.group, f, means), inverses[f]) for f in self.factors]
-            conditions = kronecker_condition(damped, dtypes)
-        name = f"{self.optimizer.capture.name(layer.module)} ({' ⊗ '.join(reversed(self.factors))})"
-        refuse_ill_conditioned(conditions, dtypes, name, float(layer.group["damping"]))
+            return Check(self._eigenvalue_condition(layer, values), None, dtypes, name, damping, [])
+        means = {f: m.diagonal(dim1=-2, dim2=-1).mean(-1) for f, m in moments.items()}
+        damped = [(moments[f], self._damping(layer.group, f, means), inverses[f]) for f in self.factors]
+        bound = torch.stack([condition(matrix, lam, inverse) for matrix, lam, inverse in damped]).prod(0)
+
+        def exact() -> Tensor:
+            return torch.stack([condition(matrix, lam) for matrix, lam, _ in damped]).prod(0)
+
+        def failed() -> None:  # (each factor inverted again, checked: the one that fails says so)
+            for factor, (matrix, lam, _) in zip(self.factors, damped, strict=True):
+                label = f"{self.optimizer.capture.name(layer.module)} ({factor})"
+                damped_inverse(matrix, lam, label, dtype=self._inverse_dtype, given=damping)
+
+        return Check(bound, exact, dtypes, name, damping, list(moments.values()), failed)
 
     def _eigenvalue_condition(self, layer: Layer, values: dict[str, Tensor]) -> Tensor:
         """The condition number of the matrix a step inverts, from its factors' eigenvalues ``values``: the
@@ -482,14 +494,29 @@ def summed_over_ranks(
             found = zeros(layer)
         joined.append(layer)
         if ranks is not None:  # copies, summed in place: the capture's totals stay as they are for a retry
-            found = {f: (n.clone(), d.clone()) for f, (n, d) in found.items()}
+            found = {f: (n.clone(), d) for f, (n, d) in found.items()}
         sums.append(local(layer, found))
-    all_reduce_sum_([t for layer_sums in sums for pair in layer_sums.values() for t in pair], ranks)
+    if ranks is not None and sums:
+        sums = _summed(sums, ranks)
     for index in absent:  # captured on no rank: the plain step
-        if all(float(d) == 0 for _, d in sums[index].values()):
+        if all(d == 0 for _, d in sums[index].values()):
             inputs.uncaptured(weight_of(joined[index].module))
-    seen = [(layer, s) for layer, s in zip(joined, sums, strict=True) if all(float(d) > 0 for _, d in s.values())]
+    seen = [(layer, s) for layer, s in zip(joined, sums, strict=True) if all(d > 0 for _, d in s.values())]
     return [layer for layer, _ in seen], [s for _, s in seen]
+
+
+def _summed(sums: list[Sums], ranks: Any) -> list[Sums]:
+    """``sums`` added over ``ranks`` in one collective; their counts (numbers on each rank) read back at once:
+    the step's one host read of them."""
+    numerators = [n for layer_sums in sums for n, _ in layer_sums.values()]
+    counts = torch.tensor(
+        [float(d) for layer_sums in sums for _, d in layer_sums.values()],
+        dtype=torch.float64,
+        device=local_tensor(numerators[0]).device,
+    )
+    all_reduce_sum_([*numerators, counts], ranks)
+    read = iter(counts.tolist())
+    return [{f: (n, next(read)) for f, (n, _) in layer_sums.items()} for layer_sums in sums]
 
 
 def zero_sums(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Sums:
@@ -500,7 +527,7 @@ def zero_sums(layer: Layer, shapes: dict[str, tuple[int, ...]]) -> Sums:
     blocks = layer.kind.blocks(layer.module)
     lead = (blocks,) if blocks > 1 else ()
     zero = functools.partial(torch.zeros, dtype=dtype, device=weight.device)
-    return {factor: (zero((*lead, *shape)), zero(())) for factor, shape in shapes.items()}
+    return {factor: (zero((*lead, *shape)), 0.0) for factor, shape in shapes.items()}
 
 
 def _statistics_due(group: dict[str, Any]) -> bool:

@@ -180,7 +180,7 @@ def test_conv_layers_are_preconditioned_and_hold_only_vectors() -> None:
     optimizer = Eva(model, lr=0.1)
     nn.functional.mse_loss(model(torch.randn(4, 2, 6, 6)), torch.randn(4, 2)).backward()
     held = optimizer.capture.reduced(optimizer.rules[0]._statistics)
-    sizes = {tuple(t.shape) for totals in held.values() for pair in totals.values() for t in pair}
+    sizes = {tuple(torch.as_tensor(t).shape) for totals in held.values() for pair in totals.values() for t in pair}
     assert sizes <= {(2 * 9 + 1,), (3,), (3 * 16 + 1,), (2,), ()}  # vectors and counts, never a matrix
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.step()

@@ -22,10 +22,12 @@ from . import (
     memory,
     monitor,
     nlms,
+    tokens,
 )
 
 SECTIONS: list[Section] = [
     gpt.SECTION,
+    tokens.SECTION,
     hook_cost.SECTION,
     capture_overhead.SECTION,
     memory.SECTION,

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, Eva, InputAwareAdamW, InputAwareSGD, LazyAdamW
+from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, DPAdamW, Eva, InputAwareAdamW, InputAwareSGD, LazyAdamW
 
 from .multiprocess import mark_done, run_spawned
 
@@ -86,6 +86,9 @@ RULES: dict[str, Callable[..., Any]] = {
     ),
     "LazyAdamW": lambda m, b, **kw: LazyAdamW(m, **kw, lr=0.01),
     "DPSGD": lambda m, b, **kw: DPSGD(m, **kw, lr=0.5, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b),
+    "DPAdamW": lambda m, b, **kw: DPAdamW(
+        m, **kw, lr=0.01, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b
+    ),
     # The noise drawn once, in full, from the same generator as one process draws it: the same bits.
     "DPSGD-noise": lambda m, b, **kw: DPSGD(
         m,

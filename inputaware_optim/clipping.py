@@ -18,9 +18,9 @@ from torch.profiler import record_function
 
 from . import layers
 from ._torch import tree_flatten
-from .distributed import local_tensor
+from .distributed import ParallelLayout, all_reduce_sum_, local_call, local_tensor, shard_dim
 from .inputs import Call
-from .layers import layer_kind
+from .layers import EmbeddingKind, LinearKind, layer_kind
 from .per_sample import (
     BlockRows,
     IndexedRows,
@@ -76,6 +76,15 @@ class ClippedSums(Reduction):
                 else:
                     self.shared[param] = owners
         self.modules = {*self.names, *(m for uses in self.shared.values() for m, _ in uses)}
+        # Tensor parallelism: each rank computes its part of every sample's gradient of a parameter split over the
+        # ranks (its shape in ``parts``), whose squared norms add up over the group (``split``); a replicated one's
+        # is counted once.
+        self.layout = ParallelLayout(optimizer.model)
+        self.parts, self.split = _tensor_parallel_parts(self.layout, trained)
+
+    def sum_shape(self, param: Tensor) -> torch.Size:
+        """The shape of ``param``'s clipped sum on this rank: its part under tensor parallelism, else its own."""
+        return self.parts.get(param, param.shape)
 
     def wants(self, module: nn.Module) -> bool:
         return module in self.modules
@@ -245,12 +254,16 @@ class ClippedSums(Reduction):
         batched = [s for s in shapes if s[self.batch_dim] == count]
         others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
         root = self.capture.root  # (a parameter or a buffer, as a memory bank of keys)
-        params = {(t.data_ptr(), t.shape): n for n, t in [*root.named_buffers(), *root.named_parameters()]}
+        # (by their local tensors: a DTensor's own data_ptr() is 0, the same for every one)
+        named = [(n, local_tensor(t)) for n, t in [*root.named_buffers(), *root.named_parameters()]]
+        params = {(t.data_ptr(), t.shape): n for n, t in named if t.data_ptr() != 0}
         for module, module_calls in calls.items():
             first = module_calls[0].args[0] if module_calls[0].args else None
             if not isinstance(first, Tensor):
                 continue
-            name = params.get((first.data_ptr(), first.shape)) if first.is_floating_point() else None
+            local = local_tensor(first)
+            found = local.is_floating_point() and local.data_ptr() != 0
+            name = params.get((local.data_ptr(), local.shape)) if found else None
             if name is not None:
                 raise RuntimeError(
                     f"{self.capture.name(module)} is called on the model's tensor {name} itself, the same for every "
@@ -279,11 +292,42 @@ class ClippedSums(Reduction):
 
     def _per_sample(self, module: nn.Module, call: Call, names: Sequence[str]) -> PerSample:
         """One call's per-sample gradients: a closed form (on the call with the batch moved first), or
-        ``vmap(grad)`` over the module's forward, called as it was (batch along ``batch_dim``)."""
+        ``vmap(grad)`` over the module's forward, called as it was (batch along ``batch_dim``). Under tensor
+        parallelism, this rank's part of them, from the local tensors its layer computed with."""
         kind = layer_kind(module)
         if kind is not None and kind.provides("per_sample"):
+            call = local_call(call, grads=True)
+            weight = module._parameters.get(kind.weight_name)
+            if weight is not None and weight in self.parts and isinstance(kind, (LinearKind, EmbeddingKind)):
+                return self._tensor_parallel_part(module, call, names, weight)
             return kind.per_sample(module, _batch_first(call, self.batch_dim), names)
         return Materialized(_functional_per_sample_grads(module, call, names, self.batch_dim))
+
+    def _tensor_parallel_part(self, module: nn.Module, call: Call, names: Sequence[str], weight: Tensor) -> PerSample:
+        """This rank's part of one call's per-sample gradients of a layer tensor parallelism splits (``call``
+        local): a ``Linear``'s or an ``Embedding``'s output gradient narrowed to the output features this rank
+        holds where the layer's output was gathered (``output_layouts=Replicate()``), an ``Embedding``'s rows to
+        the rows it holds."""
+        kind, placement = layer_kind(module), self.layout.tensor_placements(weight)[0]
+        features = 0 if isinstance(kind, LinearKind) else 1  # (the weight dimension of the output features)
+        grad, held = call.grad_output, self.parts[weight][features]
+        if shard_dim(placement) == features and grad is not None and grad.shape[-1] != held:
+            rows = self.layout.tensor_range(weight, features)
+            call = Call(call.module, call.args, call.kwargs, [grad[..., rows.start : rows.stop]], call.forward)
+        if isinstance(kind, LinearKind) and grad is not None and call.input.shape[:-1] != call.grad_output.shape[:-1]:  # type: ignore[union-attr]
+            raise RuntimeError(
+                f"under tensor parallelism the output gradient of {self.name(module)} has shape "
+                f"{tuple(call.grad_output.shape)} but its input {tuple(call.input.shape)}: its output is split over "  # type: ignore[union-attr]
+                "the ranks along another dimension than its features (output_layouts=Shard(1), sequence "
+                "parallelism after it), so no rank holds every position of a sample. Keep the default output_layouts "
+                "of the layers DP trains"
+            )
+        per = kind.per_sample(module, _batch_first(call, self.batch_dim), names)  # type: ignore[union-attr]
+        if isinstance(per, MatrixRows):
+            per.weight_shape = self.parts[weight]
+        elif isinstance(per, IndexedRows) and shard_dim(placement) == 0:
+            per = per.within(self.layout.tensor_range(weight))
+        return per
 
     def _share(self, module: nn.Module, call: Call, name: str) -> Tensor:
         return self._per_sample(module, call, [name]).grads()[name]
@@ -292,7 +336,7 @@ class ClippedSums(Reduction):
         """Zero sums for every parameter a forward without samples reaches (the step adds the noise alone)."""
         params: list[Tensor] = [module._parameters[n] for module in calls for n in self._trained_names(module)]  # type: ignore[misc]
         params += [p for p, uses in self.shared.items() if p.requires_grad and any(m in calls for m, _ in uses)]
-        sums = {p: _zeros(p, torch.promote_types(p.dtype, torch.float32)) for p in params}
+        sums = {p: _zeros(p, torch.promote_types(p.dtype, torch.float32), self.sum_shape(p)) for p in params}
         return sums, ({p: self.probes.project(p, s) for p, s in sums.items()} if self.verify else {}), 0.0
 
     def _clipped_sums(self, calls: _Calls, scale: float, clip: float) -> _Sums:
@@ -300,14 +344,16 @@ class ClippedSums(Reduction):
         with record_function("DP: per-sample norms"):
             pieces = self._pieces(calls)
             norms = [self._located(piece.module, piece.calls, calls, piece.per.sq_norms) for piece in pieces]
-            squared: Tensor = sum(n.double() for n in norms)  # type: ignore[assignment]
+            squared = _over_tensor_parallel_ranks(pieces, [n.double() for n in norms])
             norms_of_samples = scale * squared.sqrt()  # each sample's own gradient's (its loss's share times scale)
             # One read per pass, of both: whether every norm is finite (each is if their sum is), and how many
-            # samples' norms are at most the clip (Andrew et al.'s b_i = 1[|g_i| <= C]).
+            # samples' norms are at most the clip (Andrew et al.'s b_i = 1[|g_i| <= C]). (Summed over the tensor
+            # parallel group first: every rank of it reads the same and takes the same branch.)
             read = torch.stack([torch.isfinite(squared).all().double(), _within(norms_of_samples, clip)])
             finite, within = read.tolist()
             if not finite:  # (overflowed in float32: those norms again, in float64)
-                squared = sum(_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True))  # type: ignore[assignment]
+                robust = [_robust_sq_norms(piece.per, n) for piece, n in zip(pieces, norms, strict=True)]
+                squared = _over_tensor_parallel_ranks(pieces, robust)
                 norms_of_samples = scale * squared.sqrt()
                 within = _within(norms_of_samples, clip).item()
         weights = scale * (clip / (norms_of_samples + 1e-6)).clamp(max=1.0)
@@ -329,10 +375,14 @@ class ClippedSums(Reduction):
         pieces = []
         for module, module_calls in calls.items():
             names = self._trained_names(module)
-            if names:
-                per_call = [self._located(module, [c], calls, self._per_sample, module, c, names) for c in module_calls]
+            for part, group, partial in self._parts(module, names, module_calls[0]) if names else ():
+                per_call = [self._located(module, [c], calls, self._per_sample, module, c, part) for c in module_calls]
                 merged = self._located(module, module_calls, calls, _merged, per_call)
-                pieces.append(_Piece(merged, {n: module._parameters[n] for n in names}, module, module_calls))  # type: ignore[misc]
+                if partial is not None:  # each rank's share of every sample's gradient (its positions): summed
+                    grads = {n: g.clone() for n, g in merged.grads().items()}
+                    all_reduce_sum_(list(grads.values()), partial)
+                    merged = Materialized(grads)
+                pieces.append(_Piece(merged, {n: module._parameters[n] for n in part}, module, module_calls, group))  # type: ignore[misc]
         for param, uses in self.shared.items():  # a weight several modules use: add their shares
             if not param.requires_grad:
                 continue
@@ -342,6 +392,36 @@ class ClippedSums(Reduction):
                 per = Materialized({"shared": torch.stack(shares).sum(0)})
                 pieces.append(_Piece(per, {"shared": param}, uses[0][0], every))
         return pieces
+
+    def _parts(self, module: nn.Module, names: list[str], call: Call) -> list[tuple[list[str], Any, Any]]:
+        """``module``'s trained parameters ``names`` by how tensor parallelism holds their per-sample gradients:
+        ``(names, group, partial)``, ``group`` the ranks whose squared norms add up (split parameters; ``None``:
+        counted once), ``partial`` the ranks whose per-sample gradients add up (a replicated parameter whose layer
+        sees part of each sample's positions, as under SequenceParallel; else ``None``)."""
+        split = [n for n in names if module._parameters[n] in self.split]
+        if not split and not any(module._parameters[n] in self.parts for n in names):
+            return [(names, None, None)]
+        whole = [n for n in names if n not in split]
+        parts = [(split, self.split[module._parameters[split[0]]], None)] if split else []  # type: ignore[index]
+        return parts + ([(whole, None, self._positions_split(module, call))] if whole else [])
+
+    def _positions_split(self, module: nn.Module, call: Call) -> Any:
+        """The group over which ``call``'s input is split along positions (a sequence dimension), or ``None``."""
+        first = call.args[0] if call.args else None
+        if not isinstance(first, Tensor) or getattr(first, "device_mesh", None) is None:
+            return None
+        for d, placement in enumerate(first.placements):  # type: ignore[attr-defined]
+            dim = shard_dim(placement)
+            if dim is None or dim % first.dim() == first.dim() - 1:
+                continue  # (its features: a row-sharded Linear's, whose replicated bias sees whole samples)
+            if dim % first.dim() == self.batch_dim:
+                raise RuntimeError(
+                    f"under tensor parallelism the input of {self.name(module)} is split over the ranks along its "
+                    f"batch dimension ({placement}): each rank holds other samples, whose gradients DP clips apart. "
+                    "Split the batch with FSDP2 or DistributedDataParallel instead"
+                )
+            return first.device_mesh.get_group(d)  # type: ignore[attr-defined]
+        return None
 
     def _located(self, module: nn.Module, failed: list[Call], calls: _Calls, compute: Any, *args: Any) -> Any:
         """``compute(*args)``, an error in it raised as ``_Located`` at ``module``'s ``failed`` calls."""
@@ -367,6 +447,38 @@ class _Piece(NamedTuple):
     params: dict[str, Tensor]  # name in ``per`` -> parameter
     module: nn.Module  # where an error in it is located
     calls: list[Call]
+    group: Any = None  # tensor parallelism: the ranks holding the other parts of these per-sample gradients
+
+
+def _tensor_parallel_parts(
+    layout: ParallelLayout, trained: set[Tensor]
+) -> tuple[dict[Tensor, torch.Size], dict[Tensor, Any]]:
+    """The shape of this rank's part of each parameter tensor parallelism holds (split or replicated), and the
+    group each split one is split over."""
+    parts = {p: layout.tensor_local_shape(p) for p in trained if layout.tensor_dims(p)}
+    split = {
+        p: layout.tensor_group(p)
+        for p in parts
+        if any(shard_dim(placement) is not None for placement in layout.tensor_placements(p))
+    }
+    return parts, split
+
+
+def _over_tensor_parallel_ranks(pieces: list[_Piece], squared: list[Tensor]) -> Tensor:
+    """Each sample's squared norm over every parameter: the pieces' ``squared`` norms added, those of parameters
+    tensor parallelism splits summed over their group (one all-reduce per group), the others counted once."""
+    total: Any = 0.0
+    groups: dict[Any, Any] = {}
+    for piece, part in zip(pieces, squared, strict=True):
+        if piece.group is None:
+            total = total + part
+        else:
+            groups[piece.group] = groups.get(piece.group, 0.0) + part
+    for group, part in groups.items():  # (in the pieces' order, the same on every rank)
+        part = part.clone()
+        torch.distributed.all_reduce(part, group=group)
+        total = total + part
+    return total
 
 
 def _tensors_of(call: Call) -> list[Tensor]:
@@ -380,8 +492,8 @@ def _within(norms: Tensor, clip: float) -> Tensor:
     return (norms <= clip).sum(dtype=torch.float64)
 
 
-def _zeros(param: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.zeros(param.shape, dtype=dtype, device=local_tensor(param).device)
+def _zeros(param: Tensor, dtype: torch.dtype, shape: torch.Size | None = None) -> Tensor:
+    return torch.zeros(param.shape if shape is None else shape, dtype=dtype, device=local_tensor(param).device)
 
 
 def _add_into(totals: dict[Tensor, Any], more: dict[Tensor, Tensor], promote: bool = False) -> None:

@@ -1,6 +1,8 @@
 """Data parallelism: input statistics combined over the ranks that average gradients (a DDP wrapper's group,
 or FSDP2's mesh), or the replicas would drift apart; this rank's rows of ``W̃ = [W | b]`` under FSDP2 (sharded
-on dim 0 over a 1-D mesh), all a row-wise rule (FOOF's ``G̃ A⁻¹``) needs; work every rank would repeat, done once."""
+on dim 0 over a 1-D mesh), all a row-wise rule (FOOF's ``G̃ A⁻¹``) needs; work every rank would repeat, done once.
+Tensor parallelism (``parallelize_module``): which mesh dimensions of a DTensor parameter are FSDP2's and which
+tensor parallelism's (``ParallelLayout``), and how it splits a layer (``tensor_parallel_style``)."""
 
 from __future__ import annotations
 
@@ -11,36 +13,45 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ._torch import tree_map_only
 from .capture import _wrapper_chain
+from .inputs import Call
 
 __all__ = [
+    "ParallelLayout",
     "all_ranks_sum",
     "all_reduce_sum_",
     "computed_once",
     "data_parallel_group",
+    "local_call",
     "local_tensor",
     "owners_by_cost",
     "reduce_scatter_like",
     "row_range",
     "row_sharding_problem",
     "sharded",
+    "tensor_parallel_style",
 ]
 
 
 def data_parallel_group(model: nn.Module) -> Any:
     """The process group over which ``model``'s gradients are averaged: a ``DistributedDataParallel``
-    wrapper's, or that of the mesh FSDP2 shards its parameters over; else ``None``."""
+    wrapper's, or that of FSDP2's mesh dimension (the first of its parameters' meshes: under FSDP2 x tensor
+    parallelism the others are tensor parallelism's); else ``None`` (tensor parallelism alone averages nothing)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
     for wrapper in _wrapper_chain(model):
         if isinstance(wrapper, nn.parallel.DistributedDataParallel):
             return wrapper.process_group
-    mesh = next((p.device_mesh for p in model.parameters() if sharded(p)), None)  # type: ignore[attr-defined]
+    spread = [p for p in model.parameters() if sharded(p)]
+    layout = ParallelLayout(model) if spread else None
+    mesh = next((p.device_mesh for p in spread if layout and layout.data_dims(p)), None)  # type: ignore[attr-defined]
     return None if mesh is None else mesh.get_group() if mesh.ndim == 1 else mesh.get_group(0)
 
 
 def inferred_group(model: nn.Module, owner: str) -> Any:
-    """The group a model's data-parallel wrapper or FSDP2 mesh averages gradients over (``None`` in one process).
+    """The group a model's data-parallel wrapper or FSDP2 mesh averages gradients over (``None`` in one process,
+    and under tensor parallelism alone over every rank: each rank sees the whole batch).
 
     Raises:
         RuntimeError: Under several ranks with nothing to infer it from (per-rank statistics would make the
@@ -49,7 +60,7 @@ def inferred_group(model: nn.Module, owner: str) -> Any:
     group = data_parallel_group(model)
     if group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
         ranks = torch.distributed.get_world_size()
-        if ranks > 1:
+        if ranks > 1 and not _tensor_parallel_over_every_rank(model, ranks):
             raise RuntimeError(
                 f"{owner} combines input statistics over the data-parallel ranks, but its model is not wrapped in "
                 f"DistributedDataParallel or sharded with fully_shard while torch.distributed runs {ranks} ranks, so "
@@ -58,6 +69,126 @@ def inferred_group(model: nn.Module, owner: str) -> Any:
                 "None if each rank trains its own model)"
             )
     return group
+
+
+def _tensor_parallel_over_every_rank(model: nn.Module, ranks: int) -> bool:
+    """Whether ``model`` is tensor-parallel over a mesh of all ``ranks`` (so no rank holds a replica of its own)."""
+    return any(sharded(p) and p.device_mesh.size() == ranks for p in model.parameters())  # type: ignore[attr-defined]
+
+
+class ParallelLayout:
+    """How a model's DTensor parameters are spread over the ranks: which mesh dimensions are FSDP2's (data
+    parallelism: the first, HSDP's first two) and which tensor parallelism's (every other one, as
+    ``parallelize_module`` leaves them). A parameter ``fully_shard`` manages lives under an ``FSDPModule``; the
+    tensor-parallel plan is not recorded on the module, so the placements say how a layer is split."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._fsdp: set[int] = set()
+        try:
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:  # (a torch without FSDP2)
+            return
+        modules = [model]
+        while modules:  # (the outermost FSDPModules manage every parameter below them)
+            module = modules.pop()
+            if isinstance(module, FSDPModule):
+                self._fsdp.update(id(p) for p in module.parameters())
+            else:
+                modules += module.children()
+
+    def data_dims(self, t: Tensor) -> tuple[int, ...]:
+        """The mesh dimensions FSDP2 shards (or, HSDP's first, replicates) parameter ``t`` over."""
+        if not sharded(t) or id(t) not in self._fsdp:
+            return ()
+        mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+        return (0, 1) if mesh.ndim > 1 and placements[0].is_replicate() else (0,)
+
+    def tensor_dims(self, t: Tensor) -> tuple[int, ...]:
+        """The mesh dimensions tensor parallelism shards or replicates parameter ``t`` over."""
+        if not sharded(t):
+            return ()
+        return tuple(d for d in range(t.device_mesh.ndim) if d not in self.data_dims(t))  # type: ignore[attr-defined]
+
+    def tensor_placements(self, t: Tensor) -> tuple[Any, ...]:
+        """``t``'s placements on its tensor-parallel mesh dimensions."""
+        return tuple(t.placements[d] for d in self.tensor_dims(t))  # type: ignore[attr-defined]
+
+    def tensor_group(self, t: Tensor) -> Any:
+        """The process group of ``t``'s tensor-parallel mesh dimension (``None`` if it has none)."""
+        dims = self.tensor_dims(t)
+        if not dims:
+            return None
+        if len(dims) > 1:
+            raise NotImplementedError(f"more than one tensor-parallel mesh dimension ({len(dims)})")
+        return t.device_mesh.get_group(dims[0])  # type: ignore[attr-defined]
+
+    def tensor_local_shape(self, t: Tensor) -> torch.Size:
+        """The shape of this rank's part of ``t`` under tensor parallelism alone (before FSDP2 shards it)."""
+        return torch.Size(len(self.tensor_range(t, dim)) for dim in range(t.dim()))
+
+    def tensor_local(self, full: Tensor, t: Tensor) -> Tensor:
+        """This rank's part, under tensor parallelism alone, of ``full`` (a tensor of ``t``'s global shape)."""
+        for dim in range(t.dim()):
+            held = self.tensor_range(t, dim)
+            if len(held) != full.shape[dim]:
+                full = full.narrow(dim, held.start, len(held))
+        return full
+
+    def tensor_range(self, t: Tensor, dim: int = 0) -> range:
+        """The global indices along ``dim`` of ``t`` in this rank's part under tensor parallelism alone."""
+        return self._range(t, dim, self.tensor_dims(t))
+
+    def held_rows(self, t: Tensor) -> slice:
+        """The global rows (dim 0) of ``t`` this rank's local shard holds: tensor parallelism's share, then FSDP2's
+        share of that (FSDP2 shards each rank's tensor-parallel part: ``_StridedShard`` on the joint mesh)."""
+        rows = self._range(t, 0, (*self.tensor_dims(t), *self.data_dims(t)))
+        if len(rows) != local_tensor(t).shape[0]:
+            raise RuntimeError(
+                f"unexpected row sharding: {len(rows)} rows expected on this rank, it holds {local_tensor(t).shape[0]}"
+            )
+        return slice(rows.start, rows.start + len(rows))
+
+    @staticmethod
+    def _range(t: Tensor, dim: int, mesh_dims: Sequence[int]) -> range:
+        indices = range(t.shape[dim])
+        for d in mesh_dims:
+            if shard_dim(t.placements[d]) == dim:  # type: ignore[attr-defined]
+                indices = _chunk(indices, t.device_mesh.size(d), t.device_mesh.get_local_rank(d))  # type: ignore[attr-defined]
+        return indices
+
+
+def shard_dim(placement: Any) -> int | None:
+    """The tensor dimension a placement shards (``Shard`` or FSDP2's strided shard), else ``None``."""
+    if placement.is_shard() or getattr(placement, "split_factor", None) is not None:
+        return int(placement.dim)
+    return None
+
+
+def _chunk(items: range, parts: int, index: int) -> range:
+    """Part ``index`` of ``items`` split in ``parts`` as ``torch.chunk`` splits (the last parts smaller, or empty)."""
+    size = -(-len(items) // parts)
+    return items[min(index * size, len(items)) : min((index + 1) * size, len(items))]
+
+
+def tensor_parallel_style(layout: ParallelLayout, weight: Tensor, bias: Tensor | None) -> str | None:
+    """How tensor parallelism splits the matrix layer of ``weight`` and ``bias`` (``None``: it does not):
+    ``"columns"`` (its output features, as ``ColwiseParallel``: weight and bias on ``Shard(0)``), ``"rows"``
+    (its input features, as ``RowwiseParallel``: weight on ``Shard(1)``, bias replicated), ``"replicated"``, or
+    a description of another layout."""
+    tensors = [weight] if bias is None else [weight, bias]
+    if not any(layout.tensor_dims(t) for t in tensors):
+        return None
+    placements = [layout.tensor_placements(t) for t in tensors]
+    if any(len(p) != 1 for p in placements):
+        return f"sharded over {max(len(p) for p in placements)} tensor-parallel mesh dimensions"
+    found = [p[0] for p in placements]
+    if all(p.is_shard(0) for p in found):
+        return "columns"
+    if found[0].is_shard(1) and all(p.is_replicate() for p in found[1:]):
+        return "rows"
+    if all(p.is_replicate() for p in found):
+        return "replicated"
+    return f"placed as {', '.join(map(str, found))} (weight{', bias' if bias is not None else ''})"
 
 
 def all_reduce_sum_(tensors: Sequence[Tensor], group: Any) -> None:
@@ -162,13 +293,58 @@ def set_local_matrix_rows(weight: Tensor, bias: Tensor | None, matrix: Tensor, h
         local_tensor(bias.grad).copy_(matrix[:, columns])
 
 
-def reduce_scatter_like(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's shard, placed as the DTensor ``like``, of ``full`` summed over its mesh (one reduce-scatter)."""
-    from torch.distributed.tensor import DTensor, Partial
+def reduce_scatter_like(full: Tensor, like: Tensor, data_dims: Sequence[int] | None = None) -> Tensor:
+    """This rank's shard, placed as the DTensor ``like``, of ``full`` summed over ``like``'s data-parallel mesh
+    dimensions ``data_dims`` (default: all of them) with one reduce-scatter. Under FSDP2 x tensor parallelism
+    ``full`` is this rank's tensor-parallel part, which FSDP2 shards on its own dimension."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     mesh = like.device_mesh  # type: ignore[attr-defined]
-    partial = DTensor.from_local(full, mesh, [Partial()] * mesh.ndim, shape=full.shape, stride=full.stride())
-    return partial.redistribute(mesh, like.placements).to_local()  # type: ignore[attr-defined]
+    data = range(mesh.ndim) if data_dims is None else data_dims
+    # Over the tensor-parallel dimensions ``full`` is taken as it is (Replicate: no communication there).
+    given = [Partial() if d in data else Replicate() for d in range(mesh.ndim)]
+    wanted = []
+    for d, placement in enumerate(like.placements):  # type: ignore[attr-defined]
+        dim = shard_dim(placement)
+        wanted.append(Replicate() if d not in data or dim is None else Shard(dim))
+    partial = DTensor.from_local(full, mesh, given, shape=full.shape, stride=full.stride())
+    return partial.redistribute(mesh, wanted).to_local()
+
+
+def local_call(call: Call, grads: bool = False) -> Call:
+    """``call`` with every DTensor argument (and with ``grads``, output gradient) as this rank's local tensor, as
+    the layer's own computation saw it (a partial sum summed over its ranks first); ``call`` itself without one."""
+    leaves = [*call.args, *call.kwargs.values(), *(call.grad_outputs if grads and call.has_grad_outputs else ())]
+    if not any(isinstance(t, Tensor) and sharded(t) for t in leaves):
+        return call
+    slot = call._grad_slot
+    if grads and slot is not None:
+        slot = [_local(g) if isinstance(g, Tensor) else g for g in slot]
+    args, kwargs = tree_map_only(Tensor, _local, (call.args, call.kwargs))
+    return Call(call.module, args, kwargs, slot, call.forward, call.output)
+
+
+def _local(t: Tensor) -> Tensor:
+    if not sharded(t):
+        return t
+    if any(p.is_partial() for p in t.placements):  # type: ignore[attr-defined]
+        from torch.distributed.tensor import Replicate
+
+        placements = [Replicate() if p.is_partial() else p for p in t.placements]  # type: ignore[attr-defined]
+        t = t.redistribute(t.device_mesh, placements)  # type: ignore[attr-defined]
+    return t.to_local()  # type: ignore[attr-defined]
+
+
+def matched_grad(param: Tensor) -> Tensor | None:
+    """``param``'s gradient placed as ``param`` is (a DTensor's gradient may come replicated or partial where the
+    parameter is sharded, as tensor parallelism's vocabulary-sharded embedding and sequence-parallel norms leave
+    it), set as its ``.grad``; the gradient as it is otherwise."""
+    grad = param.grad
+    if grad is None or not sharded(param) or not sharded(grad):
+        return grad
+    if tuple(grad.placements) != tuple(param.placements):  # type: ignore[attr-defined]
+        grad = param.grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]
+    return grad
 
 
 def owners_by_cost(costs: Sequence[float], world: int) -> list[int]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterable
 from typing import Any, NoReturn
 
 import torch
@@ -19,9 +18,18 @@ from .adamw import InputAwareAdamW
 from .base import InputAwareOptimizer, _step_arguments
 from .capture import module_names, parameter_names, unwrap_model
 from .clipping import ClippedSums, _unsupported, _zeros
-from .distributed import all_reduce_sum_, all_zero, local_tensor, reduce_scatter_like, sharded
+from .distributed import (
+    ParallelLayout,
+    all_reduce_sum_,
+    all_zero,
+    local_tensor,
+    reduce_scatter_like,
+    shard_dim,
+    sharded,
+    tensor_parallel_style,
+)
 from .inputs import Inputs, user_stacklevel
-from .layers import layer_kind
+from .layers import EmbeddingKind, LayerNormKind, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .rule import Rule
 from .sgd import InputAwareSGD
@@ -126,11 +134,11 @@ class PerSampleClipping(Rule):
             self._generator = torch.Generator(device=device).manual_seed(self._seed)
         self._group_privacy()
         name, trained = type(optimizer).__name__, {p for p in optimizer._params() if p.requires_grad}
-        meshes = {p.device_mesh.ndim for p in trained if sharded(p)}  # type: ignore[attr-defined]
-        if meshes - {1}:  # HSDP: the batch count and the noise would be combined over one mesh dimension only
+        layout = ParallelLayout(optimizer.model)
+        if any(len(layout.data_dims(p)) > 1 for p in trained):  # HSDP: combined over one mesh dimension only
             raise NotImplementedError(
-                f"{name} supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP "
-                "uses): its batch count and noise must be combined over every data-parallel rank"
+                f"{name} supports FSDP2 over a 1-D mesh only (got a 2-D mesh, as HSDP uses): its batch count and "
+                "noise must be combined over every data-parallel rank"
             )
         names = module_names(optimizer.model)
         for module in optimizer._modules_to_capture(optimizer._params()):
@@ -139,18 +147,44 @@ class PerSampleClipping(Rule):
                     f"{name} cannot clip per-sample gradients through {type(module).__name__} "
                     "(it mixes the samples of a batch); use GroupNorm or LayerNorm instead"
                 )
+            own = [p for p in module._parameters.values() if p is not None and p in trained]
+            if any(layout.tensor_dims(p) for p in own):
+                problem = _tensor_parallel_problem(layout, module, optimizer)
+                if problem is not None:
+                    raise NotImplementedError(
+                        f"{name} cannot compute per-sample gradients of {names.get(module, '?')} under tensor "
+                        f"parallelism: {problem}. Leave that module out of the tensor-parallel plan, or out of the "
+                        "optimizer's params"
+                    )
+                continue
             kind = layer_kind(module)
             closed = kind is not None and kind.provides("per_sample")
-            if not closed and any(sharded(p) for p in module._parameters.values() if p is not None and p in trained):
+            if not closed and any(sharded(p) for p in own):
                 raise NotImplementedError(
                     f"{name} cannot compute per-sample gradients of {names.get(module, '?')} "
                     "under FSDP2: only layers with closed-form per-sample gradients "
                     "(nn.Linear, nn.Conv*d, nn.Embedding, ...) may be sharded; the generic vmap(grad) needs the whole "
                     "weights. Leave that module unsharded (apply fully_shard to the layers around it only)"
                 )
+        self._share_noise_generator(layout, trained)
         self._refuse_unsupported_layers()
         optimizer.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
         self._clipped = ClippedSums(self)
+
+    def _share_noise_generator(self, layout: ParallelLayout, trained: set[Tensor]) -> None:
+        """Under tensor parallelism, give every rank of the group the noise generator of its first rank: each draws
+        the noise of a whole parameter (the same bits on each) and adds its part, so the noise is drawn once."""
+        groups = {id(g): g for p in trained if (g := layout.tensor_group(p)) is not None}
+        ranks = {tuple(torch.distributed.get_process_group_ranks(g)) for g in groups.values()}
+        if len(ranks) > 1:
+            raise NotImplementedError(
+                f"{type(self.optimizer).__name__} supports one tensor-parallel group of ranks; the parameters are "
+                f"split over {len(ranks)} ({', '.join(map(str, sorted(ranks)))})"
+            )
+        for group in list(groups.values())[:1]:
+            state = [self._generator.get_state()]
+            torch.distributed.broadcast_object_list(state, src=torch.distributed.get_global_rank(group, 0), group=group)
+            self._generator.set_state(state[0])
 
     def _group_privacy(self) -> tuple[float, float]:
         """``(max_grad_norm, noise_multiplier)`` as the groups hold them now, checked equal in all groups."""
@@ -235,6 +269,15 @@ class PerSampleClipping(Rule):
                 param.grad = torch.zeros_like(param)
             if param.grad.is_sparse:  # the noised estimate is dense: every row moves
                 param.grad = grad.to(param.dtype)
+            elif sharded(param.grad) and tuple(param.grad.placements) != tuple(param.placements):  # type: ignore[attr-defined]
+                # (tensor parallelism leaves some gradients replicated or partial where the parameter is sharded or
+                # replicated: ``grad`` is this rank's part, placed as the parameter is)
+                from torch.distributed.tensor import DTensor
+
+                mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]
+                param.grad = DTensor.from_local(
+                    grad.to(param.dtype), mesh, placements, shape=param.shape, stride=param.stride()
+                )
             elif grad is not param.grad:  # not written in place; under FSDP2, ``grad`` is this rank's shard
                 local_tensor(param.grad).copy_(grad)
         if private:  # a step with no gradient releases nothing
@@ -309,7 +352,9 @@ class PerSampleClipping(Rule):
         present = self._refuse_what_is_not_clipped(targets, totals, distributed)
         batch = self._step_batch(present, totals, clip)
         dtype = next((totals[p]["sum"].dtype for p in trained if p in totals), None)  # of the zeros of those unreached
-        sums = {p: totals[p]["sum"] if p in totals else _zeros(p, dtype or p.dtype) for p in trained}
+        assert self._clipped is not None
+        shape = self._clipped.sum_shape  # (under tensor parallelism, this rank's part)
+        sums = {p: totals[p]["sum"] if p in totals else _zeros(p, dtype or p.dtype, shape(p)) for p in trained}
         return self._release(sums, totals, present, batch, clip, sigma, data_parallel if distributed else False)
 
     def _release(
@@ -407,7 +452,7 @@ class PerSampleClipping(Rule):
         Every rank adds the same list: zeros for a module its samples never reached (a branch, an expert)."""
         targets = list(sums)
         sums = {p: total.clone() if p in totals else total for p, total in sums.items()}  # (the capture keeps them)
-        first = self._noised_once(sums.values(), std, data_parallel)
+        first = self._noised_once(sums, std, data_parallel)
         counts = [] if centered is None else [centered + self._count_noise() if first else centered.clone()]
         count = torch.tensor(float(batch), dtype=torch.float64)
         # The ranks that saw each (a parameter without a gradient has nothing to explain).
@@ -416,19 +461,24 @@ class PerSampleClipping(Rule):
         nowhere = [p for p, ranks in zip(targets, captured.tolist(), strict=True) if ranks == 0]
         if nowhere:  # on every rank alike, after the collective (no rank is left waiting)
             raise self._uncaptured(nowhere)
-        for param in [p for p in sums if sharded(p)]:  # FSDP2: this rank's shard of the sum, by a reduce-scatter
-            sums[param] = reduce_scatter_like(sums[param], param)
+        assert self._clipped is not None
+        layout = self._clipped.layout
+        for param in [p for p in sums if layout.data_dims(p)]:  # FSDP2: this rank's shard of the sum (reduce-scatter)
+            sums[param] = reduce_scatter_like(sums[param], param, layout.data_dims(param))
         divisor = self._divisor(float(count))  # on every rank alike: the count is all-reduced
         return {p: total / divisor for p, total in sums.items()}, (counts[0] if counts else None), float(count)
 
-    def _noised_once(self, sums: Iterable[Tensor], std: float, data_parallel: Any) -> bool:
+    def _noised_once(self, sums: dict[Tensor, Tensor], std: float, data_parallel: Any) -> bool:
         """Add the noise to ``sums`` on rank 0 only (drawn once over all ranks: replicas stay identical, as in one
-        process); whether this is rank 0."""
+        process); whether this is rank 0. Under tensor parallelism each rank of the group draws a parameter's
+        whole noise (from the same generator state) and adds its part."""
         first = data_parallel is None or torch.distributed.get_rank(data_parallel) == 0
         if std > 0 and first:
-            for total in sums:
-                noise = torch.randn(total.shape, generator=self._generator, device=self._generator.device)
-                total.add_(noise.to(total.device, total.dtype), alpha=std)
+            assert self._clipped is not None
+            layout = self._clipped.layout
+            for param, total in sums.items():
+                noise = torch.randn(param.shape, generator=self._generator, device=self._generator.device)
+                total.add_(layout.tensor_local(noise, param).to(total.device, total.dtype), alpha=std)
         return first
 
     def _refuse_split_forwards(self, totals: dict[Tensor, Any]) -> None:
@@ -556,6 +606,32 @@ class PerSampleClipping(Rule):
             "backward of each step), or a gradient penalty (torch.autograd.grad(..., create_graph=True) then "
             f"backward), whose double-backward terms mix samples{hint if float16 else ''}. No parameter was changed"
         )
+
+
+def _tensor_parallel_problem(layout: ParallelLayout, module: nn.Module, optimizer: Any) -> str | None:
+    """Why DP cannot form this rank's part of the per-sample gradients of ``module``, whose parameters tensor
+    parallelism splits or replicates (``None``: it can)."""
+    params = [p for p in module._parameters.values() if p is not None]
+    if any(len(layout.tensor_dims(p)) > 1 for p in params):
+        return "its parameters are split over more than one tensor-parallel mesh dimension"
+    if any(len(optimizer.capture.owners(p)) > 1 for p in params):
+        return "its weight is used by several modules (a tied weight)"
+    kind = layer_kind(module)
+    placements = [layout.tensor_placements(p)[0] for p in params if layout.tensor_dims(p)]
+    if type(kind) is LinearKind:
+        style = tensor_parallel_style(layout, weight_of(module), bias_of(module))
+        if style in ("columns", "rows", "replicated"):
+            return None
+        return f"its weight and bias are {style}"
+    if type(kind) is EmbeddingKind and shard_dim(placements[0]) in (0, 1, None):
+        return None  # (its rows, the vocabulary, or its features)
+    if type(kind) is LayerNormKind and all(p.is_replicate() for p in placements):
+        return None  # (SequenceParallel: each rank's positions' share of a sample's gradient, summed over the ranks)
+    return (
+        "only nn.Linear, nn.Embedding and nn.LayerNorm (replicated, as SequenceParallel leaves it) split by tensor "
+        f"parallelism have per-sample gradients here; this {type(module).__name__} is placed as "
+        f"{', '.join(map(str, placements))}"
+    )
 
 
 def _fits(grad: Tensor, total: Tensor) -> bool:

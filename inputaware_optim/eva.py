@@ -10,11 +10,11 @@ import torch
 from torch import Tensor, nn
 
 from ._torch import foreach_norm
-from .distributed import sharded
+from .distributed import ParallelLayout
 from .inverses import condition_limit, refuse_ill_conditioned
 from .kfac import KroneckerFactors
 from .kronecker import KroneckerPreconditioner, Sums, running_average
-from .layers import Layer, weight_of
+from .layers import Layer, LayerKind, LinearKind, weight_of
 from .sgd import SGDWithRule
 
 __all__ = ["Eva", "EvaPreconditioner"]
@@ -73,10 +73,26 @@ class EvaPreconditioner(KroneckerPreconditioner):
             raise ValueError(f"Invalid kl_clip: {group['kl_clip']} (must be None or finite and > 0)")
         super().check_group(group)
 
+    _tensor_parallel_advice = (
+        "Train tensor-parallel layers with FOOF (ColwiseParallel ones) or NLMS (ColwiseParallel and RowwiseParallel)"
+    )
+
+    def _tensor_parallel_problem(self, style: str, module: nn.Module, kind: LayerKind) -> str | None:
+        if style in ("columns", "rows") and isinstance(kind, LinearKind):
+            side = "output" if style == "columns" else "input"
+            return (
+                f"{'Colwise' if style == 'columns' else 'Rowwise'}Parallel splits its {side} features over the ranks, "
+                f"and Eva's {side}-side vector and the product gᵀ G̃ a span every rank's features; combining them "
+                "is not implemented"
+            )
+        return super()._tensor_parallel_problem(style, module, kind)
+
     def _check_sharded_layers(self, optimizer: Any) -> None:
-        if any(sharded(p) for p in optimizer._params()):
+        super()._check_sharded_layers(optimizer)  # (tensor parallelism: refused by name there)
+        layout = ParallelLayout(optimizer.model)
+        if any(layout.data_dims(p) for p in optimizer._params()):
             raise NotImplementedError(
-                "Eva does not support sharded (FSDP2 / DTensor) parameters yet: its output-side vector mixes the "
+                "Eva does not support FSDP2-sharded parameters yet: its output-side vector mixes the "
                 "rows of each weight's gradient. Use DistributedDataParallel, or InputAwareAdamW / InputAwareSGD / "
                 "LazyAdamW under FSDP2"
             )

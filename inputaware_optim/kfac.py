@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .distributed import local_call
 from .inputs import Call, Captured
 from .inverses import eigenvalue_condition
 from .kronecker import FactorSums, KroneckerPreconditioner, Sums
@@ -31,7 +32,7 @@ class KroneckerFactors(FactorSums):
 
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
-        entry = Captured([call])
+        entry = Captured([local_call(call)])
         rows = layer.kind.input_rows(call.module, entry, layer.homogeneous)
         batch = float(layer.kind.batch_size(call.module, entry))
         count = float(rows.shape[-2])
@@ -42,7 +43,7 @@ class KroneckerFactors(FactorSums):
 
     def backward(self, call: Call, kept: Any) -> Any:
         (input_sum, rows), batch, positions = kept
-        grads = self.layers[call.module].kind.output_grad_rows(call.module, Captured([call]))
+        grads = self.layers[call.module].kind.output_grad_rows(call.module, Captured([local_call(call, grads=True)]))
         if positions != 1.0:  # (only with per_position)
             grads = grads / positions
         count = float(grads.shape[-2]) if self.per_position else batch
@@ -58,6 +59,9 @@ class KFACPreconditioner(KroneckerPreconditioner):
     factors = ("input", "output_grad")
     statistics = KroneckerFactors
     layers = "output_grad_rows"  # layers with both sides (not MultiheadAttention's in_proj)
+    _tensor_parallel_advice = (
+        "Train tensor-parallel layers with FOOF (ColwiseParallel ones) or NLMS (ColwiseParallel and RowwiseParallel)"
+    )
 
     def __init__(
         self,

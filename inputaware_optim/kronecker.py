@@ -19,15 +19,19 @@ from torch.nn.parameter import is_lazy
 from .capture import module_names
 from .coverage import layer_treatment
 from .distributed import (
+    ParallelLayout,
     all_reduce_sum_,
     computed_once,
     full_matrix_rows,
+    local_call,
     local_matrix_rows,
     local_tensor,
     row_range,
     row_sharding_problem,
     set_local_matrix_rows,
+    shard_dim,
     sharded,
+    tensor_parallel_style,
 )
 from .inputs import Call, Captured, Inputs
 from .inverses import (
@@ -41,7 +45,7 @@ from .inverses import (
     inverse_from_eigenbasis,
     refuse_any,
 )
-from .layers import ConvKind, Layer, LinearKind, bias_of, layer_kind, weight_of
+from .layers import ConvKind, Layer, LayerKind, LinearKind, bias_of, layer_kind, weight_of
 from .reduction import Reduction
 from .rule import Rule
 
@@ -81,7 +85,7 @@ class FactorSums(Reduction):
 
     def forward(self, call: Call) -> Any:
         layer = self.layers[call.module]
-        rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
+        rows = layer.kind.input_rows(call.module, Captured([local_call(call)]), layer.homogeneous)
         return {"input": (self.side(rows), float(rows.shape[-2]))}  # (a count known here: no device read)
 
 
@@ -185,8 +189,10 @@ class KroneckerPreconditioner(Rule):
             raise ValueError(f"Invalid loss_reduction: {group['loss_reduction']!r} (choose 'mean' or 'sum')")
 
     def _check_sharded_layers(self, optimizer: Any) -> None:
-        """Refuse, by name, a sharded (FSDP2) layer whose gradient matrix is not sharded by rows."""
+        """Refuse, by name, a sharded layer whose gradient matrix this rule cannot precondition: split by tensor
+        parallelism other than as ``_tensor_parallel_problem`` allows, or (FSDP2) not sharded by rows."""
         names = module_names(optimizer.model)
+        layout = ParallelLayout(optimizer.model)
         for module in optimizer._modules_to_capture(optimizer._params()):
             kind = layer_kind(module)
             if kind is None or self.layers is None or not kind.provides(self.layers):
@@ -194,15 +200,47 @@ class KroneckerPreconditioner(Rule):
             weight, bias = weight_of(module), bias_of(module)
             if not any(sharded(t) for t in (weight, bias) if t is not None):
                 continue
+            name = names.get(module) or type(module).__name__
+            style = tensor_parallel_style(layout, weight, bias)
+            if style is not None:
+                problem = self._tensor_parallel_problem(style, module, kind) or _data_rows_problem(layout, weight, bias)
+                if problem is not None:
+                    raise NotImplementedError(
+                        f"{self.label} cannot precondition {name} under tensor parallelism: {problem}. "
+                        f"{self._tensor_parallel_advice}, or leave it out of the optimizer's params"
+                    )
+                continue
             problem = row_sharding_problem(weight, bias)
             if problem is None and (type(kind) not in (LinearKind, ConvKind) or getattr(module, "groups", 1) != 1):
                 problem = "only nn.Linear and nn.Conv1d/2d/3d (groups=1) have gradient matrices sharded by rows"
             if problem is not None:
                 raise NotImplementedError(
-                    f"{self.label} cannot precondition {names.get(module) or type(module).__name__} "
+                    f"{self.label} cannot precondition {name} "
                     f"under FSDP2: {problem}. Shard it with fully_shard's default "
                     "placement (Shard(0) over a 1-D mesh), or leave it out of the optimizer's params"
                 )
+
+    _tensor_parallel_advice: ClassVar[str] = "Parallelize it with ColwiseParallel"
+
+    def _tensor_parallel_problem(self, style: str, module: nn.Module, kind: LayerKind) -> str | None:
+        """Why this rule cannot precondition a layer tensor parallelism splits as ``style`` (``None``: it can).
+        A rule acting on rows of ``G̃`` (FOOF) takes a column-sharded ``nn.Linear`` as it is: each rank sees the
+        whole input (the input factor is the whole one) and holds whole rows of ``G̃``."""
+        if style == "columns" and type(kind) is LinearKind and self.acts_on_rows:
+            return None
+        if style == "columns" and type(kind) is LinearKind:
+            return (
+                "ColwiseParallel splits its output features over the ranks, and the output-gradient factor "
+                "(G = E[g gᵀ] over every output feature) couples them all; gathering the output gradients is not "
+                "implemented"
+            )
+        if style == "rows" and type(kind) is LinearKind:
+            return (
+                "RowwiseParallel splits its input features over the ranks, and the input factor (A = E[x̃ x̃ᵀ] over "
+                "every input feature) couples them all; gathering the inputs is not implemented (nor is the "
+                "block-diagonal approximation, one block per rank's features)"
+            )
+        return tensor_parallel_problem(style, module, kind)
 
     def _precondition(
         self, layer: Layer, matrix: Tensor, inverses: dict[str, Tensor], rows: slice = slice(None)
@@ -461,6 +499,36 @@ class KroneckerPreconditioner(Rule):
                 bases[factor] = (values, vectors)
                 result = inverse_from_eigenbasis(values, vectors, damping, name, like, given, checked=False)
             inverses[factor] = result
+
+
+def tensor_parallel_problem(style: str, module: nn.Module, kind: LayerKind) -> str:
+    """Why a rule reading a layer's inputs cannot follow how tensor parallelism splits it (``style``, as
+    ``tensor_parallel_style`` says)."""
+    if type(kind) is not LinearKind:
+        return f"only nn.Linear is supported split by tensor parallelism, and this {type(module).__name__} is ({style})"
+    if style == "replicated":
+        return (
+            "its weight is replicated over the tensor-parallel ranks, whose inputs may each hold part of the "
+            "sequence (SequenceParallel), so no rank sees all the rows a statistic is taken over"
+        )
+    if style in ("columns", "rows"):
+        return f"its weight is split on its {'output' if style == 'columns' else 'input'} features"
+    return f"its weight and bias are {style}, split neither on output features nor on input features alone"
+
+
+def _data_rows_problem(layout: ParallelLayout, weight: Tensor, bias: Tensor | None) -> str | None:
+    """Why FSDP2's share of a column-sharded layer (under FSDP2 x tensor parallelism) does not hold whole rows
+    of ``W̃`` (sharded on dim 0, the weight's and the bias's alike), or ``None``."""
+    tensors = [weight] if bias is None else [weight, bias]
+    for t in tensors:
+        dims = layout.data_dims(t)
+        if len(dims) > 1:
+            return "FSDP2 shards it over a 2-D mesh (HSDP), whose statistics would be combined over one dimension only"
+        if any(shard_dim(t.placements[d]) != 0 for d in dims):  # type: ignore[attr-defined]
+            return f"FSDP2 shards it as {tuple(t.placements)}, not on rows"  # type: ignore[attr-defined]
+    if bias is not None and local_tensor(weight).shape[0] != local_tensor(bias).shape[0]:
+        return "this rank holds different rows of the weight and of the bias"
+    return None
 
 
 def running_average(previous: Tensor | None, new: Tensor, group: dict[str, Any]) -> Tensor:

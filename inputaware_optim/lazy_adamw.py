@@ -14,7 +14,16 @@ from ._torch import fused_adamw_, set_grad_enabled
 from .adamw import InputAwareAdamW
 from .capture import Storage, module_names
 from .coverage import CoverageWarning, warn_if_no_layers
-from .distributed import all_zero, local_tensor, row_range, row_sharding_problem, sharded
+from .distributed import (
+    ParallelLayout,
+    all_zero,
+    local_call,
+    local_tensor,
+    matched_grad,
+    row_sharding_problem,
+    shard_dim,
+    sharded,
+)
 from .inputs import Call, Captured, Inputs
 from .layers import LayerKind, layer_kind, weight_of, weight_or_none
 from .reduction import Reduction
@@ -40,7 +49,7 @@ class TouchedRows(Reduction):
     def forward(self, call: Call) -> Any:
         if getattr(call.module, "sparse", False):
             return None  # its gradient will list the rows itself
-        return self.kinds[call.module].touched_rows(call.module, Captured([call]))
+        return self.kinds[call.module].touched_rows(call.module, Captured([local_call(call)]))
 
     def combine(self, a: Any, b: Any) -> Any:
         if a is None or b is None:
@@ -86,19 +95,29 @@ class _RowsRead(Rule):
 
     def __init__(self) -> None:
         self.rows: TouchedRows | None = None
+        self.layout: ParallelLayout | None = None
 
     @property
     def reads(self) -> list[Reduction]:  # type: ignore[override]
         return [] if self.rows is None else [self.rows]
 
     def setup(self, optimizer: Any) -> None:
-        """Refuse, by name, a table not sharded on its rows (FSDP2's default): its touched rows could not be found."""
+        """Refuse, by name, a table not sharded on its rows (FSDP2's default) or, under tensor parallelism, on its
+        rows (the vocabulary, RowwiseParallel) or features (ColwiseParallel): its touched rows could not be found."""
         trained = set(optimizer._params())
+        self.layout = layout = ParallelLayout(optimizer.model)
         for module, name in module_names(optimizer.model).items():
             kind, weight = layer_kind(module), weight_or_none(module)
             if kind is None or not kind.provides("touched_rows") or weight is None or weight not in trained:
                 continue
-            if (problem := row_sharding_problem(weight, None)) is not None:
+            if layout.tensor_dims(weight):
+                if (problem := _tensor_parallel_problem(layout, weight)) is not None:
+                    raise NotImplementedError(
+                        f"LazyAdamW cannot update the rows of {name or type(module).__name__} under tensor "
+                        f"parallelism: {problem}. Parallelize it with RowwiseParallel (its vocabulary) or "
+                        "ColwiseParallel, or leave it out of the optimizer's params"
+                    )
+            elif (problem := row_sharding_problem(weight, None)) is not None:
                 raise NotImplementedError(
                     f"LazyAdamW cannot update the rows of {name or type(module).__name__} under FSDP2: {problem}. "
                     "Shard it with fully_shard's default placement, or leave it out of the optimizer's params"
@@ -112,6 +131,19 @@ class _RowsRead(Rule):
         if kind is not None and kind.provides("touched_rows") and param is getattr(module, "weight", None):
             return "stock AdamW (dense)", "the table is shared with another module, so every row gets gradient", True
         return None
+
+
+def _tensor_parallel_problem(layout: ParallelLayout, weight: Tensor) -> str | None:
+    """Why the rows a rank holds of a table tensor parallelism splits cannot be told (``None``: they can)."""
+    placements = layout.tensor_placements(weight)
+    if len(placements) > 1:
+        return f"it is split over {len(placements)} tensor-parallel mesh dimensions"
+    if shard_dim(placements[0]) not in (0, 1, None):
+        return f"it is placed as {placements[0]}"
+    data = layout.data_dims(weight)
+    if len(data) > 1 or any(shard_dim(weight.placements[d]) != 0 for d in data):  # type: ignore[attr-defined]
+        return f"FSDP2 shards it as {tuple(weight.placements)}, not on rows over one mesh dimension"  # type: ignore[attr-defined]
+    return None
 
 
 def lazy_tables(optimizer: Any) -> list[tuple[nn.Module, Tensor, dict[str, Any]]]:
@@ -265,6 +297,7 @@ class LazyAdamW(InputAwareAdamW):
                 continue
             touched = inputs.reduced(self._rows) if touched is None else touched
             rows = self._rows_of(module, weight, touched, inputs)
+            matched_grad(weight)  # (tensor parallelism may leave it replicated where the table is sharded)
             if rows is not None:  # (None: no inputs were captured; stock AdamW updates it densely, Inputs warns)
                 from_inputs.append(_RowUpdate(module, weight, rows, group))
         ranks = self.data_parallel_group if from_inputs else None
@@ -277,8 +310,8 @@ class LazyAdamW(InputAwareAdamW):
         updates += from_inputs
         for update in updates:  # the gather refuses rows outside the table (on CPU; elsewhere as nn.Embedding does)
             rows = update.rows
-            if sharded(update.weight):  # FSDP2: the rows this rank's shard holds
-                held = row_range(update.weight)
+            if sharded(update.weight):  # FSDP2, tensor parallelism: the rows this rank's shard holds
+                held = self.rules[0].layout.held_rows(update.weight)  # type: ignore[attr-defined]
                 rows = rows[(rows >= held.start) & (rows < held.stop)] - held.start
             update.rows = rows = rows if rows.dtype == torch.int64 else rows.long()  # the row writes take int64
             try:

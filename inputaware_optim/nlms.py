@@ -10,10 +10,10 @@ import torch
 from torch import Tensor, nn
 
 from .coverage import layer_treatment
-from .distributed import local_tensor, sharded
-from .inputs import Inputs
-from .kronecker import FactorSums, summed_over_ranks, zero_sums
-from .layers import bias_of, weight_of
+from .distributed import ParallelLayout, all_reduce_sum_, local_call, local_tensor, tensor_parallel_style
+from .inputs import Call, Captured, Inputs
+from .kronecker import FactorSums, Sums, summed_over_ranks, tensor_parallel_problem, zero_sums
+from .layers import Layer, LinearKind, bias_of, weight_of
 from .reduction import Reduction
 from .rule import Rule
 from .sgd import SGDWithRule
@@ -30,10 +30,22 @@ class InputPower(FactorSums):
     """Per call, in the forward hook: the sum of ``‖x̃‖²`` over its input rows, and their number (not for a layer
     of width 0, which has nothing to normalize: as for the Kronecker factors, its step is the stock one)."""
 
+    def __init__(self, layers: list[Layer], split_features: dict[nn.Module, Any] | None = None) -> None:
+        super().__init__(layers)
+        # Layers whose input features tensor parallelism splits (RowwiseParallel), with the group they are split
+        # over: each rank's power is of its features only, without the bias's 1 (summed over the group at the step).
+        self.split_features = split_features or {}
+
     @staticmethod
     def side(rows: Tensor) -> Tensor:
         # One power per block of a grouped convolution (each filter sees only its group's inputs).
         return rows.pow(2).sum((-2, -1))
+
+    def forward(self, call: Call) -> Any:
+        layer = self.layers[call.module]
+        homogeneous = layer.homogeneous and call.module not in self.split_features
+        rows = layer.kind.input_rows(call.module, Captured([local_call(call)]), homogeneous)
+        return {"input": (self.side(rows), float(rows.shape[-2]))}  # (a count known here: no device read)
 
 
 class InputNormalization(Rule):
@@ -57,13 +69,35 @@ class InputNormalization(Rule):
         return [] if self._power is None else [self._power]
 
     def setup(self, optimizer: Any) -> None:
-        meshes = {p.device_mesh.ndim for p in optimizer._params() if sharded(p)}
-        if meshes - {1}:  # HSDP: the input power would be averaged over one mesh dimension only
+        layout = ParallelLayout(optimizer.model)
+        if any(len(layout.data_dims(p)) > 1 for p in optimizer._params()):
+            # HSDP: the input power would be averaged over one of its mesh dimensions only
             raise NotImplementedError(
-                f"NLMS supports FSDP2 over a 1-D mesh only (got a {max(meshes)}-D mesh, as HSDP uses): the input power "
+                "NLMS supports FSDP2 over a 1-D mesh only (got a 2-D mesh, as HSDP uses): the input power "
                 "must be averaged over every data-parallel rank. Shard over a 1-D mesh, or use DistributedDataParallel"
             )
-        self._power = InputPower(optimizer.layers("input_rows"))
+        layers = optimizer.layers("input_rows")
+        self._power = InputPower(layers, self._split_features(optimizer, layout, layers))
+
+    @staticmethod
+    def _split_features(optimizer: Any, layout: ParallelLayout, layers: list[Layer]) -> dict[nn.Module, Any]:
+        """The layers tensor parallelism splits on their input features, with the group it splits them over;
+        a layer split otherwise that the input power cannot follow is refused by name."""
+        split = {}
+        for layer in layers:
+            weight, bias = weight_of(layer.module), bias_of(layer.module) if layer.homogeneous else None
+            style = tensor_parallel_style(layout, weight, bias)
+            if style is None or (style == "columns" and type(layer.kind) is LinearKind):
+                continue  # (column-sharded: each rank sees the whole input, so its power is the whole power)
+            if style == "rows" and type(layer.kind) is LinearKind:
+                split[layer.module] = layout.tensor_group(weight)
+                continue
+            raise NotImplementedError(
+                f"NLMS cannot normalize {optimizer.capture.name(layer.module)} under tensor parallelism: "
+                f"{tensor_parallel_problem(style, layer.module, layer.kind)}. Parallelize it with ColwiseParallel "
+                "or RowwiseParallel, or leave it out of the optimizer's params"
+            )
+        return split
 
     def check_group(self, group: dict[str, Any]) -> None:
         if not 0.0 <= group["damping"] < math.inf:
@@ -83,6 +117,7 @@ class InputNormalization(Rule):
         zeros = functools.partial(zero_sums, shapes={"input": ()})  # (one power per block)
         group = optimizer.data_parallel_group
         layers, sums = summed_over_ranks(inputs, inputs.reduced(self._power), layers, zeros, group)
+        sums = self._summed_over_features(layers, sums)
         for layer, layer_sums in zip(layers, sums, strict=True):
             power, count = layer_sums["input"]
             scale = 1.0 / (layer.group["damping"] + power / count)
@@ -93,6 +128,26 @@ class InputNormalization(Rule):
                         grad.view(scale.numel(), -1).mul_(scale[:, None].to(grad.dtype))
                     else:
                         grad.mul_(scale.to(grad.dtype))
+
+    def _summed_over_features(self, layers: list[Layer], sums: list[Sums]) -> list[Sums]:
+        """The sums of a layer whose input features tensor parallelism splits, its ranks' powers added (one
+        all-reduce per group) and the bias's 1 counted once per row; the others as they are."""
+        assert self._power is not None
+        split = self._power.split_features
+        out = list(sums)
+        groups: dict[Any, list[int]] = {}
+        for index, layer in enumerate(layers):
+            if layer.module in split:
+                power, count = out[index]["input"]
+                out[index] = {"input": (power.clone(), count)}  # (the capture keeps its totals for a retry)
+                groups.setdefault(split[layer.module], []).append(index)
+        for group, indices in groups.items():
+            all_reduce_sum_([out[i]["input"][0] for i in indices], group)
+            for i in indices:
+                if layers[i].homogeneous:
+                    power, count = out[i]["input"]
+                    out[i] = {"input": (power + count, count)}
+        return out
 
 
 class NLMS(SGDWithRule):

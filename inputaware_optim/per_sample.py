@@ -234,6 +234,11 @@ class IndexedRows(PerSample):
     def __init__(self, index: Tensor, g: Tensor, num_rows: int) -> None:
         self.index, self.g, self.num_rows = index, g, num_rows
 
+    def within(self, rows: range) -> IndexedRows:
+        """The same gradients restricted to the table's ``rows`` (a shard of them), indexed from its first."""
+        inside = (self.index >= rows.start) & (self.index < rows.stop)
+        return IndexedRows(torch.where(inside, self.index - rows.start, -1), self.g, len(rows))
+
     def sq_norms(self) -> Tensor:
         same_row = (self.index[:, :, None] == self.index[:, None, :]) & (self.index[:, :, None] >= 0)
         return (torch.bmm(self.g, self.g.transpose(1, 2)) * same_row).sum((1, 2))

@@ -45,7 +45,7 @@ def test_the_guide_pages_have_code() -> None:
     expected |= {f"rules/{rule}.md" for rule in ("index", "foof", "nlms", "lazy-adamw", "kfac", "eva")}
     expected |= {"integrations/lightning.md", "integrations/hugging-face.md"}
     assert expected <= names, sorted(expected - names)
-    assert len(TORCHRUN_SCRIPTS) == 2
+    assert len(TORCHRUN_SCRIPTS) == 3  # training-stack.md: DDP, FSDP2, tensor parallelism
 
 
 @pytest.mark.parametrize("page", PAGES_WITH_CODE, ids=page_id)

@@ -142,6 +142,7 @@ class PerSampleClipping(Rule):
                 )
         self._refuse_unsupported_layers()
         optimizer.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
+        optimizer.capture.follow_samples(self.batch_dim)  # and following the samples through each forward
         self._clipped = ClippedSums(self)
 
     def _group_privacy(self) -> tuple[float, float]:

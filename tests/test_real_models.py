@@ -348,6 +348,20 @@ def test_dp_on_t5_refuses_its_unbatched_relative_bias_and_is_exact_once_it_is_fr
             torch.testing.assert_close(before[key] - param.detach(), expected, rtol=1e-6, atol=1e-9, msg=key)
 
 
+def test_dp_on_t5_refuses_its_relative_bias_when_the_batch_equals_the_length() -> None:
+    # With as many samples as positions, the (T, T) buckets held as many rows as the batch and no size told them
+    # from samples: each relative position's gradient, summed over the samples, was clipped as a sample's.
+    model = build("t5")
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.5, noise_multiplier=0.0, momentum=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    lm_loss(model, tokens(1, batch=T)).backward()
+    with pytest.raises(
+        RuntimeError, match=r"relative_attention_bias is called with indices of shape \(6, 6\).*broadcast.*freeze"
+    ):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
 # -- vision patterns: a ViT block and a ConvNeXt-style net, local definitions -----------------------
 
 

@@ -265,10 +265,17 @@ class ClippedSums(Reduction):
             if verdict == BROADCAST:
                 raise RuntimeError(_broadcast_message(self.capture.name(module), first, how))
             if verdict == UNKNOWN:
-                self._refuse_by_sizes(module, first, shapes, count)
+                why = (
+                    "the forward ran compiled, where DP does not follow the samples through it"
+                    if verdicts is None
+                    else "its output never met the samples within the forward, so the computation did not tell"
+                )
+                self._refuse_by_sizes(module, first, shapes, count, why)
 
-    def _refuse_by_sizes(self, module: nn.Module, first: Tensor, shapes: list[torch.Size], count: int) -> None:
-        """Where the computation did not tell (compiled code): indices with fewer dimensions than the model's batched
+    def _refuse_by_sizes(
+        self, module: nn.Module, first: Tensor, shapes: list[torch.Size], count: int, why: str
+    ) -> None:
+        """Where the computation did not tell (``why``): indices with fewer dimensions than the model's batched
         input, whose batch equals another of its dimensions, are likely positions broadcast over the samples."""
         batched = [s for s in shapes if s[self.batch_dim] == count]
         others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
@@ -277,10 +284,9 @@ class ClippedSums(Reduction):
                 f"{self.capture.name(module)} is called with indices of shape {tuple(first.shape)}, fewer "
                 f"dimensions than the model's input {tuple(batched[0])}, whose batch ({count}) equals another "
                 "of its dimensions: they are likely positions (torch.arange(T)) broadcast over the samples, "
-                "whose gradient cannot be clipped per sample, and shapes cannot tell them from samples here "
-                "(the forward ran compiled, where DP does not follow the samples through it). Pass them expanded "
-                "to the batch (torch.arange(T).expand(B, T)), or pass per-sample indices to the model as an "
-                "argument. No parameter was changed"
+                f"whose gradient cannot be clipped per sample, and shapes cannot tell them from samples here ({why}). "
+                "Pass them expanded to the batch (torch.arange(T).expand(B, T)), or pass per-sample indices to the "
+                "model as an argument. No parameter was changed"
             )
 
     def combine(self, a: Any, b: Any) -> Any:

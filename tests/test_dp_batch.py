@@ -315,3 +315,24 @@ def test_a_compiled_forward_falls_back_to_the_sizes_and_says_so() -> None:
     _loss(compiled, torch.randint(0, 10, (6, 6))).backward()
     with pytest.raises(RuntimeError, match=r"^pos is called with indices.*ran compiled.*No parameter was changed"):
         optimizer.step()
+
+
+class Beside(nn.Module):
+    """A position table whose output leaves the forward beside the model's output, to meet the samples in the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.pos = nn.Linear(6, 2), nn.Embedding(5, 2)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.body(x).mean(1), self.pos(torch.arange(5))
+
+
+def test_a_layer_whose_output_never_meets_the_samples_in_the_forward_is_judged_by_the_sizes() -> None:
+    model = Beside().double()
+    optimizer = DPSGD(model, lr=0.1, noise_multiplier=0.0)
+    out, side = model(torch.randn(5, 5, 6, dtype=torch.float64))
+    (out + side.sum(0)).pow(2).sum(1).mean().backward()
+    with pytest.raises(RuntimeError, match=r"^pos is called with indices.*never met the samples within the forward"):
+        optimizer.step()

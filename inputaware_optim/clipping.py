@@ -515,17 +515,17 @@ def _broadcast_message(name: str, first: Tensor, how: str | None) -> str:
     where = f" ({how})" if how else ""
     if not first.is_floating_point():
         return (
-            f"{name} is called with indices of shape {tuple(first.shape)} that are not the samples': its output is "
-            f"broadcast over them{where}, so its gradient there is the sum over the samples, which cannot be clipped "
-            "per sample. They are likely positions (torch.arange(T)): pass them expanded to the batch "
+            f"{name} is called with indices of shape {tuple(first.shape)}, and its output is broadcast over the "
+            f"samples{where}: its gradient there is the sum over the samples, which cannot be clipped per sample. "
+            "The indices are likely positions (torch.arange(T)): pass them expanded to the batch "
             "(torch.arange(T).expand(B, T)) or as per-sample indices to the model, or freeze that layer "
             "(requires_grad_(False)). No parameter was changed"
         )
     return (
-        f"{name} is called on an input of shape {tuple(first.shape)} that is not the samples': its output is "
-        f"broadcast over them{where}, so its gradient there is the sum over the samples, which cannot be clipped per "
-        "sample. Expand its input to the batch before the call (x.expand(B, ...)), or freeze that layer. No "
-        "parameter was changed"
+        f"{name} is called on an input of shape {tuple(first.shape)}, and its output is broadcast over the "
+        f"samples{where}: its gradient there is the sum over the samples, which cannot be clipped per sample. "
+        "Expand its input to the batch before the call (x.expand(B, ...)), or freeze that layer "
+        "(requires_grad_(False)). No parameter was changed"
     )
 
 

@@ -28,6 +28,9 @@ fails there, by name, rather than somewhere in a rule. Reach into torch only her
   ``found_inf`` as attributes, steps it even on inf/NaN, and deletes them after a step that returned;
   ``torch._amp_foreach_non_finite_check_and_unscale_`` is its kernel, which it runs on a sparse
   gradient's ``_values()`` (uncoalesced, a view that scales the gradient in place).
+* The torch function mode stack (``TorchFunctionMode``): ``torch._C._len_torch_function_stack``,
+  ``_get_function_stack_at``, ``_pop_torch_function_stack`` and ``_push_on_torch_function_stack``, which
+  ``TorchFunctionMode.__enter__``/``__exit__`` use, and a mode's ``__torch_function__`` runs with the mode off it.
 * ``torch._foreach_sub``/``_foreach_norm`` (one kernel over a list of tensors), ``torch._fused_adamw_``
   (``AdamW(fused=True)``'s kernel) and ``torch.utils._pytree``'s tree functions.
 """
@@ -137,6 +140,34 @@ def packs_projections(attention: torch.nn.MultiheadAttention) -> bool:
 set_grad_enabled = torch._C._set_grad_enabled  # torch.no_grad() without the context manager's cost
 graph_task_id = torch._C._current_graph_task_id
 functorch_level = torch._C._functorch.peek_interpreter_stack
+
+
+def pause_function_mode(mode: Any) -> bool:
+    """Take ``mode`` off the top of the torch function mode stack, so that the library's own operations (in its
+    hooks) bypass it; False (nothing done) if another mode is above it. ``resume_function_mode`` puts it back."""
+    length = torch._C._len_torch_function_stack()
+    if length == 0 or torch._C._get_function_stack_at(length - 1) is not mode:
+        return False
+    torch._C._pop_torch_function_stack()
+    return True
+
+
+resume_function_mode = torch._C._push_on_torch_function_stack
+
+
+def remove_function_mode(mode: Any) -> bool:
+    """Take ``mode`` off the torch function mode stack wherever it is (the modes above it stay, in order)."""
+    above = []
+    while torch._C._len_torch_function_stack() > 0:
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    else:
+        mode = None
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+    return mode is not None
 
 
 def queue_end_of_backward(callback: Any) -> None:

@@ -30,6 +30,7 @@ from ._torch import (
 )
 from .inputs import Call, Inputs, UncapturedInputsWarning
 from .ledger import Entry, GradientLedger
+from .provenance import SampleProvenance
 from .reduction import Reduction
 
 __all__ = ["Capture", "Storage", "module_names", "parameter_names", "unwrap_model"]
@@ -103,6 +104,11 @@ class _Log:
         self.counter = itertools.count()
         self.forwards = 0
         self.input_shapes: dict[int, list[torch.Size]] | None = None  # by forward, once a reader asked
+        # Capture.follow_samples: the batch dimension followed (None: not followed), each forward's provenance,
+        # and those of the forwards running now (None for one not followed: compiled, no_grad).
+        self.follow: int | None = None
+        self.provenances: dict[int, SampleProvenance] = {}
+        self.following: list[SampleProvenance | None] = []
         self.error: str | Exception | None = None
         self.grad_scaler: Any = None
         self.keep_outputs = False  # some reduction reads call.output (compiled code keeps it until backward)
@@ -153,8 +159,43 @@ class _Log:
             opener(module, args, kwargs)
         if not torch.compiler.is_compiling():
             self.count_forward(args, kwargs)
+            if self.follow is not None:
+                self.open_provenance(args, kwargs)
         elif self.input_shapes is not None:  # a reader of each forward's batch (DP): counted eagerly, a graph break
             _count_forward_eagerly(self, args, kwargs)
+
+    def open_provenance(self, args: Any, kwargs: Any) -> None:
+        """Follow the samples through this forward (a torch function mode until it returns), if its calls count."""
+        if (
+            self.follow is None
+            or not _grad_enabled()
+            or _functorch_level() is not None
+            or (_graph_task_id() != -1 and _recomputing_checkpointed_forward())
+        ):
+            self.following.append(None)  # its calls are not recorded
+            return
+        provenance = SampleProvenance((args, kwargs), self.follow)
+        self.provenances[self.forwards] = provenance
+        if len(self.provenances) > _INPUT_SHAPES_KEPT:
+            del self.provenances[next(iter(self.provenances))]
+        self.following.append(provenance)
+        provenance.__enter__()
+
+    def close_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """The model's forward returned (or raised): the samples are no longer followed through it."""
+        if self.following:
+            provenance = self.following.pop()
+            if provenance is not None:
+                _torch.remove_function_mode(provenance)  # (on top, unless the forward left a mode of its own)
+                provenance.close()
+
+    def stop_following(self) -> None:
+        """End the following of the forwards running now (their hooks are being removed)."""
+        while self.following:
+            provenance = self.following.pop()
+            if provenance is not None:
+                _torch.remove_function_mode(provenance)
+                provenance.close()
 
     def count_forward(self, args: Any, kwargs: Any) -> None:
         """A new forward of the model (its calls' ``Call.forward``), and its input shapes if kept."""
@@ -167,6 +208,28 @@ class _Log:
     def record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
         if not _grad_enabled():  # (the hot path: every call of every watched module)
             return None
+        provenance = self.following[-1] if self.following else None
+        if provenance is None:
+            return self._record(module, args, kwargs, output, None)
+        # The library's own operations are no part of the model's computation: off the mode's stack (or, under
+        # a mode of the user's, passed through).
+        popped = _pause_function_mode(provenance)
+        provenance.paused = not popped
+        try:
+            return self._record(module, args, kwargs, output, provenance)
+        finally:
+            provenance.paused = False
+            if popped:
+                _resume_function_mode(provenance)
+
+    def _record(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        provenance: SampleProvenance | None,
+    ) -> Any:
         for watcher in self.watchers.get(module, ()):
             watcher(module, args, kwargs, output)
         if not self.enabled or module not in self.keys_of:
@@ -181,6 +244,8 @@ class _Log:
         outputs = _differentiable_outputs(output)
         if outputs is None:
             return None  # no gradient can come back through this call
+        if provenance is not None:
+            provenance.called(module, outputs)
         record = _Record(module, next(self.counter), self.forwards)
         if self.keep_calls:
             self._keep_arguments(record, args, kwargs)
@@ -505,6 +570,8 @@ _set_grad_enabled = _torch.set_grad_enabled
 _graph_task_id = _torch.graph_task_id
 _functorch_level = _torch.functorch_level
 _recomputing_checkpointed_forward = _torch.recomputing_checkpointed_forward
+_pause_function_mode = _torch.pause_function_mode
+_resume_function_mode = _torch.resume_function_mode
 
 
 _INPUT_SHAPES_KEPT = 256  # forwards whose model input shapes are kept (a step reads the last few)
@@ -645,6 +712,7 @@ def _shutdown(log: _Log, handles: dict[Any, RemovableHandle]) -> None:
     log.enabled = False
     log.clear()
     log.ledger.returned.clear()
+    log.stop_following()
     for handle in handles.values():
         handle.remove()
     handles.clear()
@@ -809,6 +877,33 @@ class Capture:
             self._log.input_shapes = {}
         return None if forward is None else self._log.input_shapes.get(forward)
 
+    def follow_samples(self, batch_dim: int | None = 0) -> None:
+        """Follow the samples through each forward from now on (``samples_of_calls`` reads what was found);
+        ``None`` stops.
+
+        A torch function mode, active while the model's forward runs (eagerly, with grad enabled), follows every
+        tensor back to the model's tensor arguments, which hold the samples along ``batch_dim`` (0, or 1 for
+        sequence-first tensors); a watched layer called on data from none of them (positions ``torch.arange(T)``,
+        a parameter) is followed until its output meets the samples' data, where its rows line up with theirs, or
+        it is broadcast over them. It costs a few microseconds per operation of the forward.
+
+        Raises:
+            ValueError: If ``batch_dim`` is not 0, 1 or ``None``.
+        """
+        if batch_dim not in (0, 1, None) or isinstance(batch_dim, bool):
+            raise ValueError(f"Invalid batch_dim: {batch_dim!r} (must be 0, 1 for sequence-first inputs, or None)")
+        self._log.follow = batch_dim
+        self._sync_hooks()
+
+    def samples_of_calls(self, forward: int | None) -> dict[nn.Module, tuple[str, str | None]] | None:
+        """Whether each watched module's calls in forward number ``forward`` (a ``Call.forward``) held the samples:
+        ``("per sample", None)``, ``("broadcast", how)`` (its output broadcast over the samples), or
+        ``("unknown", None)`` (the computation did not tell: its output never met the samples' data). ``None`` for
+        a forward not followed (before ``follow_samples``, compiled, under ``no_grad``, or one of the latest 256
+        no longer); a module absent was not recorded in it."""
+        provenance = None if forward is None else self._log.provenances.get(forward)
+        return None if provenance is None else provenance.verdicts()
+
     @property
     def keep_calls(self) -> bool:
         """Whether raw calls are kept (for ``inputs()``, ``calls()`` and rules that read calls)."""
@@ -880,6 +975,7 @@ class Capture:
         """Attach the hooks while something reads, take them off when nothing does."""
         handles, log, root = self._handles, self._log, self._root
         if not log.enabled or not self.active:  # (removed: they are off for good)
+            log.stop_following()  # (a forward running now: its hook that would end the following is gone)
             for handle in handles.values():
                 handle.remove()
             handles.clear()
@@ -888,6 +984,10 @@ class Capture:
             handles["open", id(root)] = root.register_forward_pre_hook(log.open_forward, with_kwargs=True, prepend=True)
             _drop_code_compiled_without_hooks(self._model, root)
             prepare_compiler_disabled()  # (if torch.compile is in use: made now, never while traced)
+        if log.follow is not None and ("close", id(root)) not in handles:  # (also when the forward raises)
+            handles["close", id(root)] = root.register_forward_hook(
+                log.close_forward, with_kwargs=True, always_call=True
+            )
         self._sync_forward_hooks()
         for module in self._watched:  # the inputs of checkpointing's re-run (Reduction.keeps_inputs)
             if ("recomputed", id(module)) not in handles and any(r.keeps_inputs for r in log.readers.get(module, ())):

@@ -30,6 +30,7 @@ from .per_sample import (
     _functional_per_sample_grads,
     merged_rows,
 )
+from .provenance import BROADCAST, UNKNOWN
 from .reduction import Reduction, add_statistics
 
 if TYPE_CHECKING:
@@ -165,7 +166,8 @@ class ClippedSums(Reduction):
             self._refuse_recurrent_layout(calls, shapes or [])  # the likely cause, said with its own numbers
             raise
         if count in given and count > 1:
-            self._refuse_broadcast_inputs(calls, [s for s in shapes or () if len(s) > batch_dim], count)
+            batched = [s for s in shapes or () if len(s) > batch_dim]
+            self._refuse_broadcast_inputs(calls, batched, count, capture.samples_of_calls(forward))
         if not given or count in given or any(m is capture.root for m in calls):
             return count  # agrees, or the model is itself a layer whose call says what its samples are
         self._refuse_recurrent_layout(calls, shapes or [])
@@ -249,10 +251,11 @@ class ClippedSums(Reduction):
             )
         return count
 
-    def _refuse_broadcast_inputs(self, calls: _Calls, shapes: list[torch.Size], count: int) -> None:
-        """Refuse calls whose input is not batched though its size says so (outputs broadcast over the samples)."""
-        batched = [s for s in shapes if s[self.batch_dim] == count]
-        others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
+    def _refuse_broadcast_inputs(
+        self, calls: _Calls, shapes: list[torch.Size], count: int, verdicts: dict[nn.Module, Any] | None
+    ) -> None:
+        """Refuse calls whose rows pass for samples by their size but are not (outputs broadcast over the samples):
+        as the computation followed them (``Capture.follow_samples``), by their sizes where it did not tell."""
         root = self.capture.root  # (a parameter or a buffer, as a memory bank of keys)
         # (by their local tensors: a DTensor's own data_ptr() is 0, the same for every one)
         named = [(n, local_tensor(t)) for n, t in [*root.named_buffers(), *root.named_parameters()]]
@@ -271,15 +274,33 @@ class ClippedSums(Reduction):
                     f"Expand it to the batch before the call ({name}.expand(B, ...)), or freeze that layer. No "
                     "parameter was changed"
                 )
-            if count in others and not first.is_floating_point() and first.dim() < min(map(len, batched)):
-                raise RuntimeError(
-                    f"{self.capture.name(module)} is called with indices of shape {tuple(first.shape)}, fewer "
-                    f"dimensions than the model's input {tuple(batched[0])}, whose batch ({count}) equals another "
-                    "of its dimensions: they are likely positions (torch.arange(T)) broadcast over the samples, "
-                    "whose gradient cannot be clipped per sample, and shapes cannot tell them from samples here. "
-                    "Pass them expanded to the batch (torch.arange(T).expand(B, T)), or pass per-sample indices to "
-                    "the model as an argument. No parameter was changed"
+            verdict, how = (verdicts or {}).get(module, (UNKNOWN, None))
+            if verdict == BROADCAST:
+                raise RuntimeError(_broadcast_message(self.capture.name(module), first, how))
+            if verdict == UNKNOWN:
+                why = (
+                    "the forward ran compiled, where DP does not follow the samples through it"
+                    if verdicts is None
+                    else "its output never met the samples within the forward, so the computation did not tell"
                 )
+                self._refuse_by_sizes(module, first, shapes, count, why)
+
+    def _refuse_by_sizes(
+        self, module: nn.Module, first: Tensor, shapes: list[torch.Size], count: int, why: str
+    ) -> None:
+        """Where the computation did not tell (``why``): indices with fewer dimensions than the model's batched
+        input, whose batch equals another of its dimensions, are likely positions broadcast over the samples."""
+        batched = [s for s in shapes if s[self.batch_dim] == count]
+        others = {int(n) for s in batched for d, n in enumerate(s) if d != self.batch_dim}
+        if count in others and not first.is_floating_point() and first.dim() < min(map(len, batched)):
+            raise RuntimeError(
+                f"{self.capture.name(module)} is called with indices of shape {tuple(first.shape)}, fewer "
+                f"dimensions than the model's input {tuple(batched[0])}, whose batch ({count}) equals another "
+                "of its dimensions: they are likely positions (torch.arange(T)) broadcast over the samples, "
+                f"whose gradient cannot be clipped per sample, and shapes cannot tell them from samples here ({why}). "
+                "Pass them expanded to the batch (torch.arange(T).expand(B, T)), or pass per-sample indices to the "
+                "model as an argument. No parameter was changed"
+            )
 
     def combine(self, a: Any, b: Any) -> Any:
         if a is None or "error" in b:
@@ -609,6 +630,25 @@ def _samples_of(module: nn.Module, call: Call) -> int:
     if type(kind).samples is layers.LayerKind.samples and type(first) is Tensor and first.dim() > 0:
         return int(first.shape[0])
     return kind.samples(module, call)  # (a 0-d input: its error)
+
+
+def _broadcast_message(name: str, first: Tensor, how: str | None) -> str:
+    """Why a layer whose output the computation found broadcast over the samples is refused, and what to do."""
+    where = f" ({how})" if how else ""
+    if not first.is_floating_point():
+        return (
+            f"{name} is called with indices of shape {tuple(first.shape)}, and its output is broadcast over the "
+            f"samples{where}: its gradient there is the sum over the samples, which cannot be clipped per sample. "
+            "The indices are likely positions (torch.arange(T)): pass them expanded to the batch "
+            "(torch.arange(T).expand(B, T)) or as per-sample indices to the model, or freeze that layer "
+            "(requires_grad_(False)). No parameter was changed"
+        )
+    return (
+        f"{name} is called on an input of shape {tuple(first.shape)}, and its output is broadcast over the "
+        f"samples{where}: its gradient there is the sum over the samples, which cannot be clipped per sample. "
+        "Expand its input to the batch before the call (x.expand(B, ...)), or freeze that layer "
+        "(requires_grad_(False)). No parameter was changed"
+    )
 
 
 def _padded_advice(batch: int, steps: int, batch_first: bool, batch_dim: int) -> str:

@@ -169,6 +169,7 @@ class PerSampleClipping(Rule):
         self._share_noise_generator(layout, trained)
         self._refuse_unsupported_layers()
         optimizer.capture.model_input_shapes(None)  # start keeping the model's input shapes (the batch check)
+        optimizer.capture.follow_samples(self.batch_dim)  # and following the samples through each forward
         self._clipped = ClippedSums(self)
 
     def _share_noise_generator(self, layout: ParallelLayout, trained: set[Tensor]) -> None:

@@ -348,6 +348,53 @@ def test_dp_on_t5_refuses_its_unbatched_relative_bias_and_is_exact_once_it_is_fr
             torch.testing.assert_close(before[key] - param.detach(), expected, rtol=1e-6, atol=1e-9, msg=key)
 
 
+def test_dp_on_t5_refuses_its_relative_bias_when_the_batch_equals_the_length() -> None:
+    # With as many samples as positions, the (T, T) buckets held as many rows as the batch and no size told them
+    # from samples: each relative position's gradient, summed over the samples, was clipped as a sample's.
+    model = build("t5")
+    optimizer = DPSGD(model, lr=1.0, max_grad_norm=0.5, noise_multiplier=0.0, momentum=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    lm_loss(model, tokens(1, batch=T)).backward()
+    with pytest.raises(
+        RuntimeError, match=r"relative_attention_bias is called with indices of shape \(6, 6\).*broadcast.*freeze"
+    ):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def test_dp_on_bart_refuses_its_decoder_positions_broadcast_over_the_batch_by_name() -> None:
+    # BART's decoder looks its positions up from cache_position, (1, T), while its first argument is the batch's
+    # (B, T) ids: the sizes agreed, and the step failed inside vmap ("Expected all tensors to have the same size
+    # in the mapped dimension, got sizes [3, 1]"). Frozen, the rest is taken.
+    config = transformers.BartConfig(
+        vocab_size=VOCAB,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(config).double().eval()
+    optimizer = DPSGD(model, lr=0.1, max_grad_norm=0.5, noise_multiplier=0.0, momentum=0.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    encoder_positions = model.model.encoder.embed_positions.weight.detach().clone()  # (B, T): per sample
+    lm_loss(model, tokens()).backward()
+    with pytest.raises(
+        RuntimeError, match=r"^model\.decoder\.embed_positions is called .*broadcast over the samples.*freeze"
+    ):
+        optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    model.model.decoder.embed_positions.requires_grad_(False)
+    model.zero_grad()
+    lm_loss(model, tokens()).backward()
+    optimizer.step()
+    assert not torch.equal(model.model.encoder.embed_positions.weight, encoder_positions)
+
+
 # -- vision patterns: a ViT block and a ConvNeXt-style net, local definitions -----------------------
 
 

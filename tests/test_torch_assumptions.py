@@ -18,6 +18,9 @@ from inputaware_optim._torch import (
     grad_scaler_unscale_,
     hide_scaler_handoff,
     in_place_values,
+    pause_function_mode,
+    remove_function_mode,
+    resume_function_mode,
     scaler_handoff,
     unhooked,
     unscales_itself,
@@ -415,3 +418,40 @@ assert sum(counters["graph_break"].values()) >= 1
     import sys
 
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+def test_the_function_mode_stack_pauses_resumes_and_removes_a_mode() -> None:
+    """``Capture.follow_samples``'s mode is taken off the stack while the library's hooks run, and off it for good
+    when the forward returns, wherever it is; a mode's ``__torch_function__`` runs with the mode off the stack."""
+    seen: list[str] = []
+
+    class Names(torch.overrides.TorchFunctionMode):
+        def __init__(self, tag: str) -> None:
+            super().__init__()
+            self.tag = tag
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(self.tag)
+            return func(*args, **(kwargs or {}))  # (no recursion: the mode is off the stack here)
+
+    x = torch.ones(2)
+    ours, theirs = Names("ours"), Names("theirs")
+    ours.__enter__()
+    try:
+        torch.add(x, x)
+        assert seen == ["ours"]
+        assert pause_function_mode(ours)
+        torch.add(x, x)
+        assert seen == ["ours"] and not torch.overrides._is_torch_function_mode_enabled()
+        resume_function_mode(ours)
+        torch.add(x, x)
+        assert seen == ["ours", "ours"]
+        with theirs:
+            assert not pause_function_mode(ours)  # not on top: left where it is
+            assert remove_function_mode(ours)  # taken from under another mode, which stays
+            seen.clear()
+            torch.add(x, x)
+            assert seen == ["theirs"]
+        assert not remove_function_mode(ours) and not torch.overrides._is_torch_function_mode_enabled()
+    finally:
+        remove_function_mode(ours)

@@ -39,6 +39,15 @@ LIMITS = {
     "DPAdamW (σ = 1, C = 1)": 1.40,
 }
 TARGET_MICRO_BATCHES = 8
+DESCRIPTIONS = {  # what each configuration is, as the plot's caption says it
+    "InputAwareAdamW, no rule": "the drop-in, nothing reading the capture",
+    "Monitor(every=1)": "the drop-in with a Monitor recording every step",
+    "NonFiniteFinder": "the drop-in with the non-finite finder attached",
+    "Eva → AdamW": f"Eva's preconditioned gradient handed to AdamW, statistics every {PERIOD} steps",
+    "FOOF → AdamW": f"FOOF's, statistics and inverses every {PERIOD} steps (Cholesky in float32)",
+    "K-FAC → AdamW": f"K-FAC's, statistics and inverses every {PERIOD} steps (Cholesky in float32)",
+    "DPAdamW (σ = 1, C = 1)": "DP-AdamW, noise multiplier 1, clip 1, per-sample clipping at every step",
+}
 
 
 def _configurations(samples_per_step: int) -> dict[str, Callable[[nn.Module], tuple[Any, Any]]]:
@@ -191,9 +200,12 @@ def _plot(
         "ratio-vs-tokens",
         "Step time against AdamW's as the tokens per optimizer step grow",
         panels,
-        caption="Measured: each configuration's step time over AdamW's on the same micro-batches (medians of "
-        f"interleaved rounds of {PERIOD} steps holding one statistics step), against the tokens per optimizer step "
-        "(gradient accumulation). Dashed: the cost model of a Kronecker rule's preconditioning products alone.",
+        caption="Measured: each configuration's step time over AdamW's (torch.optim.AdamW) on the same micro-batches "
+        f"(medians of interleaved rounds of {PERIOD} steps holding one statistics step), against the tokens per "
+        "optimizer step (gradient accumulation). "
+        + "; ".join(f"{name}: {what}" for name, what in DESCRIPTIONS.items())
+        + ". Dashed, cost model (products only): a Kronecker rule's preconditioning products alone, over the "
+        "layers' forward and backward.",
     )
 
 

@@ -14,15 +14,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inputaware_optim import FOOF, KFAC, Eva
+from inputaware_optim import FOOF, KFAC, Eva, InputAwareOptimizer, layer_kind
+from inputaware_optim.layers import bias_of, weight_of
 
 from . import baselines
+from .candidates import EigenbasisAdam, TwoSidedMuon, WhitenedMuon
 from .core import Config, Progress, Target, format_seconds
 from .digits import BATCH, Factory, Sweep, baseline_sweeps, load, sweep, tasks
 from .digits import step_times as shared_step_times
 from .timing import Ratio
 
 __all__ = [
+    "CANDIDATE_DAMPING",
+    "EIGENBASIS_ADAM",
     "EVA_DAMPING",
     "FOOF_DAMPING",
     "FOOF_ON_MUON",
@@ -34,17 +38,23 @@ __all__ = [
     "STEP_LIMIT",
     "STEP_TABLE_NOTE",
     "TIMING_LR",
+    "TWO_SIDED_MUON",
     "UPDATE_EVERY",
+    "WHITENED_MUON",
     "KernelFloor",
     "StepTimes",
     "candidate_sweeps",
+    "eigenbasis_adam",
     "eva",
     "foof",
     "foof_on_muon",
     "kernel_floor",
     "kfac",
+    "kronecker_parameters",
     "step_target",
     "step_times",
+    "two_sided_muon",
+    "whitened_muon",
 ]
 
 STATISTICS_EVERY = 10
@@ -133,6 +143,105 @@ def foof_on_muon() -> Factory:
 FOOF_ON_MUON = (
     f"FOOF's preconditioned gradient of the hidden matrices handed to Muon (base=Muon, float32 Newton–Schulz, "
     f"the Muon recipe's part), {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+)
+
+
+# The issue-44 candidates (benchmarks/candidates.py) on the same schedule, with FOOF's fixed damping (the same
+# absolute amount on the input factor: (a) adds it to Ā, (b) splits it between its factors as K-FAC does) and every
+# other hyperparameter at the rule's default (Muon's momentum 0.95 and Nesterov; Adam's betas and eps).
+CANDIDATE_DAMPING = FOOF_DAMPING
+
+
+def whitened_muon(two_sided: bool = False) -> Factory:
+    """Muon's recipe (``baselines.muon``) with its Muon part replaced by ``WhitenedMuon`` (``TwoSidedMuon`` if
+    ``two_sided``) in front of ``torch.optim.SGD`` without momentum, on the hidden matrices: the rule applies Muon's
+    momentum, takes its polar step in the whitened metric and scales it as the recipe does, and SGD's step with the
+    recipe's weight decay is then Muon's; AdamW takes the rest (their biases included), as in the recipe."""
+    rule = TwoSidedMuon if two_sided else WhitenedMuon
+
+    def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        def hidden_part(params: list[Tensor], lr: float, weight_decay: float, **muon_options: Any) -> Any:
+            # (muon_options: adjust_lr_fn="match_rms_adamw", the scaling the rule applies itself)
+            candidate = rule(
+                CANDIDATE_DAMPING,
+                update_every=UPDATE_EVERY,
+                statistics_every=STATISTICS_EVERY,
+                inverse_dtype=INVERSE_DTYPE,
+            )
+            return InputAwareOptimizer(
+                model, params=params, rules=[candidate], base=torch.optim.SGD, lr=lr, weight_decay=weight_decay
+            )
+
+        return baselines.muon(model, lr, hidden_part)
+
+    return build
+
+
+def two_sided_muon() -> Factory:
+    """``whitened_muon(two_sided=True)``: the recipe's Muon part replaced by ``TwoSidedMuon``."""
+    return whitened_muon(two_sided=True)
+
+
+def kronecker_parameters(model: torch.nn.Module) -> list[Tensor]:
+    """The weights and biases of the layers whose registered kind has input and output-gradient rows (one block)."""
+    found: list[Tensor] = []
+    for module in model.modules():
+        kind = layer_kind(module)
+        if kind is None or not kind.provides("output_grad_rows") or kind.blocks(module) != 1:
+            continue
+        for param in (weight_of(module), bias_of(module)):
+            if param is not None and param.requires_grad and not any(param is p for p in found):
+                found.append(param)
+    return found
+
+
+def eigenbasis_adam() -> Factory:
+    """``EigenbasisAdam`` in front of ``torch.optim.SGD`` without momentum on every layer with Kronecker factors
+    (first and last included, biases folded in: it is an Adam, and replaces AdamW wherever the factors exist, as FOOF
+    in front of AdamW covers every layer), AdamW on the rest (embeddings, norms), one learning rate and the recipe's
+    weight decay: SGD's step is then AdamW's decoupled one in the rotated coordinates."""
+
+    def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        covered = kronecker_parameters(model)
+        chosen = {id(p) for p in covered}
+        rest = [p for p in model.parameters() if id(p) not in chosen]
+        parts: list[torch.optim.Optimizer] = []
+        if covered:
+            candidate = EigenbasisAdam(
+                update_every=UPDATE_EVERY, statistics_every=STATISTICS_EVERY, inverse_dtype=INVERSE_DTYPE
+            )
+            parts.append(
+                InputAwareOptimizer(
+                    model,
+                    params=covered,
+                    rules=[candidate],
+                    base=torch.optim.SGD,
+                    lr=lr,
+                    weight_decay=baselines.WEIGHT_DECAY,
+                )
+            )
+        if rest:
+            parts.append(torch.optim.AdamW(rest, lr=lr, weight_decay=baselines.WEIGHT_DECAY))
+        return baselines.Combined(parts)
+
+    return build
+
+
+WHITENED_MUON = (
+    f"Muon's polar step in the input-whitened metric, polar(M A^-1/2) A^-1/2 (WhitenedMuon, damping "
+    f"{CANDIDATE_DAMPING:g}, Muon's momentum and RMS scaling, float32 Newton–Schulz) in front of SGD without momentum "
+    f"on the hidden matrices, {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+)
+TWO_SIDED_MUON = (
+    f"Muon's polar step two-sided, B^-1/2 polar(B^-1/2 M A^-1/2) A^-1/2 with K-FAC's output-gradient factor "
+    f"normalized to mean eigenvalue 1 (TwoSidedMuon, damping {CANDIDATE_DAMPING:g} split as K-FAC's) in front of SGD "
+    f"without momentum on the hidden matrices, {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+)
+EIGENBASIS_ADAM = (
+    f"Adam (betas 0.9, 0.999) in the eigenbases of the input and output-gradient Kronecker factors (EigenbasisAdam: "
+    f"SOAP's idea on K-FAC's factors) in front of SGD without momentum on every layer with both factors, eigenbases "
+    f"refreshed on the statistics steps ({SCHEDULE.replace('inverses', 'eigenbases').replace('Cholesky', 'eigh')}); "
+    f"AdamW on the rest"
 )
 
 

@@ -464,3 +464,36 @@ def test_factories_split_the_model_as_documented_and_train(name: str) -> None:
         combined.step()
         losses.append(loss.item())
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("name", ["whitened_muon", "two_sided_muon", "eigenbasis_adam"])
+def test_candidate_floors_do_the_candidates_arithmetic(name: str) -> None:
+    """``rules.candidate_floor``'s first step on each layer it holds is the candidate's formula on the floor's own
+    (random) statistics rows: its time is the candidate's arithmetic, not some other."""
+    pytest.importorskip("sklearn")  # benchmarks.rules imports benchmarks.digits (the bench extra)
+    from benchmarks import baselines, rules
+    from benchmarks.models import autoencoder
+
+    torch.manual_seed(0)
+    model = autoencoder((12, 10, 6, 10, 12))
+    combined = rules.candidate_floor(name)(model, 0.01)
+    floor = combined.parts[0]
+    model(torch.rand(32, 12)).square().mean().backward()
+    layers = floor._floor_layers
+    assert len(layers) == (4 if name == "eigenbasis_adam" else 2)
+    before = [(layer.weight.detach().clone(), layer.weight.grad.clone()) for layer in layers]
+    biases = [None if layer.bias is None else layer.bias.grad.clone() for layer in layers]
+    combined.step()
+    mu = 0.95
+    for layer, (weight, grad), bias in zip(layers, before, biases, strict=True):
+        matrix = (grad if bias is None else torch.cat([grad, bias[:, None]], dim=1)).double()
+        a, b = ((rows.T @ rows / rows.shape[0]).double() for rows in (layer.rows[0], layer.rows[-1]))
+        if name == "eigenbasis_adam":
+            q_a, q_b = torch.linalg.eigh(a)[1], torch.linalg.eigh(b)[1]
+            rotated = q_b.T @ matrix @ q_a
+            direction = q_b @ (rotated / (rotated.abs() + 1e-8)) @ q_a.T  # Adam's first step, bias-corrected
+        else:
+            roots = whitened_roots(a, b if name == "two_sided_muon" else None, rules.CANDIDATE_DAMPING)
+            direction = polar_direction((1 - mu * mu) * matrix, roots, muon_polar)  # Nesterov's first step
+        expected = weight.double() - 0.01 * (direction[:, : weight.shape[1]] + baselines.WEIGHT_DECAY * weight.double())
+        torch.testing.assert_close(layer.weight.detach().double(), expected, rtol=1e-4, atol=1e-6)

@@ -25,9 +25,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from inputaware_optim import Captured, Inputs, Layer, Reduction, Rule
+from inputaware_optim import Call, Captured, Inputs, Layer, Reduction, Rule
 from inputaware_optim.coverage import layer_treatment
-from inputaware_optim.inputs import Call
 from inputaware_optim.inverses import Check, eigenbasis, eigenvalue_condition, refuse_any
 from inputaware_optim.layers import bias_of, weight_of
 

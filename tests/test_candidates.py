@@ -309,8 +309,9 @@ def test_several_steps_with_refreshes_are_the_formula(rule: str) -> None:
 
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_state_dict_round_trip_resumes_bitwise(rule: str) -> None:
-    """Three steps, a state dict into a fresh optimizer on a copy of the model, three more steps on both: the same
-    bits (the schedule's step count travels: the resumed run is at a step between statistics)."""
+    """Three steps, a state dict into a fresh optimizer on a copy of the model (and a deepcopy of both), three more
+    steps on each: the same bits (the schedule's step count travels: the resumed run is at a step between
+    statistics)."""
     options = {"update_every": 3, "statistics_every": 2}
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
@@ -328,10 +329,13 @@ def test_state_dict_round_trip_resumes_bitwise(rule: str) -> None:
     resumed_model = copy.deepcopy(model)
     resumed = optimizer_for(resumed_model, candidate(rule, "newton-schulz", **options), lr=0.02, weight_decay=0.01)
     resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-    train(model, optimizer, batches[3:])
-    train(resumed_model, resumed, batches[3:])
-    for ours, theirs in zip(model.parameters(), resumed_model.parameters(), strict=True):
-        assert torch.equal(ours, theirs)
+    copied_model, copied = copy.deepcopy((model, optimizer))  # (the rule rebuilt from its arguments, then loaded)
+    for m, o in ((model, optimizer), (resumed_model, resumed), (copied_model, copied)):
+        train(m, o, batches[3:])
+    for ours, resumed_param, copied_param in zip(
+        model.parameters(), resumed_model.parameters(), copied_model.parameters(), strict=True
+    ):
+        assert torch.equal(ours, resumed_param) and torch.equal(ours, copied_param)
 
 
 def _snapshot(model: nn.Module, optimizer: InputAwareOptimizer) -> Any:

@@ -238,7 +238,7 @@ class _KroneckerCandidate(Rule):
             sums = totals.get(weight)
             if sums is None:
                 inputs.uncaptured(weight)  # (warned: a gradient no captured call explains)
-            else:
+            elif all(sums[factor][1] > 0 for factor in self.factors):  # (a call of no rows: nothing to average)
                 for factor in self.factors:
                     numerator, count = sums[factor]
                     previous = plan.state.get(f"{factor}_second_moment")

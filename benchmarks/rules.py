@@ -14,15 +14,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inputaware_optim import FOOF, KFAC, Eva
+from inputaware_optim import FOOF, KFAC, Eva, InputAwareOptimizer, layer_kind
+from inputaware_optim.layers import bias_of, weight_of
 
-from . import baselines
+from . import baselines, candidates
+from .candidates import EigenbasisAdam, TwoSidedMuon, WhitenedMuon
 from .core import Config, Progress, Target, format_seconds
 from .digits import BATCH, Factory, Sweep, baseline_sweeps, load, sweep, tasks
 from .digits import step_times as shared_step_times
 from .timing import Ratio
 
 __all__ = [
+    "CANDIDATE_DAMPING",
+    "EIGENBASIS_ADAM",
     "EVA_DAMPING",
     "FOOF_DAMPING",
     "FOOF_ON_MUON",
@@ -34,17 +38,25 @@ __all__ = [
     "STEP_LIMIT",
     "STEP_TABLE_NOTE",
     "TIMING_LR",
+    "TWO_SIDED_MUON",
     "UPDATE_EVERY",
+    "WHITENED_MUON",
+    "CandidateFloor",
     "KernelFloor",
     "StepTimes",
+    "candidate_floor",
     "candidate_sweeps",
+    "eigenbasis_adam",
     "eva",
     "foof",
     "foof_on_muon",
     "kernel_floor",
     "kfac",
+    "kronecker_parameters",
     "step_target",
     "step_times",
+    "two_sided_muon",
+    "whitened_muon",
 ]
 
 STATISTICS_EVERY = 10
@@ -133,6 +145,105 @@ def foof_on_muon() -> Factory:
 FOOF_ON_MUON = (
     f"FOOF's preconditioned gradient of the hidden matrices handed to Muon (base=Muon, float32 Newton–Schulz, "
     f"the Muon recipe's part), {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+)
+
+
+# The issue-44 candidates (benchmarks/candidates.py) on the same schedule, with FOOF's fixed damping (the same
+# absolute amount on the input factor: (a) adds it to Ā, (b) splits it between its factors as K-FAC does) and every
+# other hyperparameter at the rule's default (Muon's momentum 0.95 and Nesterov; Adam's betas and eps).
+CANDIDATE_DAMPING = FOOF_DAMPING
+
+
+def whitened_muon(two_sided: bool = False) -> Factory:
+    """Muon's recipe (``baselines.muon``) with its Muon part replaced by ``WhitenedMuon`` (``TwoSidedMuon`` if
+    ``two_sided``) in front of ``torch.optim.SGD`` without momentum, on the hidden matrices: the rule applies Muon's
+    momentum, takes its polar step in the whitened metric and scales it as the recipe does, and SGD's step with the
+    recipe's weight decay is then Muon's; AdamW takes the rest (their biases included), as in the recipe."""
+    rule = TwoSidedMuon if two_sided else WhitenedMuon
+
+    def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        def hidden_part(params: list[Tensor], lr: float, weight_decay: float, **muon_options: Any) -> Any:
+            # (muon_options: adjust_lr_fn="match_rms_adamw", the scaling the rule applies itself)
+            candidate = rule(
+                CANDIDATE_DAMPING,
+                update_every=UPDATE_EVERY,
+                statistics_every=STATISTICS_EVERY,
+                inverse_dtype=INVERSE_DTYPE,
+            )
+            return InputAwareOptimizer(
+                model, params=params, rules=[candidate], base=torch.optim.SGD, lr=lr, weight_decay=weight_decay
+            )
+
+        return baselines.muon(model, lr, hidden_part)
+
+    return build
+
+
+def two_sided_muon() -> Factory:
+    """``whitened_muon(two_sided=True)``: the recipe's Muon part replaced by ``TwoSidedMuon``."""
+    return whitened_muon(two_sided=True)
+
+
+def kronecker_parameters(model: torch.nn.Module) -> list[Tensor]:
+    """The weights and biases of the layers whose registered kind has input and output-gradient rows (one block)."""
+    found: list[Tensor] = []
+    for module in model.modules():
+        kind = layer_kind(module)
+        if kind is None or not kind.provides("output_grad_rows") or kind.blocks(module) != 1:
+            continue
+        for param in (weight_of(module), bias_of(module)):
+            if param is not None and param.requires_grad and not any(param is p for p in found):
+                found.append(param)
+    return found
+
+
+def eigenbasis_adam() -> Factory:
+    """``EigenbasisAdam`` in front of ``torch.optim.SGD`` without momentum on every layer with Kronecker factors
+    (first and last included, biases folded in: it is an Adam, and replaces AdamW wherever the factors exist, as FOOF
+    in front of AdamW covers every layer), AdamW on the rest (embeddings, norms), one learning rate and the recipe's
+    weight decay: SGD's step is then AdamW's decoupled one in the rotated coordinates."""
+
+    def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        covered = kronecker_parameters(model)
+        chosen = {id(p) for p in covered}
+        rest = [p for p in model.parameters() if id(p) not in chosen]
+        parts: list[torch.optim.Optimizer] = []
+        if covered:
+            candidate = EigenbasisAdam(
+                update_every=UPDATE_EVERY, statistics_every=STATISTICS_EVERY, inverse_dtype=INVERSE_DTYPE
+            )
+            parts.append(
+                InputAwareOptimizer(
+                    model,
+                    params=covered,
+                    rules=[candidate],
+                    base=torch.optim.SGD,
+                    lr=lr,
+                    weight_decay=baselines.WEIGHT_DECAY,
+                )
+            )
+        if rest:
+            parts.append(torch.optim.AdamW(rest, lr=lr, weight_decay=baselines.WEIGHT_DECAY))
+        return baselines.Combined(parts)
+
+    return build
+
+
+WHITENED_MUON = (
+    f"Muon's polar step in the input-whitened metric, polar(M A^-1/2) A^-1/2 (WhitenedMuon, damping "
+    f"{CANDIDATE_DAMPING:g}, Muon's momentum and RMS scaling, float32 Newton–Schulz) in front of SGD without momentum "
+    f"on the hidden matrices, {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+)
+TWO_SIDED_MUON = (
+    f"Muon's polar step two-sided, B^-1/2 polar(B^-1/2 M A^-1/2) A^-1/2 with K-FAC's output-gradient factor "
+    f"normalized to mean eigenvalue 1 (TwoSidedMuon, damping {CANDIDATE_DAMPING:g} split as K-FAC's) in front of SGD "
+    f"without momentum on the hidden matrices, {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+)
+EIGENBASIS_ADAM = (
+    f"Adam (betas 0.9, 0.999) in the eigenbases of the input and output-gradient Kronecker factors (EigenbasisAdam: "
+    f"SOAP's idea on K-FAC's factors) in front of SGD without momentum on every layer with both factors, eigenbases "
+    f"refreshed on the statistics steps ({SCHEDULE.replace('inverses', 'eigenbases').replace('Cholesky', 'eigh')}); "
+    f"AdamW on the rest"
 )
 
 
@@ -248,14 +359,14 @@ class _FloorLayer:
             bias.grad.copy_(new[:, -1])  # type: ignore[union-attr]
 
 
-_FLOOR_CLASSES: dict[type[torch.optim.Optimizer], type] = {}
+_FLOOR_CLASSES: dict[tuple[type[torch.optim.Optimizer], type], type] = {}
 
 
-def _floor_class(base: type[torch.optim.Optimizer]) -> type:
-    """``KernelFloor`` mixed in front of ``base`` (one class per base)."""
-    if base not in _FLOOR_CLASSES:
-        _FLOOR_CLASSES[base] = type(f"KernelFloor{base.__name__}", (KernelFloor, base), {})
-    return _FLOOR_CLASSES[base]
+def _floor_class(base: type[torch.optim.Optimizer], floor: type = KernelFloor) -> type:
+    """``floor`` (``KernelFloor`` or ``CandidateFloor``) mixed in front of ``base`` (one class per pair)."""
+    if (base, floor) not in _FLOOR_CLASSES:
+        _FLOOR_CLASSES[base, floor] = type(f"{floor.__name__}{base.__name__}", (floor, base), {})
+    return _FLOOR_CLASSES[base, floor]
 
 
 def kernel_floor(
@@ -274,6 +385,119 @@ def kernel_floor(
         optimizer = cls(model.parameters(), lr=lr, **base_kwargs)
         optimizer._set_up_floor(model, two_sided, statistics_every, INVERSE_DTYPE)
         return optimizer  # type: ignore[no-any-return]
+
+    return build
+
+
+class CandidateFloor(KernelFloor):
+    """``KernelFloor`` for an issue-44 candidate: its base (SGD without momentum) plus the candidate's arithmetic
+    alone on the layers whose weight it trains, with no capture and no library code (``candidate_floor`` builds it).
+
+    Every ``statistics_every`` steps each layer's statistics products and running moments, as ``KernelFloor``'s, then
+    ``torch.linalg.eigh`` of each factor in ``inverse_dtype`` and what the candidate forms from it (the damped inverse
+    roots; for Adam in the eigenbasis the eigenvectors, and its first moment rotated into them); every step the
+    candidate's own work: Muon's momentum, the whitening products and 5 Newton–Schulz steps, or the rotations and
+    Adam's moments. The least time the candidate's step can take: the rest is overhead.
+    """
+
+    def _set_up_candidate_floor(
+        self, model: torch.nn.Module, candidate: str, statistics_every: int, dtype: torch.dtype
+    ) -> None:
+        trained = {id(p) for group in self.param_groups for p in group["params"]}  # type: ignore[attr-defined]
+        self._floor_layers = []
+        self._floor_every, self._floor_dtype, self._floor_steps = statistics_every, dtype, 0
+        for module in model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)) and id(module.weight) in trained:
+                homogeneous = module.bias is not None and id(module.bias) in trained
+                layer = _CandidateFloorLayer(module, candidate, homogeneous)
+                self._floor_layers.append(layer)
+                layer.handle = module.register_forward_hook(layer.shape_rows)
+
+
+class _CandidateFloorLayer(_FloorLayer):
+    """One layer's share of ``CandidateFloor``: its rows, factors, kept transform and the candidate's moments."""
+
+    def __init__(self, module: Any, candidate: str, homogeneous: bool) -> None:
+        super().__init__(module, two_sided=candidate != "whitened_muon")
+        self.candidate = candidate
+        if not homogeneous:  # (the bias is another optimizer's: not a column of W̃)
+            self.bias, self.columns = None, module.weight[0].numel()
+        self.inverses = [torch.eye(self.columns), torch.eye(self.outputs)]  # R (or Q_A), L (or Q_B)
+        shape = (self.outputs, self.columns)
+        self.first, self.second, self.steps = torch.zeros(shape), torch.zeros(shape), 0
+
+    def invert(self, dtype: torch.dtype) -> None:
+        moments = []
+        for index, rows in enumerate(self.rows):
+            moment = (rows.mT @ rows) / rows.shape[0]
+            previous = self.moments[index]
+            moments.append(moment if previous is None else torch.lerp(previous, moment, 0.05))
+            self.moments[index] = moments[-1]
+        values, vectors = zip(*(torch.linalg.eigh(m.to(dtype)) for m in moments), strict=True)
+        if self.candidate == "eigenbasis_adam":
+            old_right, old_left = self.inverses
+            right, left = (v.to(moments[0].dtype) for v in vectors)
+            self.first = (left.mT @ old_left) @ self.first @ (old_right.mT @ right)
+            self.inverses = [right, left]
+            return
+        damping = [CANDIDATE_DAMPING]
+        if self.two_sided:  # B̂ = B / m_B, K-FAC's split of λ
+            values = (values[0], values[1] / values[1].mean())
+            pi = (values[0].mean() / values[1].mean()).sqrt()
+            damping = [pi * CANDIDATE_DAMPING**0.5, CANDIDATE_DAMPING**0.5 / pi]
+        self.inverses[: len(moments)] = [
+            ((q * (v.clamp_min(0) + d).rsqrt()) @ q.mT).to(m.dtype)
+            for v, q, d, m in zip(values, vectors, damping, moments, strict=True)
+        ]
+
+    def precondition(self) -> None:
+        weight, bias = self.weight, self.bias
+        if weight.grad is None:
+            return
+        grad = weight.grad.reshape(weight.shape[0], -1)
+        matrix = grad if bias is None or bias.grad is None else torch.cat((grad, bias.grad.unsqueeze(1)), dim=1)
+        right, left = self.inverses
+        if self.candidate == "eigenbasis_adam":
+            rotated = left.mT @ matrix @ right
+            self.steps += 1
+            self.first.lerp_(rotated, 0.1)
+            self.second.mul_(0.999).addcmul_(rotated, rotated, value=0.001)
+            adam = (self.first / (1 - 0.9**self.steps)) / (self.second / (1 - 0.999**self.steps)).sqrt().add_(1e-8)
+            new = left @ adam @ right.mT
+        else:  # (first: Muon's momentum buffer)
+            self.first.lerp_(matrix, 0.05)
+            update = matrix.lerp(self.first, 0.95)
+            inner = update @ right if not self.two_sided else left @ update @ right
+            ortho = candidates.polar(inner)
+            new = ortho @ right if not self.two_sided else left @ ortho @ right
+            new = new * candidates.muon_rms_scale(matrix.shape)
+        grad.copy_(new[:, : grad.shape[1]])
+        if bias is not None and matrix is not grad:
+            bias.grad.copy_(new[:, -1])  # type: ignore[union-attr]
+
+
+def candidate_floor(candidate: str, statistics_every: int = STATISTICS_EVERY) -> Factory:
+    """``(model, lr) -> optimizer``: the arithmetic floor of ``whitened_muon()``, ``two_sided_muon()`` or
+    ``eigenbasis_adam()`` (``candidate``: their name), split as they split the model: ``CandidateFloor`` (SGD
+    without momentum) on the candidate's parameters, AdamW on the rest."""
+    if candidate not in ("whitened_muon", "two_sided_muon", "eigenbasis_adam"):
+        raise ValueError(f"Invalid candidate: {candidate!r}")
+    cls = _floor_class(torch.optim.SGD, CandidateFloor)
+
+    def part(model: torch.nn.Module, params: list[Tensor], lr: float) -> torch.optim.Optimizer:
+        optimizer = cls(params, lr=lr, weight_decay=baselines.WEIGHT_DECAY)
+        optimizer._set_up_candidate_floor(model, candidate, statistics_every, INVERSE_DTYPE)
+        return optimizer  # type: ignore[no-any-return]
+
+    def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        if candidate != "eigenbasis_adam":
+            return baselines.muon(model, lr, lambda params, lr, **options: part(model, params, lr))
+        covered = kronecker_parameters(model)
+        rest = [p for p in model.parameters() if all(p is not q for q in covered)]
+        parts = [part(model, covered, lr)] if covered else []
+        if rest:
+            parts.append(torch.optim.AdamW(rest, lr=lr, weight_decay=baselines.WEIGHT_DECAY))
+        return baselines.Combined(parts)
 
     return build
 

@@ -16,7 +16,7 @@ from .layers import Layer, bias_of, explained, layer_kind, weight_of, weight_or_
 if TYPE_CHECKING:
     from .base import InputAwareOptimizer
 
-__all__ = ["Coverage", "CoverageWarning", "Treatment", "supported_layers_table"]
+__all__ = ["Coverage", "CoverageWarning", "Treatment", "layer_treatment", "supported_layers_table"]
 
 Excluded = Callable[[Layer], "str | None"]  # why a rule leaves a layer to the stock update (say, over a size limit)
 

@@ -34,7 +34,10 @@ LINESTYLES = ("--", "-.", ":", "-")  # two-character styles first, so "--" is no
 COLORS = "bgrcmykw"
 
 
-PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
+PALETTE = (
+    *("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray"),
+    *("tab:olive", "tab:cyan", "navy", "darkgoldenrod", "lime", "teal"),
+)
 
 
 def colours(plot: Plot) -> dict[str, str]:

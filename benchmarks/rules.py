@@ -50,6 +50,7 @@ __all__ = [
     "eva",
     "foof",
     "foof_on_muon",
+    "geometry_sweeps",
     "kernel_floor",
     "kfac",
     "kronecker_parameters",
@@ -278,6 +279,18 @@ def candidate_sweeps(config: Config) -> list[Sweep]:
             f"FOOF's preconditioned gradient handed to torch.optim.AdamW (base=torch.optim.AdamW), {SCHEDULE}",
         ),
         Sweep("FOOF on Muon", foof_on_muon(), sweep(config, (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)), FOOF_ON_MUON),
+    ]
+
+
+def geometry_sweeps(config: Config, rates: tuple[float, ...] | None = None) -> list[Sweep]:
+    """The issue-44 candidates (``WhitenedMuon``, ``TwoSidedMuon``, ``EigenbasisAdam``), each sweeping ``rates``
+    (default: the digits' AdamW and Muon rates; Muon's update is scaled to AdamW's RMS and the candidates follow
+    their recipes, so one sweep serves all three)."""
+    rates = rates or sweep(config, (3e-4, 1e-3, 3e-3, 1e-2, 3e-2))
+    return [
+        Sweep("Whitened Muon", whitened_muon(), rates, WHITENED_MUON),
+        Sweep("Two-sided Muon", two_sided_muon(), rates, TWO_SIDED_MUON),
+        Sweep("Eigenbasis Adam", eigenbasis_adam(), rates, EIGENBASIS_ADAM),
     ]
 
 

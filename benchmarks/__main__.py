@@ -7,6 +7,7 @@ Examples::
     python -m benchmarks --sections foof,nlms --repeats 9
     python -m benchmarks --report                 # benchmarks/README.md from the latest (full) run
     python -m benchmarks --report RUN --report-to /tmp/report   # any run's report, elsewhere
+    python -m benchmarks --report FULL RERUN      # the full run, RERUN's sections (re-run later) replacing its own
 """
 
 from __future__ import annotations
@@ -64,12 +65,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
     parser.add_argument(
         "--report",
-        nargs="?",
-        const="latest",
+        nargs="*",
         default=None,
         metavar="RUN",
         help="write the report from a run (its folder or JSON; default: the latest under benchmarks/out) "
-        "instead of running",
+        "instead of running; after it, runs of some sections re-run later replace those sections",
     )
     parser.add_argument(
         "--report-to",
@@ -190,15 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{section.name:<18} {section.title}")
         return 0
     if args.report is not None:
-        source = _latest_run() if args.report == "latest" else Path(args.report)
-        if source.is_dir():
-            source = source / RESULTS_FILE
+        sources = [Path(given) for given in args.report] or [_latest_run()]
+        sources = [source / RESULTS_FILE if source.is_dir() else source for source in sources]
         if not args.force:
-            run = json.loads(source.read_text())
+            run, _ = report.combine(sources)
             refusal = report.overwrite_refusal(run, args.report_to, [s.name for s in SECTIONS], committed=PACKAGE)
             if refusal:
                 raise SystemExit(refusal)
-        destination = report.write(source, args.report_to)
+        destination = report.write(sources, args.report_to)
         print(f"Wrote {destination}")
         return 0
     return _run(args, argv)

@@ -11,7 +11,16 @@ from typing import Any
 from . import plots
 from .sections import SECTIONS
 
-__all__ = ["COMMITTED", "all_targets", "markdown", "overwrite_refusal", "text_section", "text_targets", "write"]
+__all__ = [
+    "COMMITTED",
+    "all_targets",
+    "combine",
+    "markdown",
+    "overwrite_refusal",
+    "text_section",
+    "text_targets",
+    "write",
+]
 
 COMMITTED = Path(__file__).resolve().parent  # the committed report: benchmarks/README.md and results/*.png
 
@@ -115,6 +124,7 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
         f"- **Machine:** {machine['cpu']}, {machine['cpus_available']} CPUs available, "
         f"{_size(machine.get('memory_bytes'))} memory; torch {machine['torch']} with "
         f"{machine['torch_threads']} threads; Python {machine['python']} ([details](#machine))",
+        *(f"- **Section {name} re-run:** {_origin(section['run'])}" for name, section in _reruns(run)),
         "",
     ]
     headline = [
@@ -160,6 +170,8 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
     lines += ["", "## How the timings are taken", "", METHODOLOGY, ""]
     for number, (name, section) in enumerate(run["sections"].items(), start=1):
         lines += [f"## {number}. {section['title']}", "", section["summary"], ""]
+        if "run" in section:
+            lines += [f"*From a later run than the rest of this report: {_origin(section['run'])}.*", ""]
         if "error" in section:
             lines += ["**This section failed in this run:**", "", "```", section["error"].rstrip(), "```", ""]
             continue
@@ -182,6 +194,47 @@ def markdown(run: dict[str, Any], images: dict[str, list[str]], source: str) -> 
     lines += ["## Machine", "", *_markdown_table(["", ""], [[k, v] for k, v in machine.items()]), ""]
     lines += ["Run configuration:", "", *_markdown_table(["", ""], [[k, v] for k, v in config.items()]), ""]
     return "\n".join(lines)
+
+
+def _reruns(run: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    return [(name, section) for name, section in run["sections"].items() if "run" in section]
+
+
+def _origin(rerun: dict[str, Any]) -> str:
+    commit = rerun.get("git_commit") or "unknown"
+    return f"`{rerun['command']}`, {rerun['started']}, commit `{commit[:12]}`"
+
+
+def combine(sources: list[Path]) -> tuple[dict[str, Any], dict[str, Path]]:
+    """One run from the runs' JSON files at ``sources``: the first run, each section of a later run replacing
+    the first's section of that name (a section re-run after a change, without repeating the others).
+
+    A replaced section keeps the command, start and commit of the run it came from (the report names them), and
+    the sections stay in the registry's order. The runs must share their configuration and machine: numbers
+    taken under other settings would be compared as one run's. Returns the run and the folder of each section's
+    PNGs.
+    """
+    runs = [json.loads(source.read_text()) for source in sources]
+    run, folders = runs[0], dict.fromkeys(runs[0]["sections"], sources[0].parent)
+    same = ("cpu", "cpus_available", "torch", "torch_threads", "python")
+    for source, later in zip(sources[1:], runs[1:], strict=True):
+        differs = [key for key in run["config"] if later["config"].get(key) != run["config"][key]]
+        differs += [key for key in same if later["machine"].get(key) != run["machine"].get(key)]
+        if differs:
+            raise SystemExit(
+                f"cannot combine {source} with {sources[0]}: their {', '.join(differs)} differ. Re-run the sections "
+                "with the first run's settings on its machine, or write each run's report on its own (--report-to)."
+            )
+        origin = {"command": later["command"], "started": later["started"]}
+        origin["git_commit"] = later["machine"].get("git_commit")
+        for name, section in later["sections"].items():
+            run["sections"][name] = {**section, "run": origin}
+            folders[name] = source.parent
+    order = [section.name for section in SECTIONS]
+    ranked = sorted(run["sections"], key=lambda name: order.index(name) if name in order else len(order))
+    run["sections"] = {name: run["sections"][name] for name in ranked}
+    run["targets"] = all_targets(run)
+    return run, folders
 
 
 def overwrite_refusal(
@@ -211,12 +264,13 @@ def overwrite_refusal(
     )
 
 
-def write(source: Path, destination: Path) -> Path:
-    """Write ``destination/README.md`` and ``destination/results/*.png`` from the run JSON at ``source``.
+def write(sources: list[Path], destination: Path) -> Path:
+    """Write ``destination/README.md`` and ``destination/results/*.png`` from the run JSON files at ``sources``
+    (one run, or a run and re-runs of some of its sections: ``combine``).
 
-    The run's PNGs are copied; a plot whose PNG is missing is drawn again from the JSON.
+    The runs' PNGs are copied; a plot whose PNG is missing is drawn again from the JSON.
     """
-    run = json.loads(source.read_text())
+    run, folders = combine(sources)
     results = destination / "results"
     results.mkdir(parents=True, exist_ok=True)
     sections = {section.name for section in SECTIONS} | set(run["sections"])
@@ -228,15 +282,17 @@ def write(source: Path, destination: Path) -> Path:
         for raw in section.get("plots", []):
             plot = plots.plot_from_json(raw)
             png = plots.file_name(name, plot)
-            if (source.parent / png).exists():
-                shutil.copyfile(source.parent / png, results / png)
+            if (folders[name] / png).exists():
+                shutil.copyfile(folders[name] / png, results / png)
             else:
                 plots.render_to(plot, results / png)
             images.setdefault(name, []).append(f"results/{png}")
-    try:
-        shown = str(source.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        shown = source.name
+    shown = []
+    for source in sources:
+        try:
+            shown.append(f"`{source.resolve().relative_to(Path.cwd().resolve())}`")
+        except ValueError:
+            shown.append(f"`{source.name}`")
     readme = destination / "README.md"
-    readme.write_text(markdown(run, images, f"`{shown}`"))
+    readme.write_text(markdown(run, images, " and ".join(shown)))
     return readme

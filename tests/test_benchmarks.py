@@ -295,6 +295,42 @@ def test_report_cli_needs_force_to_overwrite_the_committed_report(
     assert "Do not edit by hand" in (committed / "README.md").read_text()
 
 
+def test_report_combines_a_run_with_a_later_rerun_of_some_sections(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import benchmarks.__main__ as cli
+    from benchmarks.report import combine
+
+    every = [section.name for section in cli.SECTIONS]
+    first, later = tmp_path / "first.json", tmp_path / "later.json"
+    first.write_text(json.dumps(_fake_run("default", every)))
+    rerun = _fake_run("default", [every[-1], every[0]])
+    rerun["command"], rerun["started"] = "python -m benchmarks --sections again", "2026-02-02T00:00:00+00:00"
+    rerun["machine"]["git_commit"] = "abcdef0123456789"
+    rerun["sections"][every[0]]["title"] = "the re-run's title"
+    later.write_text(json.dumps(rerun))
+
+    run, folders = combine([first, later])
+    assert list(run["sections"]) == every  # the registry's order, whatever order the re-run wrote
+    assert run["sections"][every[0]]["title"] == "the re-run's title"
+    assert run["sections"][every[0]]["run"]["git_commit"] == "abcdef0123456789"
+    assert "run" not in run["sections"][every[1]]
+    assert folders[every[0]] == later.parent
+
+    committed = tmp_path / "committed"
+    committed.mkdir()
+    monkeypatch.setattr(cli, "PACKAGE", committed)
+    assert cli.main(["--report", str(first), str(later)]) == 0  # together they are a full default run
+    readme = (committed / "README.md").read_text()
+    assert f"**Section {every[0]} re-run:** `python -m benchmarks --sections again`" in readme
+    assert "commit `abcdef012345`" in readme and "the re-run's title" in readme
+
+    quick = _fake_run("quick", [every[0]])
+    (tmp_path / "quick.json").write_text(json.dumps(quick))
+    with pytest.raises(SystemExit, match="size differ"):
+        combine([first, tmp_path / "quick.json"])
+
+
 def test_one_progress_bar_across_sections_counts_estimated_seconds() -> None:
     from benchmarks.core import Result, RunProgress, Section
 

@@ -33,6 +33,7 @@ __all__ = [
     "INVERSE_DTYPE",
     "KFAC_DAMPING",
     "LARGE_BATCH",
+    "ROOTS_SCHEDULE",
     "SCHEDULE",
     "STATISTICS_EVERY",
     "STEP_LIMIT",
@@ -230,15 +231,16 @@ def eigenbasis_adam() -> Factory:
     return build
 
 
+ROOTS_SCHEDULE = f"statistics and inverse roots every {STATISTICS_EVERY} steps (eigh in float32)"
 WHITENED_MUON = (
     f"Muon's polar step in the input-whitened metric, polar(M A^-1/2) A^-1/2 (WhitenedMuon, damping "
     f"{CANDIDATE_DAMPING:g}, Muon's momentum and RMS scaling, float32 Newton–Schulz) in front of SGD without momentum "
-    f"on the hidden matrices, {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+    f"on the hidden matrices, {ROOTS_SCHEDULE}; AdamW on the rest, as in the Muon recipe"
 )
 TWO_SIDED_MUON = (
     f"Muon's polar step two-sided, B^-1/2 polar(B^-1/2 M A^-1/2) A^-1/2 with K-FAC's output-gradient factor "
     f"normalized to mean eigenvalue 1 (TwoSidedMuon, damping {CANDIDATE_DAMPING:g} split as K-FAC's) in front of SGD "
-    f"without momentum on the hidden matrices, {SCHEDULE}; AdamW on the rest, as in the Muon recipe"
+    f"without momentum on the hidden matrices, {ROOTS_SCHEDULE}; AdamW on the rest, as in the Muon recipe"
 )
 EIGENBASIS_ADAM = (
     f"Adam (betas 0.9, 0.999) in the eigenbases of the input and output-gradient Kronecker factors (EigenbasisAdam: "

@@ -44,6 +44,23 @@ EVA, FOOF, KFAC, DP = "Eva → AdamW", "FOOF → AdamW", "K-FAC → AdamW", "DPA
 FOOF_MUON = "FOOF → Muon + AdamW"
 FOOF_FLOOR, KFAC_FLOOR, NOISE_FLOOR = "FOOF's arithmetic → AdamW", "K-FAC's arithmetic → AdamW", "AdamW + DP's noise"
 PROFILED = (FOOF, KFAC, DP)
+# The candidates of docs/rules/candidates.md, each beside its arithmetic alone (rules.candidate_floor).
+CANDIDATES = {
+    "whitened_muon": (
+        "Whitened Muon + AdamW",
+        f"the Muon recipe, its Muon part taking the polar step in the input-whitened metric, polar(M A^-1/2) A^-1/2, "
+        f"{rules.ROOTS_SCHEDULE}",
+    ),
+    "two_sided_muon": (
+        "Two-sided Muon + AdamW",
+        f"the same two-sided, B^-1/2 polar(B^-1/2 M A^-1/2) A^-1/2, {rules.ROOTS_SCHEDULE}",
+    ),
+    "eigenbasis_adam": (
+        "Eigenbasis Adam + AdamW",
+        "Adam in the eigenbases of the Kronecker factors on every layer with both, AdamW on the rest, "
+        f"{rules.ROOTS_SCHEDULE.replace('inverse roots', 'eigenbases')}",
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -125,6 +142,19 @@ def variants(size: gpt.GPTSize) -> dict[str, Variant]:
         ),
         DP: Variant(dp, "per-sample clipping of every layer, noise, positions batched", 1.30, NOISE_FLOOR),
         NOISE_FLOOR: Variant(_alone(lambda m, lr: NoiseFloor(m.parameters(), lr=lr)), "a normal draw per parameter"),
+        **{
+            name: Variant(_alone(factory()), what, floor=f"{name}: arithmetic alone")
+            for (name, what), factory in zip(
+                CANDIDATES.values(), (rules.whitened_muon, rules.two_sided_muon, rules.eigenbasis_adam), strict=True
+            )
+        },
+        **{
+            f"{name}: arithmetic alone": Variant(
+                _alone(rules.candidate_floor(candidate)),
+                "the candidate's base and its statistics, eigendecompositions and per-step products, called directly",
+            )
+            for candidate, (name, _) in CANDIDATES.items()
+        },
     }
 
 
@@ -364,8 +394,9 @@ def heading(config: Config) -> tuple[str, str]:
         f"{size.context} tokens) on the Python standard library's own sources (`benchmarks/gpt.py`): {scale}. Every "
         "configuration trains its own copy of the model in interleaved rounds: the stock optimizers a user would "
         "pick today (AdamW, SGD with momentum, Muon for the hidden matrices with AdamW for the rest), the drop-in "
-        "with nothing reading, the Monitor and the non-finite finder, Eva, FOOF and K-FAC in front of AdamW, and "
-        "DPAdamW; each rule beside its arithmetic floor; memory beyond AdamW; and torch.profiler's top operators."
+        "with nothing reading, the Monitor and the non-finite finder, Eva, FOOF and K-FAC in front of AdamW, "
+        "DPAdamW, and the candidate geometries of docs/rules/candidates.md; each rule beside its arithmetic floor; "
+        "memory beyond AdamW; and torch.profiler's top operators."
     )
     return title, summary
 

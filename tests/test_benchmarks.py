@@ -200,8 +200,9 @@ def test_quick_run_convergence_trains_every_configuration_on_every_workload(quic
     section = run["sections"]["convergence"]
     data = section["data"]
     stock = {"SGD (momentum 0.9)", "AdamW", "Muon"}
-    gpt = stock | {"FOOF on AdamW", "FOOF on Muon", "K-FAC on AdamW", "Eva on AdamW"}
-    digits = OPTIMIZERS | {"Muon", "FOOF on Muon"}
+    geometries = {"Whitened Muon", "Two-sided Muon", "Eigenbasis Adam"}  # (docs/rules/candidates.md)
+    gpt = stock | geometries | {"FOOF on AdamW", "FOOF on Muon", "K-FAC on AdamW", "Eva on AdamW"}
+    digits = OPTIMIZERS | geometries | {"Muon", "FOOF on Muon"}
     for task, names in (("GPT", gpt), ("CNN", digits), ("autoencoder", digits)):
         result = data[task]
         assert set(result["seed_runs"]) == set(result["sweep_runs"]) == names, task

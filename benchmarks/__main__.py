@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m benchmarks                          # the default run (30 minutes on a 2-core CPU)
+    python -m benchmarks                          # the default run (2 h 40 min on a 2-core CPU)
     python -m benchmarks --quick                  # everything small, 67 to 84 s on a 2-core CPU
     python -m benchmarks --sections foof,nlms --repeats 9
     python -m benchmarks --report                 # benchmarks/README.md from the latest (full) run

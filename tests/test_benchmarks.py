@@ -323,7 +323,7 @@ def test_report_combines_a_run_with_a_later_rerun_of_some_sections(
     monkeypatch.setattr(cli, "PACKAGE", committed)
     assert cli.main(["--report", str(first), str(later)]) == 0  # together they are a full default run
     readme = (committed / "README.md").read_text()
-    assert f"**Section {every[0]} re-run:** `python -m benchmarks --sections again`" in readme
+    assert f"**Re-run later, sections {every[0]}, {every[-1]}:** `python -m benchmarks --sections again`" in readme
     assert "commit `abcdef012345`" in readme and "the re-run's title" in readme
 
     quick = _fake_run("quick", [every[0]])

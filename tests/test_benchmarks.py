@@ -224,6 +224,23 @@ def test_quick_run_convergence_trains_every_configuration_on_every_workload(quic
 
 
 @pytest.mark.slow
+def test_quick_run_tokens_measures_every_configuration_per_optimizer_step(quick_run: Path) -> None:
+    run = json.loads((quick_run / "results.json").read_text())
+    data = run["sections"]["tokens"]["data"]
+    counts = [str(c) for c in data["micro_batches"]]
+    assert counts == ["1", "2"]
+    for by_name in data["ratios_vs_adamw"].values():
+        assert set(by_name) >= {"AdamW", "FOOF → AdamW", "K-FAC → AdamW", "DPAdamW (σ = 1, C = 1)"}
+        assert all(set(by_count) == set(counts) for by_count in by_name.values())
+    # AdamW's step at one micro-batch is the GPT section's AdamW step (the same model and batch): a whole
+    # optimizer step, not a share of a round of steps.
+    width = next(iter(data["adamw_step_seconds"]))
+    one = data["adamw_step_seconds"][width]["1"]
+    gpt = run["sections"]["gpt"]["data"]["median_step_seconds"]["AdamW"]
+    assert 0.4 < one / gpt < 2.5, (one, gpt)
+
+
+@pytest.mark.slow
 def test_quick_run_outputs_name_no_issue_numbers(quick_run: Path) -> None:
     # Targets say what they are ("target", "informational"), not which of this project's issues asked for them.
     text = (quick_run / "results.json").read_text()

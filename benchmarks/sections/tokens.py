@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from inputaware_optim import CoverageWarning, DPAdamW, InputAwareAdamW, Monitor, NonFiniteFinder
 
 from .. import gpt, rules
-from ..core import Config, Panel, Plot, Progress, Result, Section, Series, Table, Target
+from ..core import Config, Panel, Plot, Progress, Result, Section, Series, Table, Target, format_seconds
 from ..timing import interleave
 
 PERIOD = 5  # optimizer steps per round: one of them collects statistics (and refreshes the inverses)
@@ -131,7 +131,7 @@ def _run(config: Config, progress: Progress) -> Result:
             timing = interleave(steps, config, multiple_of=dict.fromkeys(table, PERIOD))
             for name in table:
                 ratios[label].setdefault(name, {})[count] = timing.ratio(name, ADAMW).median
-            seconds[label][count] = statistics.median(timing.seconds[ADAMW]) / PERIOD
+            seconds[label][count] = statistics.median(timing.seconds[ADAMW])  # (per call: one optimizer step)
             del built, steps, models
             progress.advance()
     tokens_per_micro = sizes[0].batch * sizes[0].context
@@ -155,7 +155,7 @@ def _table(
     tokens_per_micro: int,
 ) -> Table:
     columns = ["configuration", *(f"{c} × {tokens_per_micro:,} tokens" for c in counts)]
-    rows = [["AdamW's step", *(f"{1e3 * seconds[c]:.0f} ms" for c in counts)]]
+    rows = [["AdamW's step", *(format_seconds(seconds[c]) for c in counts)]]
     rows += [[name, *(f"{by_count[c]:.3f}×" for c in counts)] for name, by_count in ratios.items() if name != ADAMW]
     rows.append(
         [

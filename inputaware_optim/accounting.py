@@ -82,7 +82,10 @@ class PrivacyAccountant:
         r"""The noise multiplier whose ``steps`` (or ``epochs``) at ``sample_rate`` spend :math:`\varepsilon` at most
         ``epsilon`` for ``delta``, by Opacus's ``get_noise_multiplier`` (the smallest it finds, to
         ``epsilon_tolerance``), called with these arguments: its ``target_epsilon``, ``target_delta``,
-        ``sample_rate``, ``steps`` or ``epochs`` (``int(epochs / sample_rate)`` steps), ``accountant``.
+        ``sample_rate``, ``steps`` or ``epochs`` (``int(epochs / sample_rate)`` steps), ``accountant``. The DP
+        optimizers have it as ``DPSGD.noise_multiplier_for`` / ``DPAdamW.noise_multiplier_for``: pass the result as
+        their ``noise_multiplier=``, with ``sample_rate=``; their ``epsilon(delta, accountant)`` then reports the
+        budget spent (under adaptive clipping it is the noise multiplier accounted, as ``noise_multiplier`` is).
 
         Args:
             epsilon: The target :math:`\varepsilon` (> 0).

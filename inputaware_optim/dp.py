@@ -814,45 +814,8 @@ class _PrivateOptimizer(InputAwareOptimizer):
         """
         return self._clipping.accountant.epsilon(delta, accountant, self.param_groups[0]["sample_rate"])
 
-    @staticmethod
-    def noise_multiplier_for(
-        *,
-        epsilon: float,
-        delta: float,
-        sample_rate: float,
-        steps: int | None = None,
-        epochs: float | None = None,
-        accountant: str = "prv",
-        epsilon_tolerance: float = 0.01,
-    ) -> float:
-        r"""The noise multiplier for a privacy budget: the smallest (to ``epsilon_tolerance``) whose ``steps`` (or
-        ``epochs``: ``int(epochs / sample_rate)`` steps) at ``sample_rate`` spend at most ``epsilon`` for ``delta``
-        by ``accountant``, as Opacus's ``get_noise_multiplier`` (``make_private_with_epsilon``) finds it. Pass it
-        as ``noise_multiplier=``, with ``sample_rate=``; ``epsilon(delta, accountant)`` then reports the budget
-        spent. (Under adaptive clipping it is the noise multiplier accounted, as ``noise_multiplier`` is.)
-
-        Args:
-            epsilon: The target :math:`\varepsilon` (> 0).
-            delta: The target :math:`\delta` (in (0, 1)).
-            sample_rate: Each sample's probability of being in a batch (in (0, 1]).
-            steps: The steps the run will take; or
-            epochs: its epochs (exactly one of the two).
-            accountant: Opacus's ``"prv"`` (its ``PrivacyEngine``'s default, and ``epsilon``'s), ``"rdp"`` or ``"gdp"``.
-            epsilon_tolerance: How far below ``epsilon`` the search may stop.
-
-        Raises:
-            ValueError: If an argument is out of range, or no noise multiplier up to 1e6 meets the budget.
-            ImportError: If ``opacus`` is not installed.
-        """
-        return PrivacyAccountant.noise_multiplier_for(
-            epsilon=epsilon,
-            delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            epochs=epochs,
-            accountant=accountant,
-            epsilon_tolerance=epsilon_tolerance,
-        )
+    # The noise multiplier for a privacy budget, from the class: ``DPSGD.noise_multiplier_for(epsilon=..., ...)``.
+    noise_multiplier_for = staticmethod(PrivacyAccountant.noise_multiplier_for)
 
     @property
     def _clipping(self) -> PerSampleClipping:

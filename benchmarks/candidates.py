@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from inputaware_optim import Call, Captured, Inputs, Layer, Reduction, Rule
 from inputaware_optim.coverage import layer_treatment
 from inputaware_optim.inverses import Check, eigenbasis, eigenvalue_condition, refuse_any
+from inputaware_optim.kronecker import FactorSums
 from inputaware_optim.layers import bias_of, weight_of
 
 from .baselines import newton_schulz
@@ -38,7 +39,6 @@ __all__ = [
     "MUON_NS_STEPS",
     "POLARS",
     "EigenbasisAdam",
-    "InputSums",
     "KroneckerSums",
     "TwoSidedMuon",
     "WhitenedMuon",
@@ -69,26 +69,9 @@ def muon_rms_scale(shape: tuple[int, ...] | torch.Size) -> float:
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
-class InputSums(Reduction):
-    """Per call, in the forward hook: ``x̃ᵀx̃`` over the layer's input rows and their number, kept under its weight."""
-
-    def __init__(self, layers: list[Layer]) -> None:
-        self.layers = {module: layer for layer in layers for module in layer.modules()}
-
-    def wants(self, module: nn.Module) -> bool:
-        return module in self.layers and weight_of(module).numel() > 0  # (width 0: the stock step)
-
-    def keys(self, module: nn.Module) -> tuple[Tensor, ...]:
-        return (weight_of(module),)
-
-    def forward(self, call: Call) -> Any:
-        layer = self.layers[call.module]
-        rows = layer.kind.input_rows(call.module, Captured([call]), layer.homogeneous)
-        return {"input": (rows.mT @ rows, float(rows.shape[-2]))}
-
-
-class KroneckerSums(InputSums):
-    """``InputSums``, and once the call's output gradients arrive ``gᵀg`` over its output-gradient rows."""
+class KroneckerSums(FactorSums):
+    """FOOF's input sums (``kronecker.FactorSums``: ``x̃ᵀx̃`` over the call's input rows and their number, kept
+    under the weight), and once the call's output gradients arrive ``gᵀg`` over its output-gradient rows."""
 
     grad_outputs = True
 
@@ -140,7 +123,7 @@ class _KroneckerCandidate(Rule):
             **own,
         }
         self.check_group(self.defaults)
-        self._sums: InputSums | None = None
+        self._sums: FactorSums | None = None
         self._armed = True
         self._steps = 0  # optimizer steps taken: the schedule counts them
 
@@ -168,7 +151,7 @@ class _KroneckerCandidate(Rule):
                 f"{type(self).__name__} is a candidate rule and runs in one process: its statistics are not summed "
                 "over data-parallel ranks. Use FOOF or K-FAC under DDP and FSDP2"
             )
-        sums = KroneckerSums if "output_grad" in self.factors else InputSums
+        sums = KroneckerSums if "output_grad" in self.factors else FactorSums
         self._sums = sums(self._layers(optimizer))
         self._armed = self._due(optimizer)
 

@@ -1,11 +1,10 @@
 r"""Candidate input-aware rules (issue 44), each a transform on the public ``Rule`` API in front of a stock optimizer.
 
-They stay out of the public package until one of them reaches Muon's result in measurably less time
-(docs/rules/candidates.md has their formulas, their papers and where they differ):
+The third, Muon's steepest descent in the input-whitened metric, met the shipping bar and is
+``inputaware_optim.WhitenedMuon``; these two stay out of the public package (docs/rules/candidates.md has
+their formulas, their papers, where they differ and what they measured):
 
-- ``WhitenedMuon``: Muon's steepest descent in the input-whitened metric,
-  :math:`\Delta\tilde W = \operatorname{polar}(M A_\lambda^{-1/2})\,A_\lambda^{-1/2}`.
-- ``TwoSidedMuon``: its two-sided form with K-FAC's output-gradient factor,
+- ``TwoSidedMuon``: WhitenedMuon's two-sided form with K-FAC's output-gradient factor,
   :math:`\Delta\tilde W = \hat B_\lambda^{-1/2}\operatorname{polar}(\hat B_\lambda^{-1/2} M A_\lambda^{-1/2})\,
   A_\lambda^{-1/2}`.
 - ``EigenbasisAdam``: Adam's moments in the eigenbases of the two Kronecker factors (SOAP's idea on K-FAC's
@@ -41,7 +40,6 @@ __all__ = [
     "EigenbasisAdam",
     "KroneckerSums",
     "TwoSidedMuon",
-    "WhitenedMuon",
     "muon_rms_scale",
     "polar",
 ]
@@ -267,47 +265,49 @@ def _decomposed(moment: Tensor, name: str, dtype: torch.dtype) -> tuple[Tensor, 
     return packed[..., -1, :], packed[..., :-1, :]
 
 
-class WhitenedMuon(_KroneckerCandidate):
-    r"""Muon in the input-whitened metric: steepest descent under the spectral norm of the layer's output change
-    on whitened inputs.
+class TwoSidedMuon(_KroneckerCandidate):
+    r"""``inputaware_optim.WhitenedMuon``'s two-sided form: steepest descent under the spectral norm of
+    :math:`\hat B^{1/2}\,\Delta\tilde W\,A^{1/2}`, with K-FAC's output-gradient factor.
 
-    For each layer with input rows, :math:`\tilde G` its weight-and-bias gradient and :math:`\tilde x` its input
-    rows (a 1 appended when the bias is trained), with FOOF's running second moment :math:`\bar A` of
-    :math:`\tilde x\tilde x^\top` and :math:`A_\lambda = \bar A + \lambda I`:
+    With :math:`\bar B` the running second moment of the output-gradient rows :math:`g g^\top` (K-FAC's
+    :math:`G` factor, up to a scale), :math:`\hat B = \bar B / m_B` normalized to mean eigenvalue 1
+    (:math:`m_B = \operatorname{tr}\bar B / m`; the polar factor is blind to scale, and so the step is blind to
+    the loss's, as Muon's is), and K-FAC's factored damping of :math:`\hat B \otimes \bar A + \lambda I`:
+    :math:`A_\lambda = \bar A + \pi\sqrt\lambda I`, :math:`\hat B_\lambda = \hat B + \tfrac{\sqrt\lambda}{\pi} I`,
+    :math:`\pi = \sqrt{m_A / m_{\hat B}}` (1 where a factor is zero):
 
     .. math::
-        M_t = \mu M_{t-1} + (1-\mu)\tilde G_t, \quad U_t = (1-\mu)\tilde G_t + \mu M_t \ \text{(Nesterov; else } M_t),
-        \quad \tilde G \leftarrow 0.2\sqrt{\max(m, n)}\;\operatorname{polar}(U_t A_\lambda^{-1/2})\,A_\lambda^{-1/2}
+        \tilde G \leftarrow 0.2\sqrt{\max(m, n)}\;\hat B_\lambda^{-1/2}\,
+            \operatorname{polar}(\hat B_\lambda^{-1/2}\, U_t\, A_\lambda^{-1/2})\,A_\lambda^{-1/2}
 
-    (:math:`m \times n` the shape of :math:`\tilde G`). The momentum sits where Muon's does: on the raw gradient,
-    before the polar step, which is not linear, so it cannot follow it; kept in raw coordinates, a refresh of
-    :math:`A_\lambda` changes the metric and not the history. :math:`A_\lambda^{-1/2}` comes from
-    ``torch.linalg.eigh`` in ``inverse_dtype``, refreshed every ``update_every`` steps on the statistics steps
-    (every ``statistics_every``), and refused (nothing changed) where :math:`A_\lambda`'s condition number reaches
-    ``inverses.condition_limit``. Put it in front of ``torch.optim.SGD`` without momentum: its step
-    :math:`W \leftarrow (1 - \eta\,\mathrm{wd})W - \eta\tilde G` is then Muon's with Muon's RMS scaling.
+    with :math:`U_t` Muon's momentum of :math:`\tilde G` (on the raw gradient, before the polar step, as in
+    ``WhitenedMuon``). A refresh is refused (nothing
+    changed) where the product of the damped factors' condition numbers reaches ``inverses.condition_limit``.
+    With :math:`\hat B = I` it is ``WhitenedMuon`` with damping split as K-FAC splits it.
 
     State per weight (``rule.state[weight]``): ``momentum_buffer`` (:math:`M`), ``input_second_moment``,
-    ``input_inverse_root``, ``statistics_steps``, ``refresh_step``.
+    ``output_grad_second_moment`` (:math:`\bar B`, unnormalized), ``input_inverse_root``,
+    ``output_grad_inverse_root`` (:math:`\hat B_\lambda^{-1/2}`), ``statistics_steps``, ``refresh_step``.
 
     Args:
-        damping: :math:`\lambda` (>= 0), absolute, as FOOF's.
-        stat_decay: Decay of the running second moment, in [0, 1).
-        update_every: Refresh the inverse root every this many optimizer steps (>= 1).
+        damping: :math:`\lambda` (>= 0), absolute, split as K-FAC's.
+        stat_decay: Decay of the running second moments, in [0, 1).
+        update_every: Refresh the inverse roots every this many optimizer steps (>= 1).
         statistics_every: Collect statistics every this many steps (>= 1).
         muon_momentum: :math:`\mu`, Muon's momentum (0.95).
         muon_nesterov: Muon's Nesterov form (True).
         polar: ``"newton-schulz"`` (Muon's 5 steps in the gradient's dtype, float32 at least) or ``"svd"`` (exact).
-        inverse_dtype: Precision of the eigendecomposition, ``torch.float64`` (default) or ``torch.float32``.
+        inverse_dtype: Precision of the eigendecompositions, ``torch.float64`` (default) or ``torch.float32``.
 
     References:
-        Keller Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024; Jeremy Bernstein and
-        Laker Newhouse, "Old Optimizer, New Norm: An Anthology", 2024 (steepest descent under a layer's operator
-        norm); Frederik Benzing, "Gradient Descent on Neurons", ICML 2022 (the input factor).
+        As ``WhitenedMuon``; James Martens and Roger Grosse, "Optimizing Neural Networks with Kronecker-factored
+        Approximate Curvature", ICML 2015 (the output-gradient factor and the factored damping).
     """
 
-    transform_keys: ClassVar[tuple[str, ...]] = ("input_inverse_root",)
-    what: ClassVar[str] = "polar step, input-whitened"
+    layers: ClassVar[str | None] = "output_grad_rows"
+    factors: ClassVar[tuple[str, ...]] = ("input", "output_grad")
+    transform_keys: ClassVar[tuple[str, ...]] = ("input_inverse_root", "output_grad_inverse_root")
+    what: ClassVar[str] = "polar step, two-sided Kronecker-whitened"
 
     def __init__(
         self,
@@ -336,14 +336,6 @@ class WhitenedMuon(_KroneckerCandidate):
         if not isinstance(group["muon_nesterov"], bool):
             raise ValueError(f"Invalid muon_nesterov: {group['muon_nesterov']!r} (must be True or False)")
 
-    def _refresh(self, plan: _Plan) -> Check | None:
-        moment, damping = plan.moments["input"], float(plan.layer.group["damping"])
-        name = self._name(plan.layer, "input")
-        values, vectors = _decomposed(moment, name, self._inverse_dtype)
-        plan.transform = {"input_inverse_root": _inverse_root(values, vectors, damping, moment.dtype)}
-        conditions = eigenvalue_condition(values + damping)
-        return Check(conditions, None, (moment.dtype, self._inverse_dtype), name, damping, [moment])
-
     def _momentum(self, plan: _Plan, matrix: Tensor) -> tuple[Tensor, Tensor]:
         """Muon's momentum of the raw gradient matrix: the new buffer and the direction taken (Nesterov's or it)."""
         group = plan.layer.group
@@ -351,45 +343,6 @@ class WhitenedMuon(_KroneckerCandidate):
         buffer = torch.zeros_like(matrix) if previous is None else previous.to(matrix.dtype)
         buffer = buffer.lerp(matrix, 1 - group["muon_momentum"])
         return buffer, matrix.lerp(buffer, group["muon_momentum"]) if group["muon_nesterov"] else buffer
-
-    def _direction(self, plan: _Plan, matrix: Tensor) -> tuple[Tensor, dict[str, Any]]:
-        buffer, direction = self._momentum(plan, matrix)
-        right = plan.transform["input_inverse_root"].to(matrix.dtype)
-        step = polar(direction @ right, self._polar) @ right
-        return step * muon_rms_scale(matrix.shape), {"momentum_buffer": buffer}
-
-
-class TwoSidedMuon(WhitenedMuon):
-    r"""``WhitenedMuon``'s two-sided form: steepest descent under the spectral norm of
-    :math:`\hat B^{1/2}\,\Delta\tilde W\,A^{1/2}`, with K-FAC's output-gradient factor.
-
-    With :math:`\bar B` the running second moment of the output-gradient rows :math:`g g^\top` (K-FAC's
-    :math:`G` factor, up to a scale), :math:`\hat B = \bar B / m_B` normalized to mean eigenvalue 1
-    (:math:`m_B = \operatorname{tr}\bar B / m`; the polar factor is blind to scale, and so the step is blind to
-    the loss's, as Muon's is), and K-FAC's factored damping of :math:`\hat B \otimes \bar A + \lambda I`:
-    :math:`A_\lambda = \bar A + \pi\sqrt\lambda I`, :math:`\hat B_\lambda = \hat B + \tfrac{\sqrt\lambda}{\pi} I`,
-    :math:`\pi = \sqrt{m_A / m_{\hat B}}` (1 where a factor is zero):
-
-    .. math::
-        \tilde G \leftarrow 0.2\sqrt{\max(m, n)}\;\hat B_\lambda^{-1/2}\,
-            \operatorname{polar}(\hat B_\lambda^{-1/2}\, U_t\, A_\lambda^{-1/2})\,A_\lambda^{-1/2}
-
-    with :math:`U_t` Muon's momentum of :math:`\tilde G` as in ``WhitenedMuon``. A refresh is refused (nothing
-    changed) where the product of the damped factors' condition numbers reaches ``inverses.condition_limit``.
-    With :math:`\hat B = I` it is ``WhitenedMuon`` with damping split as K-FAC splits it.
-
-    State per weight: ``WhitenedMuon``'s, and ``output_grad_second_moment`` (:math:`\bar B`, unnormalized) and
-    ``output_grad_inverse_root`` (:math:`\hat B_\lambda^{-1/2}`). Arguments as ``WhitenedMuon``'s.
-
-    References:
-        As ``WhitenedMuon``; James Martens and Roger Grosse, "Optimizing Neural Networks with Kronecker-factored
-        Approximate Curvature", ICML 2015 (the output-gradient factor and the factored damping).
-    """
-
-    layers: ClassVar[str | None] = "output_grad_rows"
-    factors: ClassVar[tuple[str, ...]] = ("input", "output_grad")
-    transform_keys: ClassVar[tuple[str, ...]] = ("input_inverse_root", "output_grad_inverse_root")
-    what: ClassVar[str] = "polar step, two-sided Kronecker-whitened"
 
     def _refresh(self, plan: _Plan) -> Check | None:
         damping = float(plan.layer.group["damping"])

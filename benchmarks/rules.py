@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from inputaware_optim import FOOF, KFAC, Eva, InputAwareOptimizer, layer_kind
+from inputaware_optim import FOOF, KFAC, Eva, InputAwareOptimizer, WhitenedMuonPreconditioner, layer_kind
 from inputaware_optim.layers import bias_of, weight_of
 
 from . import baselines, candidates
-from .candidates import EigenbasisAdam, TwoSidedMuon, WhitenedMuon
+from .candidates import EigenbasisAdam, TwoSidedMuon
 from .core import Config, Progress, Target, format_seconds
 from .digits import BATCH, Factory, Sweep, baseline_sweeps, load, sweep, tasks
 from .digits import step_times as shared_step_times
@@ -157,11 +157,12 @@ CANDIDATE_DAMPING = FOOF_DAMPING
 
 
 def whitened_muon(two_sided: bool = False) -> Factory:
-    """Muon's recipe (``baselines.muon``) with its Muon part replaced by ``WhitenedMuon`` (``TwoSidedMuon`` if
-    ``two_sided``) in front of ``torch.optim.SGD`` without momentum, on the hidden matrices: the rule applies Muon's
-    momentum, takes its polar step in the whitened metric and scales it as the recipe does, and SGD's step with the
-    recipe's weight decay is then Muon's; AdamW takes the rest (their biases included), as in the recipe."""
-    rule = TwoSidedMuon if two_sided else WhitenedMuon
+    """Muon's recipe (``baselines.muon``) with its Muon part replaced by the library's
+    ``WhitenedMuonPreconditioner`` (the candidate ``TwoSidedMuon`` if ``two_sided``) in front of ``torch.optim.SGD``
+    without momentum, on the hidden matrices: the rule applies Muon's momentum, takes its polar step in the whitened
+    metric and scales it as the recipe does, and SGD's step with the recipe's weight decay is then Muon's; AdamW
+    takes the rest (their biases included), as in the recipe."""
+    rule = TwoSidedMuon if two_sided else WhitenedMuonPreconditioner
 
     def build(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
         def hidden_part(params: list[Tensor], lr: float, weight_decay: float, **muon_options: Any) -> Any:

@@ -21,6 +21,7 @@ from .nonfinite import NonFiniteError, NonFiniteFinder, NonFiniteOrigin, NonFini
 from .reduction import Reduction
 from .rule import Rule
 from .sgd import InputAwareSGD
+from .whitened_muon import WhitenedMuon, WhitenedMuonPreconditioner
 
 __version__ = "0.4.0.dev0"
 
@@ -61,6 +62,8 @@ __all__ = [
     "Rule",
     "Treatment",
     "UncapturedInputsWarning",
+    "WhitenedMuon",
+    "WhitenedMuonPreconditioner",
     "__version__",
     "layer_kind",
     "register_layer",

@@ -23,6 +23,7 @@ __all__ = [
     "all_reduce_sum_",
     "computed_once",
     "data_parallel_group",
+    "gathered_rows",
     "local_call",
     "local_tensor",
     "owners_by_cost",
@@ -280,6 +281,24 @@ def _matrix_rows(weight: Tensor, bias: Tensor | None, homogeneous: bool, read: C
         assert bias is not None and bias.grad is not None
         matrix = torch.cat([matrix, read(bias.grad).reshape(-1, 1)], dim=1)
     return matrix
+
+
+def gathered_rows(local: Tensor, like: Tensor) -> Tensor:
+    """The whole matrix of which this rank holds the rows ``local``, the rows ``like`` (a parameter sharded on dim 0
+    over a 1-D mesh, as ``row_range``) holds: one all-gather."""
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size((like.shape[0], *local.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    placed = DTensor.from_local(
+        local.contiguous(),
+        like.device_mesh,  # type: ignore[attr-defined]
+        like.placements,  # type: ignore[attr-defined]
+        run_check=False,
+        shape=shape,
+        stride=stride,
+    )
+    return placed.full_tensor()
 
 
 def set_local_matrix_rows(weight: Tensor, bias: Tensor | None, matrix: Tensor, homogeneous: bool) -> None:

@@ -210,10 +210,12 @@ def inverse_from_eigenbasis(
     given: float | None = None,
     *,
     checked: bool = True,
+    power: float = -1.0,
 ) -> Tensor:
-    """:math:`Q\\,\\mathrm{diag}(1 / (\\lambda_i + \\text{damping}))\\,Q^\\top` in ``dtype``, row-major
-    (``damping`` a number, or one per block; ``given`` the hyperparameter it was derived from). ``checked=False``
-    leaves the condition number to a caller that inverts a product of it.
+    """:math:`Q\\,\\mathrm{diag}((\\lambda_i + \\text{damping})^{p})\\,Q^\\top` in ``dtype``, row-major, with
+    ``p = power``: the damped inverse (-1, the default) or its inverse square root (-1/2) (``damping`` a number, or
+    one per block; ``given`` the hyperparameter it was derived from). ``checked=False`` leaves the condition number
+    to a caller that inverts a product of it; the contract is the damped matrix's, whatever the power.
 
     Raises:
         RuntimeError: If (``checked``) the damped matrix's condition number is not below ``condition_limit`` in
@@ -222,7 +224,9 @@ def inverse_from_eigenbasis(
     shifted = values + torch.as_tensor(damping, dtype=values.dtype, device=values.device)[..., None]
     if checked:
         refuse_ill_conditioned(eigenvalue_condition(shifted), (values.dtype, dtype), name, damping, given)
-    return ((vectors / shifted.unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
+    if power == -1.0:
+        return ((vectors / shifted.unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
+    return ((vectors * shifted.pow(power).unsqueeze(-2)) @ vectors.mT).to(dtype).contiguous()
 
 
 def _per_block(damping: float | Tensor) -> float | Tensor:

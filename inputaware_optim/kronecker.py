@@ -112,6 +112,10 @@ class KroneckerPreconditioner(Rule):
     # Whether ``_precondition`` maps each row of G̃ by itself (G̃ A⁻¹): then a rank holding some
     # of the rows (FSDP2) preconditions them without the others.
     acts_on_rows: ClassVar[bool] = False
+    # What is formed of each damped factor, and the state key it is kept under (``<factor>_<key>``): its inverse,
+    # or (WhitenedMuon, ``power = -0.5``, which forms it from the eigendecomposition) its inverse square root.
+    power: ClassVar[float] = -1.0
+    kept_as: ClassVar[str] = "inverse"
     _statistics: FactorSums | None = None
 
     def __init__(
@@ -283,7 +287,7 @@ class KroneckerPreconditioner(Rule):
             self._invert_due(layers, updates)
             kept = [
                 (layer, {f: self._kept_inverse(layer, f, k) for f, k in zip(self.factors, inverses, strict=True)})
-                for layer, inverses in self._between_statistics(due, [f"{f}_inverse" for f in self.factors])
+                for layer, inverses in self._between_statistics(due, [self._key(f) for f in self.factors])
             ]
             checks = [
                 self._check(layer, inverses, moments, bases)
@@ -312,7 +316,7 @@ class KroneckerPreconditioner(Rule):
         formed): the condition number of the Kronecker product of its damped factors (FOOF's one factor), or what
         ``_eigenvalue_condition`` says under ``"eigh"``, against ``inverses.condition_limit``."""
         state = self.state[weight_of(layer.module)]
-        if all(state.get(f"{f}_inverse") is inverses[f] for f in self.factors):
+        if all(state.get(self._key(f)) is inverses[f] for f in self.factors):
             return None
         dtypes = (self._inverse_dtype, inverses[self.factors[0]].dtype)  # (inverted in, kept and applied in)
         name = f"{self.optimizer.capture.name(layer.module)} ({' ⊗ '.join(reversed(self.factors))})"
@@ -435,14 +439,20 @@ class KroneckerPreconditioner(Rule):
         damping = self._damping(layer.group, factor, means)
         name = f"{self.optimizer.capture.name(layer.module)} ({factor})"
         given = layer.group["damping"]
-        return inverse_from_eigenbasis(values, vectors, damping, name, inverse.dtype, given, checked=False)
+        return inverse_from_eigenbasis(
+            values, vectors, damping, name, inverse.dtype, given, checked=False, power=self.power
+        )
+
+    def _key(self, factor: str) -> str:
+        """The state key of ``factor``'s kept inverse (or inverse root)."""
+        return f"{factor}_{self.kept_as}"
 
     def _keep_inverses(self, layer: Layer, inverses: dict[str, Tensor]) -> None:
         state = self.state[weight_of(layer.module)]
         for factor, inverse in inverses.items():
-            if state.get(f"{factor}_inverse") is inverse:
+            if state.get(self._key(factor)) is inverse:
                 continue  # (kept as it is: no refresh, no change of damping)
-            state[f"{factor}_inverse"] = inverse
+            state[self._key(factor)] = inverse
             if self._inverse == "eigh":
                 state[f"{factor}_inverse_damping"] = float(layer.group["damping"])
 
@@ -462,10 +472,10 @@ class KroneckerPreconditioner(Rule):
             moment = numerator / denominator  # (out of place: the sums may be the capture's totals)
             previous = state.get(f"{factor}_second_moment")
             moment = running_average(self._initial_moment(moment) if previous is None else previous, moment, group)
-            if f"{factor}_inverse" not in state or refresh:
+            if self._key(factor) not in state or refresh:
                 due.append(factor)
             else:
-                inverses[factor] = self._kept_inverse(layer, factor, state[f"{factor}_inverse"])
+                inverses[factor] = self._kept_inverse(layer, factor, state[self._key(factor)])
             moments[factor] = moment
         return state, moments, inverses, due, {}
 
@@ -497,7 +507,9 @@ class KroneckerPreconditioner(Rule):
             if self._inverse == "eigh":
                 values, vectors = result[..., -1, :].clone(), result[..., :-1, :].clone()
                 bases[factor] = (values, vectors)
-                result = inverse_from_eigenbasis(values, vectors, damping, name, like, given, checked=False)
+                result = inverse_from_eigenbasis(
+                    values, vectors, damping, name, like, given, checked=False, power=self.power
+                )
             inverses[factor] = result
 
 

@@ -16,7 +16,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, DPAdamW, Eva, InputAwareAdamW, InputAwareSGD, LazyAdamW
+from inputaware_optim import (
+    DPSGD,
+    FOOF,
+    KFAC,
+    NLMS,
+    DPAdamW,
+    Eva,
+    InputAwareAdamW,
+    InputAwareSGD,
+    LazyAdamW,
+    WhitenedMuon,
+)
 
 from .multiprocess import mark_done, run_spawned
 
@@ -62,6 +73,10 @@ def loss_of(model: nn.Module, tokens: torch.Tensor, target: torch.Tensor) -> tor
     return (model(tokens) - target).pow(2).sum(1).mean()
 
 
+def _linear_params(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+
+
 # Each maker takes the model and the samples one step of one process averages over (DP's
 # expected_batch_size: under accumulation the micro-batches of a step cannot tell it otherwise).
 RULES: dict[str, Callable[..., Any]] = {
@@ -79,6 +94,8 @@ RULES: dict[str, Callable[..., Any]] = {
         m, **kw, lr=0.01, max_grad_norm=0.1, noise_multiplier=0.0, expected_batch_size=b
     ),
     "FOOF-shared": lambda m, b, **kw: FOOF(m, **kw, lr=0.05, update_every=2, distributed_inversion=True),
+    # (the Linear layers' parameters: the embedding is not a layer it whitens, and takes no optimizer here)
+    "WhitenedMuon": lambda m, b, **kw: WhitenedMuon(m, **kw, lr=0.02, update_every=2, params=_linear_params(m)),
     "KFAC-shared": lambda m, b, **kw: KFAC(m, **kw, lr=0.05, update_every=2, damping=1e-2, distributed_inversion=True),
 }
 
@@ -133,7 +150,7 @@ def fsdp_worker(rank: int) -> None:
 
     mesh = init_device_mesh("cpu", (WORLD,))
     part = slice(rank * BATCH // WORLD, (rank + 1) * BATCH // WORLD)
-    for rule in ("InputAwareAdamW", "LazyAdamW", "InputAwareSGD", "NLMS"):
+    for rule in ("InputAwareAdamW", "LazyAdamW", "InputAwareSGD", "NLMS", "WhitenedMuon"):
         model = Net()
         for module in (model.embed, model.hidden, model.out):
             fully_shard(module, mesh=mesh)
@@ -495,7 +512,7 @@ def test_ddp_replicas_stay_identical_and_match_one_process() -> None:
 
 
 @pytest.mark.slow
-def test_fsdp2_stock_lazy_adamw_and_nlms_match_one_process() -> None:
+def test_fsdp2_stock_lazy_adamw_nlms_and_whitened_muon_match_one_process() -> None:
     run_two_processes(fsdp_worker)
 
 

@@ -15,7 +15,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, DPAdamW, Eva, InputAwareAdamW, InputAwareSGD, LazyAdamW
+from inputaware_optim import (
+    DPSGD,
+    FOOF,
+    KFAC,
+    NLMS,
+    DPAdamW,
+    Eva,
+    InputAwareAdamW,
+    InputAwareSGD,
+    LazyAdamW,
+    WhitenedMuon,
+)
 
 from .multiprocess import mark_done, run_spawned
 
@@ -110,6 +121,10 @@ REFUSED: dict[str, tuple[Callable[[nn.Module], Any], str]] = {
         "KFAC cannot precondition up under tensor parallelism: ColwiseParallel",
     ),
     "Eva": (lambda m: Eva(m, lr=0.05), "Eva cannot precondition up under tensor parallelism: ColwiseParallel"),
+    "WhitenedMuon": (
+        lambda m: WhitenedMuon(m, lr=0.05),
+        "WhitenedMuon cannot precondition up under tensor parallelism: ColwiseParallel .* the polar factor couples",
+    ),
 }
 
 

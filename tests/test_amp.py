@@ -114,7 +114,10 @@ def test_rules_keep_float32_statistics_under_bfloat16_autocast() -> None:
 
 def _scaled_training(rule: str, scaler: torch.amp.GradScaler | None, poisoned_step: int = 1) -> torch.Tensor:
     """Three steps (one of them poisoned with inf, so a GradScaler skips it); the final parameters."""
-    from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, LazyAdamW
+    from inputaware_optim import DPSGD, FOOF, KFAC, NLMS, LazyAdamW, WhitenedMuon
+
+    def linears(m: nn.Module) -> list[nn.Parameter]:  # (WhitenedMuon takes the layers it whitens alone)
+        return [p for layer in m.modules() if isinstance(layer, nn.Linear) for p in layer.parameters()]
 
     rules = {
         "FOOF": lambda m: FOOF(m, lr=0.1, update_every=1, grad_scaler=scaler),
@@ -122,6 +125,7 @@ def _scaled_training(rule: str, scaler: torch.amp.GradScaler | None, poisoned_st
         "NLMS": lambda m: NLMS(m, lr=0.1, grad_scaler=scaler),
         "LazyAdamW": lambda m: LazyAdamW(m, lr=0.1, grad_scaler=scaler),
         "DPSGD": lambda m: DPSGD(m, lr=0.5, max_grad_norm=0.2, noise_multiplier=0.0, grad_scaler=scaler),
+        "WhitenedMuon": lambda m: WhitenedMuon(m, lr=0.02, update_every=1, grad_scaler=scaler, params=linears(m)),
     }
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 4), nn.Flatten(), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3))
@@ -144,7 +148,7 @@ def _scaled_training(rule: str, scaler: torch.amp.GradScaler | None, poisoned_st
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "NLMS", "LazyAdamW", "DPSGD"])
+@pytest.mark.parametrize("rule", ["FOOF", "KFAC", "NLMS", "LazyAdamW", "DPSGD", "WhitenedMuon"])
 def test_every_rule_under_grad_scaler_equals_the_unscaled_step(rule: str) -> None:
     expected = _scaled_training(rule, None)
     for scale in (16.0, 1024.0):

@@ -333,3 +333,36 @@ def test_a_new_damping_applies_at_the_next_step_from_the_kept_decomposition() ->
     expected = vectors @ torch.diag((state["input_eigenvalues"] + 0.5).rsqrt()) @ vectors.T
     torch.testing.assert_close(state["input_inverse_root"], expected, rtol=1e-12, atol=1e-12)
     assert state["input_inverse_damping"] == 0.5
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_muons_recipe_on_a_real_transformer_whitens_every_hidden_matrix(name: str) -> None:
+    """Tiny random-weight Hugging Face models (GPT-2's ``Conv1D``, Llama's ``Linear``), Muon's recipe: WhitenedMuon
+    on every hidden matrix (each whitened, none left to SGD), AdamW on the embeddings, norms and the head; the
+    language-model loss falls. Given every parameter, it refuses the embeddings by name."""
+    pytest.importorskip("transformers")
+    from .test_real_models import build, lm_loss, matrix_layers, tokens
+
+    model = build(name)
+    head = model.get_output_embeddings()
+    hidden = [m.weight for m in matrix_layers(model).values() if m is not head]
+    rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+    whitened = WhitenedMuon(model, lr=0.01, params=hidden)
+    adamw = torch.optim.AdamW(rest, lr=0.01)
+    coverage = {row.name: row for row in whitened.coverage()}
+    assert all(row.treatment.startswith("WhitenedMuon") for row in coverage.values()), coverage
+    assert len(coverage) == len(hidden)
+    ids = tokens()
+    losses = []
+    for _ in range(4):
+        whitened.zero_grad()
+        adamw.zero_grad()
+        loss = lm_loss(model, ids)
+        loss.backward()
+        whitened.step()
+        adamw.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < losses[0], losses
+    assert all("input_inverse_root" in whitened.rules[0].state[w] for w in hidden)
+    with pytest.raises(ValueError, match="embed"):
+        WhitenedMuon(build(name), lr=0.01)

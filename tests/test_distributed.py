@@ -96,6 +96,9 @@ RULES: dict[str, Callable[..., Any]] = {
     "FOOF-shared": lambda m, b, **kw: FOOF(m, **kw, lr=0.05, update_every=2, distributed_inversion=True),
     # (the Linear layers' parameters: the embedding is not a layer it whitens, and takes no optimizer here)
     "WhitenedMuon": lambda m, b, **kw: WhitenedMuon(m, **kw, lr=0.02, update_every=2, params=_linear_params(m)),
+    "WhitenedMuon-shared": lambda m, b, **kw: WhitenedMuon(
+        m, **kw, lr=0.02, update_every=2, params=_linear_params(m), distributed_inversion=True
+    ),
     "KFAC-shared": lambda m, b, **kw: KFAC(m, **kw, lr=0.05, update_every=2, damping=1e-2, distributed_inversion=True),
 }
 

@@ -128,8 +128,8 @@ class WhitenedMuonPreconditioner(KroneckerPreconditioner):
                 whitened.add(id(bias_of(layer.module)))
         others = [p for p in optimizer._params() if id(p) not in whitened]
         if others:
-            names = {p: name for name, p in unwrap_model(optimizer.model).named_parameters()}
-            listed = ", ".join(names.get(p, f"a tensor of shape {tuple(p.shape)}") for p in others[:4])
+            names = {id(p): name for name, p in unwrap_model(optimizer.model).named_parameters()}
+            listed = ", ".join(names.get(id(p), f"a tensor of shape {tuple(p.shape)}") for p in others[:4])
             more = f" and {len(others) - 4} more" if len(others) > 4 else ""
             raise ValueError(
                 f"WhitenedMuon updates the weights (and biases) of layers with input rows (nn.Linear, nn.Conv1d/2d/3d "

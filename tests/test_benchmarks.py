@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -392,3 +393,22 @@ def test_a_colour_means_one_series_label_across_the_panels_of_a_plot() -> None:
     taken = colours(plot)
     assert taken["SGD"] == "r" and taken["FOOF"] == "b"  # FOOF keeps its first colour in the second panel
     assert len(set(taken.values())) == len(taken)  # DPSGD asked for FOOF's blue: it gets its own
+
+
+@pytest.mark.slow
+def test_untuned_workloads_run_and_report_time_to_muons_result() -> None:
+    """``python -m benchmarks.untuned`` (docs/rules/whitened-muon.md quotes it): a few steps of each workload, every
+    optimizer; the goal is Muon's median final metric, and a time to it is finite exactly when every seed (of two:
+    the median of two times) reaches it."""
+    pytest.importorskip("sklearn")
+    from benchmarks import untuned
+
+    for name in untuned.WORKLOADS:
+        report = untuned.measure(name, steps=3, seeds=2, rates=(1e-2,))
+        assert set(report["results"]) == {"AdamW", "Muon", "WhitenedMuon"}
+        muon = report["results"]["Muon"]
+        assert muon["final_median"] == report["goal"] == statistics.median(muon["finals"])
+        for result in report["results"].values():
+            assert len(result["finals"]) == 2 and result["seconds_per_step"] > 0
+            reached = [s for s in result["steps_to_goal"] if s is not None]
+            assert math.isfinite(result["time_to_goal"]) == (len(reached) == 2)

@@ -50,6 +50,7 @@ from inputaware_optim import (
     InputAwareAdamW,
     InputAwareSGD,
     LazyAdamW,
+    WhitenedMuon,
 )
 
 from .core import Config
@@ -75,6 +76,13 @@ RULES: dict[str, tuple[Callable[..., torch.optim.Optimizer], str]] = {
     "LazyAdamW": (lambda m, **kw: LazyAdamW(m, lr=1e-3, **kw), "AdamW"),
     "DPSGD": (lambda m, **kw: DPSGD(m, lr=0.01, momentum=0.9, max_grad_norm=1.0, noise_multiplier=1.0, **kw), "SGD"),
     "DPAdamW": (lambda m, **kw: DPAdamW(m, lr=1e-3, max_grad_norm=1.0, noise_multiplier=1.0, **kw), "AdamW"),
+    # (the layers it whitens: the embedding is not one, and is left out of its optimizer)
+    "WhitenedMuon": (
+        lambda m, **kw: WhitenedMuon(
+            m, lr=1e-3, update_every=2, params=[*m.hidden.parameters(), *m.out.parameters()], **kw
+        ),
+        "SGD",
+    ),
 }
 
 

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 pytest.importorskip("lightning")
 import lightning.pytorch as pl
 
-from inputaware_optim import FOOF
+from inputaware_optim import FOOF, WhitenedMuon
 
 pytestmark = [
     # Lightning's advice for a real data pipeline; this one is 48 rows in memory.
@@ -54,6 +54,10 @@ BATCH = 8
 
 def foof(net: nn.Module) -> torch.optim.Optimizer:
     return FOOF(net, lr=LR, momentum=MOMENTUM, update_every=1)
+
+
+def whitened_muon(net: nn.Module) -> torch.optim.Optimizer:
+    return WhitenedMuon(net, lr=0.02, update_every=1)
 
 
 def sgd(net: nn.Module) -> torch.optim.Optimizer:
@@ -199,6 +203,18 @@ def test_foof_under_lightning_matches_hand_loop(tmp_path: Path, accumulate: int)
         )
     assert_same_parameters(module.net, net)
     assert max_difference(module.net, plain) > 1e-3
+
+
+def test_whitened_muon_under_lightning_matches_hand_loop(tmp_path: Path) -> None:
+    """Lightning steps through a closure, with accumulation: WhitenedMuon's steps there are the hand loop's."""
+    data = dataset()
+    module, t = lightning_run(tmp_path, whitened_muon, data, steps=3, accumulate=2)
+    net, opt = hand_run(whitened_muon, data, steps=3, accumulate=2)
+    for weight in linear_weights(net):
+        assert opt.rules[0].state[weight]["statistics_steps"] == 3  # type: ignore[attr-defined]
+    (lightning_opt,) = t.optimizers
+    assert isinstance(lightning_opt, WhitenedMuon)
+    assert_same_parameters(module.net, net)
 
 
 @pytest.mark.parametrize("rule", ["sgd", "foof"])

@@ -225,6 +225,25 @@ def test_under_a_compiled_model_it_matches_eager(backend: str) -> None:
         torch.testing.assert_close(compiled_, eager, rtol=1e-4, atol=1e-5)
 
 
+def test_a_closure_steps_as_the_plain_loop() -> None:
+    """``opt.step(closure)`` (how trainers step) is the plain loop's step, bitwise, and returns the closure's loss."""
+    model, twin = mlp(), mlp()
+    ours, plain = WhitenedMuon(model, lr=0.05, update_every=2), WhitenedMuon(twin, lr=0.05, update_every=2)
+    for x, y in batches(8, 4, 16, 5, 3):
+
+        def closure(x: Tensor = x, y: Tensor = y) -> Tensor:
+            ours.zero_grad()
+            loss = loss_of(model, x, y)
+            loss.backward()
+            return loss
+
+        expected = loss_of(twin, x, y).detach()  # (the twin's weights are the model's: the loss the closure sees)
+        returned = ours.step(closure)
+        train(twin, plain, [(x, y)])
+        assert torch.equal(returned.detach(), expected)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+
+
 def test_state_dict_round_trip_resumes_bitwise() -> None:
     """Saved after 3 steps and loaded into a fresh optimizer on a copy of the model: the next 4 steps (a refresh
     among them) are bitwise those of the run that never stopped."""

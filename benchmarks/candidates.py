@@ -17,7 +17,6 @@ and AdamW's decoupled step ``p ← (1 − lr wd) p − lr g``. A base that adds 
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, ClassVar
 
@@ -29,42 +28,13 @@ from inputaware_optim.coverage import layer_treatment
 from inputaware_optim.inverses import Check, eigenbasis, eigenvalue_condition, refuse_any
 from inputaware_optim.kronecker import FactorSums
 from inputaware_optim.layers import bias_of, weight_of
-
-from .baselines import newton_schulz
+from inputaware_optim.whitened_muon import POLARS, muon_rms_scale, polar
 
 __all__ = [
-    "MUON_NS_COEFFICIENTS",
-    "MUON_NS_EPS",
-    "MUON_NS_STEPS",
-    "POLARS",
     "EigenbasisAdam",
     "KroneckerSums",
     "TwoSidedMuon",
-    "muon_rms_scale",
-    "polar",
 ]
-
-_MUON = inspect.signature(torch.optim.Muon).parameters  # (torch's own defaults, so they stay in step)
-MUON_NS_COEFFICIENTS: tuple[float, float, float] = _MUON["ns_coefficients"].default
-MUON_NS_STEPS: int = _MUON["ns_steps"].default
-MUON_NS_EPS: float = _MUON["eps"].default
-POLARS = ("newton-schulz", "svd")  # how the polar factor is taken
-
-
-def polar(matrix: Tensor, method: str = "newton-schulz") -> Tensor:
-    """The orthogonal polar factor of ``matrix`` (``U Vᵀ`` of its thin SVD): ``"svd"`` exactly, ``"newton-schulz"``
-    as Muon approximates it (its quintic coefficients and 5 steps, in ``matrix``'s dtype; ``Float32Muon``'s
-    ``newton_schulz``), whose singular values land in about [0.7, 1.2] rather than on 1."""
-    if method == "svd":
-        u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
-        return u @ vh
-    return newton_schulz(matrix, MUON_NS_COEFFICIENTS, MUON_NS_STEPS, MUON_NS_EPS)
-
-
-def muon_rms_scale(shape: tuple[int, ...] | torch.Size) -> float:
-    """``0.2 · sqrt(max(rows, columns))``: the factor Muon's recipe (``adjust_lr_fn="match_rms_adamw"``) scales an
-    orthogonal update by, so that its entries' RMS is AdamW's (about 0.2) and one learning rate serves both."""
-    return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
 class KroneckerSums(FactorSums):

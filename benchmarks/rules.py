@@ -16,8 +16,9 @@ from torch import Tensor
 
 from inputaware_optim import FOOF, KFAC, Eva, InputAwareOptimizer, WhitenedMuonPreconditioner, layer_kind
 from inputaware_optim.layers import bias_of, weight_of
+from inputaware_optim.whitened_muon import muon_rms_scale, polar
 
-from . import baselines, candidates
+from . import baselines
 from .candidates import EigenbasisAdam, TwoSidedMuon
 from .core import Config, Progress, Target, format_seconds
 from .digits import BATCH, Factory, Sweep, baseline_sweeps, load, sweep, tasks
@@ -407,7 +408,8 @@ def kernel_floor(
 
 class CandidateFloor(KernelFloor):
     """``KernelFloor`` for an issue-44 candidate: its base (SGD without momentum) plus the candidate's arithmetic
-    alone on the layers whose weight it trains, with no capture and no library code (``candidate_floor`` builds it).
+    alone on the layers whose weight it trains, with no capture and no rule machinery (the library's ``polar`` and
+    ``muon_rms_scale`` are the arithmetic itself; ``candidate_floor`` builds it).
 
     Every ``statistics_every`` steps each layer's statistics products and running moments, as ``KernelFloor``'s, then
     ``torch.linalg.eigh`` of each factor in ``inverse_dtype`` and what the candidate forms from it (the damped inverse
@@ -484,9 +486,9 @@ class _CandidateFloorLayer(_FloorLayer):
             self.first.lerp_(matrix, 0.05)
             update = matrix.lerp(self.first, 0.95)
             inner = update @ right if not self.two_sided else left @ update @ right
-            ortho = candidates.polar(inner)
+            ortho = polar(inner)
             new = ortho @ right if not self.two_sided else left @ ortho @ right
-            new = new * candidates.muon_rms_scale(matrix.shape)
+            new = new * muon_rms_scale(matrix.shape)
         grad.copy_(new[:, : grad.shape[1]])
         if bias is not None and matrix is not grad:
             bias.grad.copy_(new[:, -1])  # type: ignore[union-attr]

@@ -21,7 +21,7 @@ from .kronecker import KroneckerPreconditioner
 from .layers import Layer, LayerKind, LinearKind, bias_of, weight_of
 from .sgd import SGDWithRule
 
-__all__ = ["POLARS", "WhitenedMuon", "WhitenedMuonPreconditioner", "newton_schulz"]
+__all__ = ["POLARS", "WhitenedMuon", "WhitenedMuonPreconditioner", "muon_rms_scale", "newton_schulz", "polar"]
 
 _MUON = inspect.signature(torch.optim.Muon).parameters  # torch's own defaults, so they stay in step
 NS_COEFFICIENTS: tuple[float, float, float] = _MUON["ns_coefficients"].default
@@ -44,7 +44,8 @@ def newton_schulz(matrix: Tensor) -> Tensor:
     return x.mT if tall else x
 
 
-def _polar(matrix: Tensor, method: str) -> Tensor:
+def polar(matrix: Tensor, method: str = "newton-schulz") -> Tensor:
+    """The orthogonal polar factor of ``matrix``: ``"svd"`` exactly, ``"newton-schulz"`` as Muon approximates it."""
     if method == "svd":
         u, _, vh = torch.linalg.svd(matrix, full_matrices=False)
         return u @ vh
@@ -160,7 +161,7 @@ class WhitenedMuonPreconditioner(KroneckerPreconditioner):
         direction = raw.lerp(buffer, mu) if group["muon_nesterov"] else buffer
         whole = gathered_rows(direction, weight) if split else direction
         root = inverses["input"].to(dtype)
-        step = _polar(whole @ root, self._polar) @ root * _rms_scale(whole.shape)
+        step = polar(whole @ root, self._polar) @ root * muon_rms_scale(whole.shape)
         if split:
             set_local_matrix_rows(weight, bias, step[row_range(weight)].to(gradient.dtype), homogeneous)
         else:
@@ -168,7 +169,7 @@ class WhitenedMuonPreconditioner(KroneckerPreconditioner):
         state["momentum_buffer"] = buffer
 
 
-def _rms_scale(shape: torch.Size) -> float:
+def muon_rms_scale(shape: torch.Size | tuple[int, ...]) -> float:
     """``0.2 · sqrt(max(rows, columns))``: Muon's ``adjust_lr_fn="match_rms_adamw"``, which gives an orthogonal
     update the entries' RMS of AdamW's (about 0.2), so that one learning rate serves both."""
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
